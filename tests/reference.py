@@ -1,0 +1,61 @@
+"""An independent float64 attention reference: one sequence at a time, masks from loops.
+
+Written apart from transformer_fa's own mask code, from TE's documented semantics, so that
+the backends are checked against a second reading of the rules.
+"""
+import math
+
+import torch
+
+
+def allowed(i, j, sq, skv, mask_type, window):
+    """TE's rule for one query/key pair of one sequence of actual lengths sq, skv."""
+    if i >= sq or j >= skv:
+        return False
+    top_left = mask_type in ("causal", "padding_causal")
+    diag = i if top_left else i + skv - sq
+    left, right = window
+    if "causal" in mask_type:
+        right = 0
+    if left >= 0 and j < diag - left:
+        return False
+    if right >= 0 and j > diag + right:
+        return False
+    return True
+
+
+def attention_one(q, k, v, mask_type="no_mask", window=(-1, -1), scale=None, bias=None,
+                  alibi_slopes=None, arbitrary=None, pre_scale_bias=False):
+    """q [sq, h, d], k/v [skv, hkv, d(v)] (one sequence, actual lengths) -> [sq, h, dv].
+
+    bias: [h|1, sq, skv]; alibi_slopes: [h]; arbitrary: bool [h|1, sq, skv], True = masked.
+    Computed in float64. Rows with nothing to attend give zeros.
+    """
+    q, k, v = q.double(), k.double(), v.double()
+    sq, h, d = q.shape
+    skv, hkv = k.shape[:2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = torch.zeros(sq, h, v.shape[-1], dtype=torch.float64)
+    top_left = mask_type in ("causal", "padding_causal")
+    for head in range(h):
+        kv_head = head // (h // hkv)
+        s = q[:, head] @ k[:, kv_head].T
+        if bias is not None and pre_scale_bias:
+            s = s + bias[head % bias.shape[0]].double()
+        s = s * scale
+        if bias is not None and not pre_scale_bias:
+            s = s + bias[head % bias.shape[0]].double()
+        if alibi_slopes is not None:
+            off = 0 if top_left else skv - sq
+            dist = torch.tensor([[abs(i + off - j) for j in range(skv)] for i in range(sq)],
+                                dtype=torch.float64)
+            s = s - float(alibi_slopes[head]) * dist
+        keep = torch.tensor([[allowed(i, j, sq, skv, mask_type, window) for j in range(skv)]
+                             for i in range(sq)], dtype=torch.bool)
+        if arbitrary is not None:
+            keep &= ~arbitrary[head % arbitrary.shape[0]]
+        for i in range(sq):
+            if keep[i].any():
+                p = torch.softmax(s[i].masked_fill(~keep[i], float("-inf")), -1)
+                out[i, head] = p @ v[:, kv_head]
+    return out

@@ -1,0 +1,255 @@
+"""DotProductAttention: validates a call, describes it once, and runs the selected backend."""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Optional, Tuple, Union
+
+import torch
+
+from . import layout, masks, padding, selection
+from .params import BIAS_TYPES, MASK_TYPES, AttentionInputs, AttentionParams
+
+
+@lru_cache(maxsize=None)
+def _compute_capability(device: torch.device) -> Tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def _positive_int(name: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+class DotProductAttention(torch.nn.Module):
+    """Scaled dot product attention over q, k, v in any TE layout (TE's DotProductAttention).
+
+    Args follow TE: ``kv_channels`` is the head dim, or ``(k_channels, v_channels)``;
+    ``num_gqa_groups`` the number of K/V heads (default: ``num_attention_heads``);
+    ``attention_dropout`` applies in training mode only; ``softmax_scale`` defaults to
+    ``1/sqrt(k_channels)``. After each forward, ``last_backend`` names the backend that ran.
+    """
+
+    def __init__(self, num_attention_heads: int, kv_channels: Union[int, Tuple[int, int]],
+                 num_gqa_groups: Optional[int] = None, attention_dropout: float = 0.0,
+                 qkv_format: str = "sbhd", attn_mask_type: str = "causal",
+                 window_size: Optional[Tuple[int, int]] = None, attention_type: str = "self",
+                 layer_number: Optional[int] = None, softmax_scale: Optional[float] = None):
+        super().__init__()
+        self.num_attention_heads = _positive_int("num_attention_heads", num_attention_heads)
+        if isinstance(kv_channels, (tuple, list)):
+            if len(kv_channels) != 2:
+                raise ValueError(f"kv_channels must be an int or (k_channels, v_channels), "
+                                 f"got {kv_channels!r}")
+            self.head_dim_qk = _positive_int("kv_channels[0]", kv_channels[0])
+            self.head_dim_v = _positive_int("kv_channels[1]", kv_channels[1])
+        else:
+            self.head_dim_qk = self.head_dim_v = _positive_int("kv_channels", kv_channels)
+        self.num_gqa_groups = _positive_int(
+            "num_gqa_groups", num_attention_heads if num_gqa_groups is None else num_gqa_groups)
+        if self.num_attention_heads % self.num_gqa_groups:
+            raise ValueError(f"num_attention_heads={num_attention_heads} must be divisible by "
+                             f"num_gqa_groups={self.num_gqa_groups}")
+        if not 0.0 <= attention_dropout < 1.0:
+            raise ValueError(f"attention_dropout must be in [0, 1), got {attention_dropout}")
+        layout.split_qkv_format(qkv_format)
+        masks.check_set_window_size(attn_mask_type, window_size)
+        if attention_type not in ("self", "cross"):
+            raise ValueError(f"attention_type must be 'self' or 'cross', got {attention_type!r}")
+        if softmax_scale is not None and not softmax_scale > 0:
+            raise ValueError(f"softmax_scale must be positive, got {softmax_scale}")
+        self.attention_dropout = attention_dropout
+        self.qkv_format = qkv_format
+        self.attn_mask_type = attn_mask_type
+        self.window_size = window_size
+        self.attention_type = attention_type
+        self.layer_number = layer_number
+        self.softmax_scale = (softmax_scale if softmax_scale is not None
+                              else 1.0 / math.sqrt(self.head_dim_qk))
+        self.last_backend: Optional[str] = None
+
+    def forward(self, query_layer: torch.Tensor, key_layer: torch.Tensor,
+                value_layer: torch.Tensor, attention_mask=None, qkv_format: Optional[str] = None,
+                cu_seqlens_q: Optional[torch.Tensor] = None,
+                cu_seqlens_kv: Optional[torch.Tensor] = None, max_seqlen_q: Optional[int] = None,
+                max_seqlen_kv: Optional[int] = None, attn_mask_type: Optional[str] = None,
+                window_size: Optional[Tuple[int, int]] = None,
+                core_attention_bias_type: str = "no_bias",
+                core_attention_bias: Optional[torch.Tensor] = None,
+                alibi_slopes: Optional[torch.Tensor] = None, inference_params=None) -> torch.Tensor:
+        if inference_params is not None:
+            raise ValueError("inference_params (KV caching) is not supported yet; pass None")
+        qkv_format = self.qkv_format if qkv_format is None else qkv_format
+        q_format, kv_format = layout.split_qkv_format(qkv_format)
+        mask_type = _mask_type_for(self.attn_mask_type if attn_mask_type is None else attn_mask_type,
+                                   q_format, kv_format)
+        window = masks.check_set_window_size(
+            mask_type, self.window_size if window_size is None else window_size)
+
+        q, k, v = query_layer, key_layer, value_layer
+        layout.validate_qkv(q, k, v, q_format, kv_format, self.num_attention_heads,
+                            self.num_gqa_groups, self.head_dim_qk, self.head_dim_v)
+        qkv_layout, q, k, v = layout.get_qkv_layout(q, k, v, qkv_format)
+
+        lengths = _sequence_lengths(q, k, q_format, kv_format, mask_type, attention_mask,
+                                    cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv)
+        batch, cu_q, cu_kv, sq, skv = lengths
+        arbitrary = _arbitrary_mask(mask_type, attention_mask, batch, self.num_attention_heads,
+                                    sq, skv, q.device)
+        bias, bias_shape = _check_bias(core_attention_bias_type, core_attention_bias, batch,
+                                       self.num_attention_heads, sq, skv, q)
+        slopes = _check_alibi(core_attention_bias_type, alibi_slopes, batch,
+                              self.num_attention_heads, q.device)
+
+        params = AttentionParams(
+            qkv_format=qkv_format, q_format=q_format, kv_format=kv_format,
+            qkv_layout=qkv_layout, batch_size=batch, num_heads=self.num_attention_heads,
+            num_gqa_groups=self.num_gqa_groups, max_seqlen_q=sq, max_seqlen_kv=skv,
+            head_dim_qk=self.head_dim_qk, head_dim_v=self.head_dim_v, dtype=q.dtype,
+            device_type=q.device.type,
+            compute_capability=_compute_capability(q.device) if q.is_cuda else None,
+            attn_mask_type=mask_type, window_size=window,
+            core_attention_bias_type=core_attention_bias_type,
+            core_attention_bias_shape=bias_shape,
+            core_attention_bias_requires_grad=bias is not None and bias.requires_grad,
+            alibi_slopes_shape=tuple(slopes.shape) if slopes is not None else None,
+            attention_dropout=self.attention_dropout if self.training else 0.0,
+            softmax_scale=self.softmax_scale,
+            deterministic=selection.deterministic_requested(),
+            requires_grad=torch.is_grad_enabled() and any(
+                t.requires_grad for t in (q, k, v)),
+            is_compiling=torch.compiler.is_compiling(),
+        )
+        backend = selection.select_backend(params)
+        self.last_backend = backend.NAME
+        inputs = AttentionInputs(q, k, v, cu_q, cu_kv, arbitrary, bias, slopes)
+        return backend.run(inputs, params)
+
+
+def _mask_type_for(mask_type: str, q_format: str, kv_format: str) -> str:
+    if mask_type not in MASK_TYPES:
+        raise ValueError(f"attn_mask_type must be one of {MASK_TYPES}, got {mask_type!r}")
+    if "thd" in (q_format, kv_format) and "padding" not in mask_type:
+        # Packed sequences always carry their lengths: thd is a padding variant (as in TE).
+        if mask_type == "arbitrary":
+            raise ValueError("attn_mask_type='arbitrary' is not supported with the thd format")
+        return "padding" if mask_type == "no_mask" else "padding_" + mask_type
+    return mask_type
+
+
+def _sequence_lengths(q, k, q_format, kv_format, mask_type, attention_mask, cu_seqlens_q,
+                      cu_seqlens_kv, max_seqlen_q, max_seqlen_kv):
+    """(batch, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv) for the call.
+
+    cu_seqlens are returned for thd tensors and padding masks only. For sbhd/bshd the max
+    sequence lengths are the tensors' own (padded) sizes.
+    """
+    padded = "padding" in mask_type
+    if attention_mask is not None and not padded and mask_type != "arbitrary":
+        raise ValueError(f"attention_mask was given but attn_mask_type={mask_type!r} does not use "
+                         f"it; use a padding* type or 'arbitrary'")
+    sq, bq = layout.seq_batch_of(q, q_format)
+    skv, bkv = layout.seq_batch_of(k, kv_format)
+    if padded and attention_mask is not None and "thd" not in (q_format, kv_format):
+        if isinstance(attention_mask, (tuple, list)):
+            if len(attention_mask) != 2:
+                raise ValueError("attention_mask must be one mask or a (q_mask, kv_mask) pair")
+            mask_q, mask_kv = attention_mask
+        else:
+            if sq != skv:
+                raise ValueError("a single padding attention_mask needs sq == skv; pass "
+                                 "(q_mask, kv_mask) for cross attention")
+            mask_q = mask_kv = attention_mask
+        cu_seqlens_q = padding.cu_from_seqlens(
+            padding.seqlens_from_padding_mask(mask_q, "attention_mask (q)", bq, sq))
+        cu_seqlens_kv = padding.cu_from_seqlens(
+            padding.seqlens_from_padding_mask(mask_kv, "attention_mask (kv)", bkv, skv))
+    elif padded and attention_mask is not None:
+        raise ValueError("attention_mask is not used with the thd format; pass cu_seqlens_q/kv")
+    if not padded:
+        return bq, None, None, sq, skv
+
+    batch = padding.check_cu_seqlens(
+        cu_seqlens_q, "cu_seqlens_q", bq, q.shape[0] if q_format == "thd" else None, q.device)
+    padding.check_cu_seqlens(
+        cu_seqlens_kv, "cu_seqlens_kv", batch, k.shape[0] if kv_format == "thd" else None, q.device)
+    sq = _max_len("max_seqlen_q", cu_seqlens_q, sq, max_seqlen_q)
+    skv = _max_len("max_seqlen_kv", cu_seqlens_kv, skv, max_seqlen_kv)
+    return batch, cu_seqlens_q, cu_seqlens_kv, sq, skv
+
+
+def _max_len(name: str, cu_seqlens, padded_len: Optional[int], given: Optional[int]) -> int:
+    """The padded length of a side: the tensor's own for sbhd/bshd, else max_seqlen."""
+    if torch.compiler.is_compiling():
+        if padded_len is not None:
+            return padded_len
+        if given is None:
+            raise ValueError(f"{name} must be given for the thd format under torch.compile")
+        return given
+    actual = padding.max_seqlen(cu_seqlens)
+    if padded_len is not None:
+        if actual > padded_len:
+            raise ValueError(f"cu_seqlens for {name} has a sequence of {actual} tokens, longer "
+                             f"than the tensor's sequence dim {padded_len}")
+        return padded_len
+    if given is None:
+        return actual
+    if given < actual:
+        raise ValueError(f"{name}={given} is less than the longest sequence ({actual})")
+    return given
+
+
+def _arbitrary_mask(mask_type, attention_mask, batch, heads, sq, skv, device):
+    if mask_type != "arbitrary":
+        return None
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.bool:
+        raise TypeError("attn_mask_type='arbitrary' needs attention_mask: a bool tensor "
+                        "[b|1, h|1, sq, skv], True = masked out")
+    expected = (batch, heads, sq, skv)
+    if attention_mask.dim() != 4 or any(
+            got not in (1, want) for got, want in zip(attention_mask.shape, expected)):
+        raise ValueError(f"attention_mask must broadcast to [b, h, sq, skv] = {list(expected)}, "
+                         f"got {list(attention_mask.shape)}")
+    if attention_mask.device != device:
+        raise ValueError(f"attention_mask is on {attention_mask.device}, expected {device}")
+    return attention_mask
+
+
+def _check_bias(bias_type, bias, batch, heads, sq, skv, q):
+    if bias_type not in BIAS_TYPES:
+        raise ValueError(f"core_attention_bias_type must be one of {BIAS_TYPES}, got {bias_type!r}")
+    if bias_type not in ("pre_scale_bias", "post_scale_bias"):
+        if bias is not None:
+            raise ValueError(f"core_attention_bias was given but core_attention_bias_type="
+                             f"{bias_type!r}; use 'post_scale_bias' or 'pre_scale_bias'")
+        return None, None
+    if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+        raise TypeError(f"core_attention_bias_type={bias_type!r} needs core_attention_bias: a "
+                        f"floating point tensor [1|b, 1|h, sq, skv]")
+    if (bias.dim() != 4 or bias.shape[2:] != (sq, skv) or bias.shape[0] not in (1, batch)
+            or bias.shape[1] not in (1, heads)):
+        raise ValueError(f"core_attention_bias must have shape [1|b, 1|h, sq, skv] with b={batch}, "
+                         f"h={heads}, sq={sq}, skv={skv}, got {list(bias.shape)}")
+    if bias.device != q.device:
+        raise ValueError(f"core_attention_bias is on {bias.device}, expected {q.device}")
+    shape = ("b" if bias.shape[0] == batch and batch > 1 else "1") + (
+        "h" if bias.shape[1] == heads and heads > 1 else "1") + "ss"
+    return bias, shape
+
+
+def _check_alibi(bias_type, slopes, batch, heads, device):
+    if bias_type != "alibi":
+        if slopes is not None:
+            raise ValueError("alibi_slopes was given but core_attention_bias_type is not 'alibi'")
+        return None
+    if slopes is None:
+        return masks.default_alibi_slopes(heads).to(device)
+    if not isinstance(slopes, torch.Tensor) or slopes.dtype != torch.float32:
+        raise TypeError("alibi_slopes must be a float32 tensor [h] or [b, h]")
+    if tuple(slopes.shape) not in ((heads,), (batch, heads)):
+        raise ValueError(f"alibi_slopes must have shape [h] or [b, h] with b={batch}, h={heads}, "
+                         f"got {list(slopes.shape)}")
+    if slopes.device != device:
+        raise ValueError(f"alibi_slopes is on {slopes.device}, expected {device}")
+    return slopes

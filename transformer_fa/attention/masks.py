@@ -1,0 +1,104 @@
+"""Mask, window and ALiBi semantics (TE's), shared by every backend that builds them.
+
+Positions: query i in [0, sq), key j in [0, skv), per sequence with its actual lengths.
+The diagonal offset ``off`` is 0 for top-left alignment ("causal", "padding_causal") and
+``skv_len - sq_len`` for every other mask type (bottom-right alignment, as TE's sliding
+window and ``*_bottom_right`` masks use). Key j is kept for query i when
+  j < skv_len and i < sq_len                     (padding)
+  j <= i + off                                   (causal types)
+  i + off - left <= j <= i + off + right         (window (left, right); -1 = unlimited)
+  and the arbitrary mask, if any, is False there (True = masked out).
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Optional, Tuple
+
+import torch
+
+from .params import MASK_TYPES
+
+
+def check_set_window_size(attn_mask_type: str, window_size: Optional[Tuple[int, int]]
+                          ) -> Tuple[int, int]:
+    """TE's normalization of window_size for a mask type.
+
+    Causal masks always have right == 0 (None or (-1, -1) becomes (-1, 0)); others default
+    to (-1, -1). Values below -1 are rejected.
+    """
+    if attn_mask_type not in MASK_TYPES:
+        raise ValueError(f"attn_mask_type must be one of {MASK_TYPES}, got {attn_mask_type!r}")
+    if window_size is not None:
+        if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+                or not all(isinstance(w, int) for w in window_size)):
+            raise TypeError(f"window_size must be a tuple of two ints, got {window_size!r}")
+        window_size = tuple(window_size)
+        if min(window_size) < -1:
+            raise ValueError(f"window_size entries must be >= -1, got {window_size}")
+    if "causal" in attn_mask_type:
+        if window_size is None or window_size == (-1, -1):
+            return (-1, 0)
+        if window_size[1] != 0:
+            warnings.warn(f"window_size={window_size} with attn_mask_type={attn_mask_type}: "
+                          f"the right side is set to 0 for causal masks")
+        return (window_size[0], 0)
+    return (-1, -1) if window_size is None else window_size
+
+
+def diagonal_offset(attn_mask_type: str, seqlens_q: torch.Tensor,
+                    seqlens_kv: torch.Tensor) -> torch.Tensor:
+    """Per-sequence offset of the diagonal, ``[b]`` (see the module docstring)."""
+    if attn_mask_type in ("causal", "padding_causal"):
+        return torch.zeros_like(seqlens_q)
+    return seqlens_kv - seqlens_q
+
+
+def keep_mask(attn_mask_type: str, window_size: Tuple[int, int], seqlens_q: torch.Tensor,
+              seqlens_kv: torch.Tensor, max_seqlen_q: int, max_seqlen_kv: int,
+              attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Boolean ``[b, 1, sq, skv]`` (or broadcast with the arbitrary mask), True = attend.
+
+    seqlens_q / seqlens_kv: ``[b]`` actual lengths (the full lengths where there is no padding).
+    """
+    device = seqlens_q.device
+    i = torch.arange(max_seqlen_q, device=device).view(1, 1, -1, 1)
+    j = torch.arange(max_seqlen_kv, device=device).view(1, 1, 1, -1)
+    lq = seqlens_q.view(-1, 1, 1, 1)
+    lk = seqlens_kv.view(-1, 1, 1, 1)
+    diag = i + diagonal_offset(attn_mask_type, seqlens_q, seqlens_kv).view(-1, 1, 1, 1)
+    keep = (i < lq) & (j < lk)
+    left, right = window_size
+    if "causal" in attn_mask_type:
+        right = 0
+    if left >= 0:
+        keep = keep & (j >= diag - left)
+    if right >= 0:
+        keep = keep & (j <= diag + right)
+    if attention_mask is not None:
+        keep = keep & ~attention_mask
+    return keep
+
+
+def default_alibi_slopes(num_heads: int) -> torch.Tensor:
+    """The ALiBi paper's geometric slopes, float32 ``[h]`` (used when none are given)."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    base = 2.0 ** (-8.0 / closest)
+    slopes = [base ** (k + 1) for k in range(closest)]
+    if closest < num_heads:
+        extra = 2.0 ** (-4.0 / closest)
+        slopes += [extra ** (2 * k + 1) for k in range(num_heads - closest)]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def alibi_bias(alibi_slopes: torch.Tensor, attn_mask_type: str, seqlens_q: torch.Tensor,
+               seqlens_kv: torch.Tensor, max_seqlen_q: int, max_seqlen_kv: int) -> torch.Tensor:
+    """float32 ``[b|1, h, sq, skv]``: ``-slope * |i + off - j|``."""
+    device = seqlens_q.device
+    i = torch.arange(max_seqlen_q, device=device).view(1, 1, -1, 1)
+    j = torch.arange(max_seqlen_kv, device=device).view(1, 1, 1, -1)
+    off = diagonal_offset(attn_mask_type, seqlens_q, seqlens_kv).view(-1, 1, 1, 1)
+    distance = (i + off - j).abs().float()
+    slopes = alibi_slopes.float().to(device)
+    slopes = slopes.view(1, -1, 1, 1) if slopes.dim() == 1 else slopes.view(*slopes.shape, 1, 1)
+    return -slopes * distance

@@ -1,0 +1,356 @@
+"""MultiheadAttention: QKV projection, optional RoPE, DotProductAttention, output projection.
+
+Argument names, defaults, parameter names and the fused-QKV weight order follow TE's
+``MultiheadAttention``. The fused projection of width ``(np + 2*ng) * hn`` (np query heads,
+ng key/value groups, hn head dim) is read as
+
+* ``qkv_weight_interleaved=True``:  ``[ng, np/ng + 2, hn]``, per group its query heads, then
+  its key, then its value;
+* ``qkv_weight_interleaved=False``: ``[np/ng + 2, ng, hn]``, i.e. all query heads, then all keys,
+  then all values (the concatenation of the separate query, key and value weights).
+
+Without ``fuse_qkv_params`` the weights are separate ``query_weight``, ``key_weight``,
+``value_weight`` parameters and the second reading applies, as in TE.
+"""
+from typing import Callable, Optional, Sequence, Tuple, Union
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ..module._common import (
+    check_positive_int,
+    check_te_only_kwargs,
+    default_init_method,
+    pack_outputs,
+    resolve_dtype,
+)
+from ..module.layernorm import LayerNorm, RMSNorm
+from ..module.linear import LayerNormLinear, Linear
+from .dot_product_attention import DotProductAttention
+from .params import BIAS_TYPES
+from .rope import apply_rotary_pos_emb
+
+_FORMATS = ("sbhd", "bshd", "thd")
+_QK_NORMS = {"RMSNorm": RMSNorm, "LayerNorm": LayerNorm}
+
+
+def split_grouped_heads(
+    mixed: torch.Tensor, parts: Sequence[int], num_groups: int, head_dim: int, interleaved: bool
+) -> Tuple[torch.Tensor, ...]:
+    """Split a fused projection ``[..., sum(parts) * num_groups * head_dim]`` into ``[..., heads, d]`` tensors.
+
+    ``parts`` counts heads per group for each output: ``(np/ng, 1, 1)`` for q, k, v, or ``(1, 1)``
+    for k, v. ``interleaved`` reads the last dim as ``[groups, parts, d]``, else ``[parts, groups, d]``.
+    The results are views of ``mixed`` where the layout allows it (no copy).
+    """
+    lead = mixed.shape[:-1]
+    if interleaved:
+        grouped = mixed.view(*lead, num_groups, sum(parts), head_dim)
+        pieces = torch.split(grouped, list(parts), dim=-2)
+    else:
+        grouped = mixed.view(*lead, sum(parts), num_groups, head_dim)
+        pieces = torch.split(grouped, list(parts), dim=-3)
+    return tuple(p.reshape(*lead, -1, head_dim) for p in pieces)
+
+
+def check_bool_masks(attention_mask, name: str) -> None:
+    """TE requires boolean masks (True = masked out); one tensor or a (q, kv) pair."""
+    if attention_mask is None:
+        return
+    masks = attention_mask if isinstance(attention_mask, (tuple, list)) else (attention_mask,)
+    for mask in masks:
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+            got = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise TypeError(f"{name} must be a bool tensor (True = masked out), got {got}")
+
+
+class MultiheadAttention(torch.nn.Module):
+    """Multi-head attention with TE's ``MultiheadAttention`` arguments.
+
+    Self attention (``attention_type="self"``) projects q, k, v from ``hidden_states``; cross
+    attention projects q from ``hidden_states`` and k, v from ``encoder_output``. GQA/MQA via
+    ``num_gqa_groups``. ``input_layernorm`` normalizes the input first (``normalization``
+    LayerNorm or RMSNorm). Returns the projected output, then the output bias if
+    ``return_bias``, then the layernorm output if ``input_layernorm and return_layernorm_output``.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_attention_heads: int,
+        kv_channels: Optional[int] = None,
+        attention_dropout: float = 0.1,
+        layernorm_epsilon: float = 1e-5,
+        init_method: Optional[Callable] = None,
+        output_layer_init_method: Optional[Callable] = None,
+        layer_number: Optional[int] = None,
+        attn_mask_type: str = "causal",
+        window_size: Optional[Tuple[int, int]] = None,
+        num_gqa_groups: Optional[int] = None,
+        params_dtype: Optional[torch.dtype] = None,
+        return_bias: bool = False,
+        return_layernorm_output: bool = False,
+        input_layernorm: bool = False,
+        attention_type: str = "self",
+        fuse_qkv_params: bool = False,
+        zero_centered_gamma: bool = False,
+        qkv_weight_interleaved: bool = True,
+        rotary_pos_interleaved: bool = False,
+        bias: bool = True,
+        normalization: str = "LayerNorm",
+        device: Union[torch.device, str] = "cuda",
+        qkv_format: str = "sbhd",
+        qk_norm_type: Optional[str] = None,
+        qk_norm_eps: float = 1e-6,
+        qk_norm_before_rope: bool = False,
+        softmax_type: str = "vanilla",
+        **te_kwargs,
+    ) -> None:
+        super().__init__()
+        check_te_only_kwargs(te_kwargs, type(self).__name__)
+        check_positive_int(hidden_size, "hidden_size")
+        check_positive_int(num_attention_heads, "num_attention_heads")
+        if kv_channels is None:
+            if hidden_size % num_attention_heads:
+                raise ValueError(
+                    f"hidden_size={hidden_size} must be divisible by num_attention_heads="
+                    f"{num_attention_heads} (or pass kv_channels)"
+                )
+            kv_channels = hidden_size // num_attention_heads
+        check_positive_int(kv_channels, "kv_channels")
+        num_gqa_groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
+        check_positive_int(num_gqa_groups, "num_gqa_groups")
+        if num_attention_heads % num_gqa_groups:
+            raise ValueError(
+                f"num_attention_heads={num_attention_heads} must be divisible by "
+                f"num_gqa_groups={num_gqa_groups}"
+            )
+        if attention_type not in ("self", "cross"):
+            raise ValueError(f"attention_type must be 'self' or 'cross', got {attention_type!r}")
+        if qkv_format not in _FORMATS:
+            raise ValueError(f"qkv_format must be one of {_FORMATS}, got {qkv_format!r}")
+        if layer_number is not None and layer_number <= 0:
+            raise ValueError(f"layer_number must be a positive int, got {layer_number}")
+        if qk_norm_type is not None and qk_norm_type not in _QK_NORMS:
+            raise ValueError(
+                f"qk_norm_type must be None or one of {tuple(_QK_NORMS)}, got {qk_norm_type!r}"
+            )
+        if softmax_type != "vanilla":
+            raise ValueError(f"softmax_type={softmax_type!r} is not supported; use 'vanilla'")
+
+        self.hidden_size = hidden_size
+        self.num_attention_heads = num_attention_heads
+        self.num_gqa_groups = num_gqa_groups
+        self.hidden_size_per_attention_head = kv_channels
+        self.hidden_size_q = kv_channels * num_attention_heads
+        self.hidden_size_kv = kv_channels * num_gqa_groups
+        self.attn_mask_type = attn_mask_type
+        self.window_size = window_size
+        self.layer_number = 1 if layer_number is None else layer_number
+        self.input_layernorm = input_layernorm
+        self.return_layernorm_output = return_layernorm_output
+        self.return_bias = return_bias
+        self.attention_type = attention_type
+        self.qkv_format = qkv_format
+        self.params_dtype = resolve_dtype(params_dtype)
+        # Separate q/k/v parameters concatenate in q, k, v order: the non-interleaved reading.
+        self.qkv_weight_interleaved = qkv_weight_interleaved and fuse_qkv_params
+        self.rotary_pos_interleaved = rotary_pos_interleaved
+        self.qk_norm_before_rope = qk_norm_before_rope
+
+        init_method = init_method if init_method is not None else default_init_method()
+        if output_layer_init_method is None:
+            output_layer_init_method = default_init_method()
+        common = dict(
+            init_method=init_method, bias=bias, params_dtype=self.params_dtype, device=device
+        )
+        norm_args = dict(
+            eps=layernorm_epsilon,
+            normalization=normalization,
+            zero_centered_gamma=zero_centered_gamma,
+            return_layernorm_output=return_layernorm_output,
+        )
+
+        def in_proj(out_features, split, with_norm):
+            split = None if fuse_qkv_params else split
+            if with_norm:
+                return LayerNormLinear(
+                    hidden_size, out_features, parameters_split=split, **norm_args, **common
+                )
+            return Linear(hidden_size, out_features, parameters_split=split, **common)
+
+        if attention_type == "self":
+            width = self.hidden_size_q + 2 * self.hidden_size_kv
+            split = {"query": self.hidden_size_q, "key": self.hidden_size_kv,
+                     "value": self.hidden_size_kv}
+            if input_layernorm:
+                self.layernorm_qkv = in_proj(width, split, True)
+            else:
+                self.qkv = in_proj(width, split, False)
+        else:
+            if input_layernorm:
+                self.layernorm_query = in_proj(self.hidden_size_q, ("query",), True)
+            else:
+                self.query_layer = Linear(hidden_size, self.hidden_size_q, **common)
+            self.key_value = in_proj(2 * self.hidden_size_kv, ("key", "value"), False)
+
+        self.q_norm = self.k_norm = None
+        if qk_norm_type is not None:
+            norm_cls = _QK_NORMS[qk_norm_type]
+            self.q_norm = norm_cls(kv_channels, eps=qk_norm_eps, params_dtype=self.params_dtype, device=device)
+            self.k_norm = norm_cls(kv_channels, eps=qk_norm_eps, params_dtype=self.params_dtype, device=device)
+
+        self.core_attention = DotProductAttention(
+            num_attention_heads,
+            kv_channels,
+            num_gqa_groups=num_gqa_groups,
+            attention_dropout=attention_dropout,
+            qkv_format=qkv_format,
+            attn_mask_type=attn_mask_type,
+            window_size=window_size,
+            attention_type=attention_type,
+            layer_number=self.layer_number,
+        )
+        self.proj = Linear(
+            self.hidden_size_q,
+            hidden_size,
+            init_method=output_layer_init_method,
+            bias=bias,
+            return_bias=return_bias,
+            params_dtype=self.params_dtype,
+            device=device,
+        )
+
+    def _project_qkv(self, hidden_states, encoder_output):
+        """(q, k, v, layernorm output or None); q [..., np, hn], k and v [..., ng, hn]."""
+        hn, ng = self.hidden_size_per_attention_head, self.num_gqa_groups
+        ln_out = None
+
+        def run(proj, x):
+            nonlocal ln_out
+            out = proj(x)
+            if isinstance(out, tuple):  # (output, layernorm output)
+                out, ln_out = out
+            return out
+
+        if self.attention_type == "self":
+            if encoder_output is not None:
+                raise ValueError("encoder_output is only used with attention_type='cross'")
+            proj = self.layernorm_qkv if self.input_layernorm else self.qkv
+            mixed = run(proj, hidden_states)
+            parts = (self.num_attention_heads // ng, 1, 1)
+            q, k, v = split_grouped_heads(mixed, parts, ng, hn, self.qkv_weight_interleaved)
+            return q, k, v, ln_out
+
+        if encoder_output is None:
+            raise ValueError("encoder_output is required with attention_type='cross'")
+        k, v = split_grouped_heads(
+            self.key_value(encoder_output), (1, 1), ng, hn, self.qkv_weight_interleaved
+        )
+        proj = self.layernorm_query if self.input_layernorm else self.query_layer
+        q = run(proj, hidden_states)
+        q = q.view(*q.shape[:-1], self.num_attention_heads, hn)
+        return q, k, v, ln_out
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: Optional[Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]] = None,
+        encoder_output: Optional[torch.Tensor] = None,
+        attn_mask_type: Optional[str] = None,
+        window_size: Optional[Tuple[int, int]] = None,
+        is_first_microbatch: Optional[bool] = None,
+        checkpoint_core_attention: bool = False,
+        inference_params=None,
+        rotary_pos_emb: Optional[Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]] = None,
+        core_attention_bias_type: str = "no_bias",
+        core_attention_bias: Optional[torch.Tensor] = None,
+        alibi_slopes: Optional[torch.Tensor] = None,
+        cu_seqlens_q: Optional[torch.Tensor] = None,
+        cu_seqlens_kv: Optional[torch.Tensor] = None,
+        cu_seqlens_q_padded: Optional[torch.Tensor] = None,
+        cu_seqlens_kv_padded: Optional[torch.Tensor] = None,
+        max_seqlen_q: Optional[int] = None,
+        max_seqlen_kv: Optional[int] = None,
+        fast_zero_fill: bool = True,
+        pad_between_seqs: Optional[bool] = None,
+    ):
+        """hidden_states: ``[s, b, hidden]`` (sbhd), ``[b, s, hidden]`` (bshd) or ``[t, hidden]`` (thd).
+
+        ``is_first_microbatch`` and ``fast_zero_fill`` are accepted for TE compatibility and
+        have no effect. ``cu_seqlens_*_padded`` may only repeat ``cu_seqlens_*``.
+        """
+        if inference_params is not None:
+            raise ValueError("inference_params: KV-cache inference is not supported yet; pass None")
+        if pad_between_seqs:
+            raise ValueError("pad_between_seqs=True is not supported (no padding between sequences)")
+        for padded, plain, name in (
+            (cu_seqlens_q_padded, cu_seqlens_q, "cu_seqlens_q_padded"),
+            (cu_seqlens_kv_padded, cu_seqlens_kv, "cu_seqlens_kv_padded"),
+        ):
+            if padded is not None and (plain is None or not torch.equal(padded, plain)):
+                raise ValueError(f"{name} must be None or equal to the unpadded cu_seqlens")
+        if core_attention_bias_type not in BIAS_TYPES:
+            raise ValueError(
+                f"core_attention_bias_type must be one of {BIAS_TYPES}, got {core_attention_bias_type!r}"
+            )
+        attn_mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        window_size = self.window_size if window_size is None else window_size
+        check_bool_masks(attention_mask, "attention_mask")
+        if self.attention_type == "self":
+            # Self attention: the keys are the queries' tokens.
+            cu_seqlens_kv = cu_seqlens_q if cu_seqlens_kv is None else cu_seqlens_kv
+            max_seqlen_kv = max_seqlen_q if max_seqlen_kv is None else max_seqlen_kv
+
+        q, k, v, ln_out = self._project_qkv(hidden_states, encoder_output)
+
+        if self.q_norm is not None and self.qk_norm_before_rope:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rotary_pos_emb is not None:
+            q_emb, k_emb = (
+                rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
+            )
+            q = apply_rotary_pos_emb(
+                q, q_emb, self.qkv_format, interleaved=self.rotary_pos_interleaved,
+                cu_seqlens=cu_seqlens_q,
+            )
+            k = apply_rotary_pos_emb(
+                k, k_emb, self.qkv_format, interleaved=self.rotary_pos_interleaved,
+                cu_seqlens=cu_seqlens_kv,
+            )
+        if self.q_norm is not None and not self.qk_norm_before_rope:
+            q, k = self.q_norm(q), self.k_norm(k)
+
+        def attend(q, k, v):
+            return self.core_attention(
+                q,
+                k,
+                v,
+                attention_mask=attention_mask,
+                qkv_format=self.qkv_format,
+                cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_kv=cu_seqlens_kv,
+                max_seqlen_q=max_seqlen_q,
+                max_seqlen_kv=max_seqlen_kv,
+                attn_mask_type=attn_mask_type,
+                window_size=window_size,
+                core_attention_bias_type=core_attention_bias_type,
+                core_attention_bias=core_attention_bias,
+                alibi_slopes=alibi_slopes,
+            )
+
+        if checkpoint_core_attention and torch.is_grad_enabled():
+            # Recompute attention in backward instead of keeping its activations.
+            context = checkpoint(attend, q, k, v, use_reentrant=False)
+        else:
+            context = attend(q, k, v)
+
+        out = self.proj(context)
+        out, out_bias = out if self.return_bias else (out, None)
+        return pack_outputs(
+            out,
+            out_bias,
+            ln_out,
+            self.return_bias,
+            self.input_layernorm and self.return_layernorm_output,
+        )

@@ -1,0 +1,109 @@
+"""AttentionParams: one frozen description of a DotProductAttention call.
+
+Built once per forward from the validated inputs. Backends decide what they support from
+it alone (``not_supported_reasons(params)``), and the selector caches its decision by it,
+so every field is hashable and nothing in it refers to tensor data.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+import torch
+
+MASK_TYPES = (
+    "no_mask",
+    "padding",
+    "causal",
+    "padding_causal",
+    "causal_bottom_right",
+    "padding_causal_bottom_right",
+    "arbitrary",
+)
+BIAS_TYPES = ("no_bias", "pre_scale_bias", "post_scale_bias", "alibi")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionParams:
+    qkv_format: str  # as given: "sbhd", "bshd", "thd", "sbhd_2bshd", ...
+    q_format: str  # "sbhd" | "bshd" | "thd"
+    kv_format: str  # "sbhd" | "bshd" | "thd"
+    qkv_layout: str  # TE layout string, e.g. "sb3hd", "bshd_bs2hd", "thd_thd_thd"
+    batch_size: int
+    num_heads: int  # query heads
+    num_gqa_groups: int  # key/value heads
+    max_seqlen_q: int
+    max_seqlen_kv: int
+    head_dim_qk: int
+    head_dim_v: int
+    dtype: torch.dtype
+    device_type: str  # "cuda" | "cpu" | ...
+    compute_capability: Optional[Tuple[int, int]]  # None off CUDA
+    attn_mask_type: str  # one of MASK_TYPES
+    window_size: Tuple[int, int]  # (-1, -1) = unlimited; causal masks have right == 0
+    core_attention_bias_type: str  # one of BIAS_TYPES
+    core_attention_bias_shape: Optional[str]  # "1hss" | "b1ss" | "bhss" | "11ss" | None
+    core_attention_bias_requires_grad: bool
+    alibi_slopes_shape: Optional[Tuple[int, ...]]  # (h,) or (b, h); None if no ALiBi
+    attention_dropout: float  # the probability in effect for this call (0 in eval mode)
+    softmax_scale: float
+    deterministic: bool  # NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 or torch's deterministic mode
+    requires_grad: bool  # any of q, k, v needs a gradient
+    is_compiling: bool = False  # inside torch.compile tracing
+
+    @property
+    def is_padding(self) -> bool:
+        return "padding" in self.attn_mask_type
+
+    @property
+    def is_causal(self) -> bool:
+        return "causal" in self.attn_mask_type
+
+    @property
+    def is_bottom_right(self) -> bool:
+        """Diagonal (causal and sliding window) aligned to the bottom-right corner."""
+        return self.attn_mask_type not in ("causal", "padding_causal")
+
+    @property
+    def is_varlen(self) -> bool:
+        """Sequences carry their own lengths (thd, or a padding mask)."""
+        return self.is_padding or "thd" in (self.q_format, self.kv_format)
+
+    @property
+    def has_window(self) -> bool:
+        return self.window_size != (-1, -1) and not (
+            self.is_causal and self.window_size == (-1, 0)
+        )
+
+    def as_log_dict(self) -> dict:
+        """Fields as plain values, for the `Running with config=...` log line."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = str(value) if isinstance(value, torch.dtype) else value
+        return out
+
+
+@dataclasses.dataclass
+class AttentionInputs:
+    """The tensors of one call, validated, handed to the selected backend's ``run``.
+
+    q, k, v keep the strides of the layout named in ``params.qkv_layout`` (proven by
+    ``layout.detect_qkv_layout``; anything else was made contiguous). Their formats are
+    ``params.q_format`` and ``params.kv_format``.
+    cu_seqlens_q / cu_seqlens_kv: int32 ``[b + 1]`` on q's device; set for thd tensors and for
+    every padding mask type (built from ``attention_mask`` for sbhd/bshd), else None.
+    attention_mask: bool, True = masked out, broadcastable to ``[b, h, sq, skv]``; only for
+    ``arbitrary``.
+    core_attention_bias: ``[1|b, 1|h, sq, skv]`` for pre/post_scale_bias, else None.
+    alibi_slopes: float32 ``[h]`` or ``[b, h]`` when the bias type is ``alibi``, else None.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cu_seqlens_q: Optional[torch.Tensor] = None
+    cu_seqlens_kv: Optional[torch.Tensor] = None
+    attention_mask: Optional[torch.Tensor] = None
+    core_attention_bias: Optional[torch.Tensor] = None
+    alibi_slopes: Optional[torch.Tensor] = None

@@ -1,0 +1,165 @@
+"""Rotary position embedding (RoPE, https://arxiv.org/abs/2104.09864) with TE's API.
+
+``RotaryPositionEmbedding(dim)(max_seq_len)`` returns TE's frequency table: float32
+``[max_seq_len, 1, 1, dim]``, each frequency written twice, either as two halves
+``[f0..f(d/2-1), f0..f(d/2-1)]`` or, with ``interleaved=True``, as pairs ``[f0, f0, f1, f1, ...]``.
+``apply_rotary_pos_emb`` rotates the first ``dim`` channels of q or k by those angles and passes
+the rest through; in ``thd`` the positions restart at 0 at every sequence start in ``cu_seqlens``.
+"""
+from typing import Optional
+
+import torch
+
+__all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb"]
+
+_TENSOR_FORMATS = ("sbhd", "bshd", "thd")
+
+
+class RotaryPositionEmbedding(torch.nn.Module):
+    """Builds RoPE frequency tables.
+
+    dim: channels to rotate (the head dim, or fewer for partial rotary).
+    rotary_percent: rotate only ``int(dim * rotary_percent)`` channels.
+    seq_len_interpolation_factor: divide positions by this factor (position interpolation,
+        https://arxiv.org/abs/2306.15595). With ``pretrained_max_position_embeddings`` also set,
+        sequences longer than ``pretrained * factor`` are scaled dynamically to fit, as in TE.
+    rotary_base: the base of the geometric frequency ladder.
+    interleaved: pair channels (0, 1), (2, 3), ... instead of (i, i + dim/2).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        rotary_percent: float = 1.0,
+        seq_len_interpolation_factor: Optional[float] = None,
+        pretrained_max_position_embeddings: Optional[int] = None,
+        rotary_base: float = 10000.0,
+        interleaved: bool = False,
+    ) -> None:
+        super().__init__()
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
+            raise ValueError(f"dim must be a positive int, got {dim!r}")
+        if not 0.0 < rotary_percent <= 1.0:
+            raise ValueError(f"rotary_percent must be in (0, 1], got {rotary_percent}")
+        if seq_len_interpolation_factor is not None and seq_len_interpolation_factor <= 0:
+            raise ValueError(
+                f"seq_len_interpolation_factor must be positive, got {seq_len_interpolation_factor}"
+            )
+        if rotary_percent < 1.0:
+            dim = int(dim * rotary_percent)
+        self.dim = dim
+        self.seq_len_interpolation_factor = seq_len_interpolation_factor
+        self.pretrained_max_position_embeddings = pretrained_max_position_embeddings
+        self.rotary_base = rotary_base
+        self.interleaved = interleaved
+        # TE puts the table on the current CUDA device; fall back to CPU without one.
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
+        self.register_buffer("inv_freq", 1.0 / (rotary_base**exponents))
+
+    def forward(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        """float32 ``[max_seq_len, 1, 1, dim]`` table for positions ``offset .. offset + max_seq_len - 1``."""
+        seq = torch.arange(max_seq_len, device=self.inv_freq.device, dtype=torch.float32) + offset
+        factor = self.seq_len_interpolation_factor
+        if factor is not None:
+            pretrained = self.pretrained_max_position_embeddings
+            if pretrained is not None and max_seq_len > pretrained * factor:
+                factor = max_seq_len / pretrained  # dynamic scaling beyond what was trained
+            seq = seq / factor
+        freqs = torch.outer(seq, self.inv_freq)
+        if self.interleaved:
+            emb = freqs.repeat_interleave(2, dim=-1)
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.reshape(emb.size(0), 1, 1, emb.size(1))
+
+
+def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """The partner of each channel, negated where RoPE subtracts: [-x2, x1] per pair."""
+    if not interleaved:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def _token_positions(
+    cu_seqlens: torch.Tensor, total: int, start_positions: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """Position of every thd token inside its own sequence (tokens past cu_seqlens[-1] get 0)."""
+    cu = cu_seqlens.to(torch.int64)
+    token = torch.arange(total, device=cu.device)
+    # which sequence each token belongs to: number of sequence ends at or before it
+    seq_id = torch.searchsorted(cu[1:], token, right=True)
+    inside = seq_id < cu.numel() - 1
+    seq_id = seq_id.clamp(max=cu.numel() - 2)
+    pos = token - cu[seq_id]
+    if start_positions is not None:
+        pos = pos + start_positions.to(device=cu.device, dtype=torch.int64)[seq_id]
+    return torch.where(inside, pos, torch.zeros_like(pos))
+
+
+def apply_rotary_pos_emb(
+    t: torch.Tensor,
+    freqs: torch.Tensor,
+    tensor_format: str = "sbhd",
+    start_positions: Optional[torch.Tensor] = None,
+    interleaved: bool = False,
+    fused: bool = False,  # accepted for TE compatibility; there is one implementation
+    cu_seqlens: Optional[torch.Tensor] = None,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+) -> torch.Tensor:
+    """Apply RoPE to ``t`` of shape ``[s, b, h, d]`` (sbhd), ``[b, s, h, d]`` (bshd) or ``[t, h, d]`` (thd).
+
+    freqs: ``[s2, 1, 1, d2]`` from ``RotaryPositionEmbedding`` with ``s2 >= s`` and ``d2 <= d``;
+        channels past ``d2`` pass through unchanged.
+    start_positions: optional ``[b]`` offsets added to each sequence's positions.
+    cu_seqlens: int32 ``[b + 1]`` sequence starts, required for thd.
+    """
+    if tensor_format not in _TENSOR_FORMATS:
+        raise ValueError(f"tensor_format must be one of {_TENSOR_FORMATS}, got {tensor_format!r}")
+    if cp_size != 1 or cp_rank != 0:
+        raise ValueError("cp_size/cp_rank: context parallelism is not supported")
+    if freqs.dim() != 4 or freqs.shape[1] != 1 or freqs.shape[2] != 1:
+        raise ValueError(f"freqs must have shape [s, 1, 1, d], got {tuple(freqs.shape)}")
+    rot_dim = freqs.shape[-1]
+    if rot_dim > t.shape[-1]:
+        raise ValueError(f"freqs has {rot_dim} channels but t has only {t.shape[-1]}")
+    table = freqs.reshape(freqs.shape[0], rot_dim).float()
+    max_len = table.shape[0]
+
+    if tensor_format == "thd":
+        if cu_seqlens is None:
+            raise ValueError("cu_seqlens is required when tensor_format is 'thd'")
+        if t.dim() != 3:
+            raise ValueError(f"t must be [t, h, d] for thd, got {tuple(t.shape)}")
+        pos = _token_positions(cu_seqlens, t.shape[0], start_positions)
+        if t.shape[0] > 0 and int(pos.max()) >= max_len:
+            raise ValueError(f"a sequence is longer than the {max_len} positions freqs covers")
+        angles = table[pos].unsqueeze(1)  # [t, 1, d2]
+    else:
+        if t.dim() != 4:
+            raise ValueError(f"t must be 4-D for {tensor_format}, got {tuple(t.shape)}")
+        seq_dim = 0 if tensor_format == "sbhd" else 1
+        seqlen = t.shape[seq_dim]
+        if start_positions is None:
+            if seqlen > max_len:
+                raise ValueError(f"sequence length {seqlen} exceeds the {max_len} positions in freqs")
+            angles = table[:seqlen, None, None, :]  # [s, 1, 1, d2]
+            if tensor_format == "bshd":
+                angles = angles.transpose(0, 1)  # [1, s, 1, d2]
+        else:
+            start = start_positions.to(device=table.device, dtype=torch.int64)
+            pos = start[:, None] + torch.arange(seqlen, device=table.device)  # [b, s]
+            if int(pos.max()) >= max_len:
+                raise ValueError(f"start_positions + sequence length exceed the {max_len} positions in freqs")
+            angles = table[pos].unsqueeze(2)  # [b, s, 1, d2]
+            if tensor_format == "sbhd":
+                angles = angles.transpose(0, 1)
+
+    # cos/sin in float32, then cast, for precision (as TE does)
+    cos, sin = torch.cos(angles).to(t.dtype), torch.sin(angles).to(t.dtype)
+    t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
+    t_rot = t_rot * cos + _rotate_half(t_rot, interleaved) * sin
+    return torch.cat((t_rot, t_pass), dim=-1) if t_pass.shape[-1] else t_rot

@@ -1,0 +1,120 @@
+"""Backend selection: env switches, each backend's reasons, preference order, TE-style logs.
+
+Environment (read on every call):
+  NVTE_FLASH_ATTN, NVTE_FUSED_ATTN, NVTE_UNFUSED_ATTN   "0" removes that backend
+  NVTE_DEBUG=1 with NVTE_DEBUG_LEVEL=0/1/2               warnings / info / debug logs
+The decision is cached per (params, switches, log level), so the hot path is one dict lookup;
+the log lines come when a decision is made.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import platform
+from types import ModuleType
+from typing import Dict, List, Tuple
+
+import torch
+
+from .backends import ALL_BACKENDS, flash, fused, unfused
+from .params import AttentionParams
+
+logger = logging.getLogger("DotProductAttention")
+
+SWITCHES = {
+    flash.NAME: "NVTE_FLASH_ATTN",
+    fused.NAME: "NVTE_FUSED_ATTN",
+    unfused.NAME: "NVTE_UNFUSED_ATTN",
+}
+_LOG_LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG}
+_cache: Dict[tuple, ModuleType] = {}
+_CACHE_LIMIT = 1024
+
+
+def _env_flag(name: str, default: str = "1") -> bool:
+    return os.getenv(name, default) != "0"
+
+
+def configure_logging() -> int:
+    """Applies NVTE_DEBUG / NVTE_DEBUG_LEVEL to the logger; returns the level in force."""
+    debug = int(os.getenv("NVTE_DEBUG", "0"))
+    level = _LOG_LEVELS.get(debug * int(os.getenv("NVTE_DEBUG_LEVEL", "0")), logging.DEBUG)
+    if logger.level != level:
+        logger.setLevel(level)
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[%(levelname)-8s | %(name)-19s]: %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    return level
+
+
+def deterministic_requested() -> bool:
+    return (os.getenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1") == "0"
+            or torch.are_deterministic_algorithms_enabled())
+
+
+def preference_order(params: AttentionParams) -> Tuple[ModuleType, ...]:
+    """Which backend wins when several can run.
+
+    On Hopper (sm90+) cuDNN's fused attention beats FlashAttention-2-class kernels (see
+    benchmarks/results), so FusedAttention goes first there; elsewhere FlashAttention does.
+    The unfused reference is always last.
+    """
+    if params.compute_capability is not None and params.compute_capability >= (9, 0):
+        return (fused, flash, unfused)
+    return ALL_BACKENDS
+
+
+def _run_config(params: AttentionParams) -> dict:
+    config = {"transformer_fa_version": _version(), "torch_version": torch.__version__,
+              "python": platform.python_version(), "flash_extension_built": flash.is_built()}
+    config.update(fused.versions())
+    config.update(params.as_log_dict())
+    return config
+
+
+def _version() -> str:
+    from .. import __version__
+    return __version__
+
+
+def _decide(params: AttentionParams, enabled: Dict[str, bool]) -> ModuleType:
+    logger.debug("Running with config=%s", _run_config(params))
+    reasons: Dict[str, List[str]] = {}
+    for backend in ALL_BACKENDS:
+        switch = SWITCHES[backend.NAME]
+        if not enabled[backend.NAME]:
+            reasons[backend.NAME] = [f"due to {switch}=0"]
+        else:
+            reasons[backend.NAME] = backend.not_supported_reasons(params)
+        for reason in reasons[backend.NAME]:
+            logger.debug("Disabling %s %s", backend.NAME, reason)
+    available = {b.NAME: not reasons[b.NAME] for b in ALL_BACKENDS}
+    logger.debug("Available backends = {%s}",
+                 ", ".join(f"{name}={ok}" for name, ok in available.items()))
+    for backend in preference_order(params):
+        if available[backend.NAME]:
+            logger.info("Selected backend = %s", backend.NAME)
+            return backend
+    details = "; ".join(f"{name}: {', '.join(r)}" for name, r in reasons.items())
+    raise ValueError(
+        f"No dot product attention backend is available for the provided inputs. {details}")
+
+
+def select_backend(params: AttentionParams) -> ModuleType:
+    """The backend module to run ``params`` with (cached; raises ValueError if none)."""
+    level = configure_logging()
+    enabled = {name: _env_flag(var) for name, var in SWITCHES.items()}
+    key = (params, tuple(enabled.values()), level)
+    backend = _cache.get(key)
+    if backend is None:
+        backend = _decide(params, enabled)
+        if len(_cache) >= _CACHE_LIMIT:
+            _cache.clear()
+        _cache[key] = backend
+    return backend
+
+
+def clear_cache() -> None:
+    _cache.clear()

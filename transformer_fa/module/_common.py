@@ -1,0 +1,83 @@
+"""Helpers shared by the modules: TE-compatible argument handling and output packing."""
+from typing import Any, Callable, Dict, Optional
+
+import torch
+
+# TE arguments for tensor parallelism, userbuffers and FP8 bookkeeping. transformer_fa has no
+# tensor parallelism, so these are accepted for drop-in compatibility and must stay at values
+# that mean "single device"; anything else would silently change what the user asked for.
+_TE_ONLY_NEUTRAL = {
+    "tp_group": None,
+    "tp_size": 1,
+    "fuse_wgrad_accumulation": False,
+    "ub_tp_comm_overlap": False,
+}
+# Accepted and ignored: they select an implementation strategy, not the function computed.
+_TE_ONLY_IGNORED = {
+    "sequence_parallel",  # only meaningful with tp_size > 1 (TE ignores it at tp_size 1 too)
+    "get_rng_state_tracker",
+    "rng_tracker_name",
+    "parallel_mode",
+    "set_parallel_mode",
+    "seq_length",
+    "micro_batch_size",
+    "name",
+    "ub_overlap_ag",
+    "ub_overlap_rs",
+    "ub_overlap_rs_dgrad",
+    "ub_bulk_dgrad",
+    "ub_bulk_wgrad",
+    "ub_name",
+    "return_layernorm_output_gathered",
+    "delay_wgrad_compute",
+    "symmetric_ar_type",
+    "save_original_input",
+}
+
+
+def check_te_only_kwargs(kwargs: Dict[str, Any], owner: str) -> None:
+    """Validate TE-only keyword arguments that transformer_fa accepts but does not implement."""
+    for key, value in kwargs.items():
+        if key in _TE_ONLY_NEUTRAL:
+            neutral = _TE_ONLY_NEUTRAL[key]
+            if value is not neutral and value != neutral:
+                raise ValueError(
+                    f"{owner}: {key}={value!r} is not supported (transformer_fa runs on a "
+                    f"single device); leave it at {neutral!r}"
+                )
+        elif key not in _TE_ONLY_IGNORED:
+            raise TypeError(f"{owner}.__init__() got an unexpected keyword argument {key!r}")
+
+
+def default_init_method() -> Callable[[torch.Tensor], torch.Tensor]:
+    """TE's default weight init: normal with mean 0 and std 0.023."""
+
+    def init_(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.nn.init.normal_(tensor, mean=0.0, std=0.023)
+
+    return init_
+
+
+def resolve_dtype(params_dtype: Optional[torch.dtype]) -> torch.dtype:
+    if params_dtype is None:
+        return torch.get_default_dtype()
+    if not isinstance(params_dtype, torch.dtype):
+        raise TypeError(f"params_dtype must be a torch.dtype, got {type(params_dtype).__name__}")
+    return params_dtype
+
+
+def pack_outputs(out, bias=None, ln_out=None, return_bias=False, return_layernorm_output=False):
+    """TE's return convention: out, then bias if return_bias, then layernorm output if asked."""
+    outputs = (out,)
+    if return_bias:
+        outputs += (bias,)
+    if return_layernorm_output:
+        outputs += (ln_out,)
+    return outputs if len(outputs) > 1 else out
+
+
+def check_positive_int(value, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")

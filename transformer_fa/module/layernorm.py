@@ -1,0 +1,131 @@
+"""LayerNorm and RMSNorm with TransformerEngine's arguments and formulas.
+
+Both normalize in float32 and return the input's dtype, as TE's kernels do.
+With ``zero_centered_gamma`` the stored gamma is zero-initialised and the scale
+applied is ``1 + gamma``, which keeps weight decay from pulling the scale to 0.
+"""
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from ._common import check_positive_int, resolve_dtype
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+
+def check_normalization(normalization: str) -> None:
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(
+            f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}"
+        )
+
+
+def apply_norm(
+    x: torch.Tensor,
+    normalization: str,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    eps: float,
+    zero_centered_gamma: bool,
+) -> torch.Tensor:
+    """Normalize the last dimension of ``x``; ``bias`` is None for RMSNorm."""
+    gamma = weight.float()
+    if zero_centered_gamma:
+        gamma = gamma + 1.0
+    xf = x.float()
+    shape = (x.shape[-1],)
+    if normalization == "LayerNorm":
+        out = F.layer_norm(xf, shape, gamma, bias.float() if bias is not None else None, eps)
+    else:
+        out = F.rms_norm(xf, shape, gamma, eps)
+    return out.to(x.dtype)
+
+
+def make_norm_params(
+    hidden_size: int,
+    normalization: str,
+    zero_centered_gamma: bool,
+    params_dtype: Optional[torch.dtype],
+    device: Union[torch.device, str, None],
+):
+    """(weight, bias) parameters of a norm; bias is None for RMSNorm."""
+    check_normalization(normalization)
+    check_positive_int(hidden_size, "hidden_size")
+    dtype = resolve_dtype(params_dtype)
+    fill = torch.zeros if zero_centered_gamma else torch.ones
+    weight = torch.nn.Parameter(fill(hidden_size, dtype=dtype, device=device))
+    bias = None
+    if normalization == "LayerNorm":
+        bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device))
+    return weight, bias
+
+
+class _Norm(torch.nn.Module):
+    normalization = "LayerNorm"
+
+    def __init__(
+        self,
+        hidden_size: Optional[int] = None,
+        eps: float = 1e-5,
+        sequence_parallel: Optional[bool] = None,  # accepted for TE compatibility; no TP here
+        params_dtype: Optional[torch.dtype] = None,
+        zero_centered_gamma: bool = False,
+        device: Union[torch.device, str] = "cuda",
+        *,
+        normalized_shape: Optional[int] = None,  # newer TE's name for hidden_size
+        dtype: Optional[torch.dtype] = None,  # newer TE's name for params_dtype
+    ) -> None:
+        super().__init__()
+        if (hidden_size is None) == (normalized_shape is None):
+            raise TypeError("pass exactly one of hidden_size and normalized_shape")
+        if hidden_size is None:
+            hidden_size = normalized_shape
+        if isinstance(hidden_size, (tuple, list, torch.Size)):
+            if len(hidden_size) != 1:
+                raise ValueError(
+                    f"hidden_size must be an int or a 1-element shape, got {tuple(hidden_size)}"
+                )
+            hidden_size = int(hidden_size[0])
+        if params_dtype is not None and dtype is not None:
+            raise TypeError("pass at most one of params_dtype and dtype")
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.zero_centered_gamma = zero_centered_gamma
+        self.sequence_parallel = sequence_parallel
+        weight, bias = make_norm_params(
+            hidden_size, self.normalization, zero_centered_gamma, params_dtype or dtype, device
+        )
+        self.weight = weight
+        if bias is not None:
+            self.bias = bias
+        else:
+            self.register_parameter("bias", None)
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
+            if self.bias is not None:
+                self.bias.zero_()
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        return apply_norm(
+            inp, self.normalization, self.weight, self.bias, self.eps, self.zero_centered_gamma
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.hidden_size}, eps={self.eps}, zero_centered_gamma={self.zero_centered_gamma}"
+        )
+
+
+class LayerNorm(_Norm):
+    r"""y = (x - E[x]) / sqrt(Var[x] + eps) * gamma + beta  (gamma -> 1 + gamma if zero_centered_gamma)."""
+
+    normalization = "LayerNorm"
+
+
+class RMSNorm(_Norm):
+    r"""y = x / sqrt(mean(x^2) + eps) * gamma  (gamma -> 1 + gamma if zero_centered_gamma)."""
+
+    normalization = "RMSNorm"

@@ -1,0 +1,253 @@
+"""Linear, LayerNormLinear and LayerNormMLP with TransformerEngine's arguments and parameter names.
+
+Parameter names follow TE so state dicts line up: ``weight``/``bias``; with ``parameters_split``
+one ``<name>_weight``/``<name>_bias`` per split (e.g. ``query_weight``); the norm of the fused
+modules is ``layer_norm_weight``/``layer_norm_bias``; the MLP has ``fc1_*`` and ``fc2_*``.
+"""
+from collections import OrderedDict
+from typing import Callable, List, Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+
+from ._common import (
+    check_positive_int,
+    check_te_only_kwargs,
+    default_init_method,
+    pack_outputs,
+    resolve_dtype,
+)
+from .activations import get_activation
+from .layernorm import apply_norm, make_norm_params
+
+
+def _split_sizes(parameters_split, out_features: int) -> List[Tuple[str, int]]:
+    """TE's parameters_split: a tuple of names (equal split) or a dict name -> size."""
+    if parameters_split is None:
+        return [("", out_features)]
+    if isinstance(parameters_split, (tuple, list)):
+        if len(parameters_split) == 0 or out_features % len(parameters_split) != 0:
+            raise ValueError(
+                f"parameters_split {tuple(parameters_split)} must split out_features="
+                f"{out_features} into equal parts"
+            )
+        size = out_features // len(parameters_split)
+        splits = [(name, size) for name in parameters_split]
+    elif isinstance(parameters_split, dict):
+        splits = list(parameters_split.items())
+        if sum(size for _, size in splits) != out_features:
+            raise ValueError(
+                f"parameters_split sizes {dict(splits)} must add up to out_features={out_features}"
+            )
+    else:
+        raise TypeError("parameters_split must be None, a tuple of names or a dict of sizes")
+    return [(name.rstrip("_") + "_", size) for name, size in splits]
+
+
+class Linear(torch.nn.Module):
+    """y = x W^T + b, TE's ``Linear`` on a single device."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        init_method: Optional[Callable] = None,
+        bias: bool = True,
+        return_bias: bool = False,
+        params_dtype: Optional[torch.dtype] = None,
+        parameters_split: Optional[Union[Tuple[str, ...], "OrderedDict[str, int]"]] = None,
+        device: Union[torch.device, str] = "cuda",
+        **te_kwargs,
+    ) -> None:
+        super().__init__()
+        check_te_only_kwargs(te_kwargs, type(self).__name__)
+        check_positive_int(in_features, "in_features")
+        check_positive_int(out_features, "out_features")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.use_bias = bias
+        self.return_bias = return_bias
+        dtype = resolve_dtype(params_dtype)
+        init_method = init_method if init_method is not None else default_init_method()
+
+        # Init the whole weight, then split it: an init that depends on the shape
+        # (e.g. xavier) sees the same matrix TE's does.
+        weight = torch.empty(out_features, in_features, dtype=dtype, device=device)
+        init_method(weight)
+        self._weight_names, self._bias_names = [], []
+        start = 0
+        for prefix, size in _split_sizes(parameters_split, out_features):
+            self._weight_names.append(prefix + "weight")
+            self.register_parameter(
+                prefix + "weight", torch.nn.Parameter(weight[start : start + size].clone())
+            )
+            if bias:
+                self._bias_names.append(prefix + "bias")
+                self.register_parameter(
+                    prefix + "bias",
+                    torch.nn.Parameter(torch.zeros(size, dtype=dtype, device=device)),
+                )
+            start += size
+        if not bias and parameters_split is None:
+            self.register_parameter("bias", None)
+
+    def _cat(self, names: List[str]) -> Optional[torch.Tensor]:
+        if not names:
+            return None
+        tensors = [getattr(self, n) for n in names]
+        return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+
+    def full_weight(self) -> torch.Tensor:
+        """The [out_features, in_features] weight, splits concatenated."""
+        return self._cat(self._weight_names)
+
+    def full_bias(self) -> Optional[torch.Tensor]:
+        return self._cat(self._bias_names)
+
+    def _project(self, inp: torch.Tensor):
+        """(x W^T [+ b], bias) where the bias is returned, not added, if return_bias."""
+        bias = self.full_bias()
+        if self.return_bias:
+            out = F.linear(inp, self.full_weight())
+            return out, (bias.to(out.dtype) if bias is not None else None)
+        return F.linear(inp, self.full_weight(), bias), None
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, **_):
+        out, bias = self._project(inp)
+        return pack_outputs(out, bias, return_bias=self.return_bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.use_bias}"
+
+
+class LayerNormLinear(Linear):
+    """Norm then Linear, TE's ``LayerNormLinear``."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        eps: float = 1e-5,
+        init_method: Optional[Callable] = None,
+        bias: bool = True,
+        normalization: str = "LayerNorm",
+        return_bias: bool = False,
+        params_dtype: Optional[torch.dtype] = None,
+        return_layernorm_output: bool = False,
+        parameters_split: Optional[Union[Tuple[str, ...], "OrderedDict[str, int]"]] = None,
+        zero_centered_gamma: bool = False,
+        device: Union[torch.device, str] = "cuda",
+        **te_kwargs,
+    ) -> None:
+        super().__init__(
+            in_features,
+            out_features,
+            init_method=init_method,
+            bias=bias,
+            return_bias=return_bias,
+            params_dtype=params_dtype,
+            parameters_split=parameters_split,
+            device=device,
+            **te_kwargs,
+        )
+        self.eps = eps
+        self.normalization = normalization
+        self.zero_centered_gamma = zero_centered_gamma
+        self.return_layernorm_output = return_layernorm_output
+        self.layer_norm_weight, layer_norm_bias = make_norm_params(
+            in_features, normalization, zero_centered_gamma, params_dtype, device
+        )
+        self.register_parameter("layer_norm_bias", layer_norm_bias)
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, **_):
+        ln_out = apply_norm(
+            inp,
+            self.normalization,
+            self.layer_norm_weight,
+            self.layer_norm_bias,
+            self.eps,
+            self.zero_centered_gamma,
+        )
+        out, bias = self._project(ln_out)
+        return pack_outputs(out, bias, ln_out, self.return_bias, self.return_layernorm_output)
+
+
+class LayerNormMLP(torch.nn.Module):
+    """Norm -> FC1 -> activation -> FC2, TE's ``LayerNormMLP``.
+
+    For gated activations (geglu, reglu, swiglu, ...) FC1 has 2 * ffn_hidden_size outputs.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        eps: float = 1e-5,
+        return_bias: bool = False,
+        init_method: Optional[Callable] = None,
+        bias: bool = True,
+        normalization: str = "LayerNorm",
+        activation: str = "gelu",
+        output_layer_init_method: Optional[Callable] = None,
+        params_dtype: Optional[torch.dtype] = None,
+        return_layernorm_output: bool = False,
+        zero_centered_gamma: bool = False,
+        device: Union[torch.device, str] = "cuda",
+        **te_kwargs,
+    ) -> None:
+        super().__init__()
+        check_te_only_kwargs(te_kwargs, type(self).__name__)
+        check_positive_int(hidden_size, "hidden_size")
+        check_positive_int(ffn_hidden_size, "ffn_hidden_size")
+        self.activation_fn, gated = get_activation(activation)
+        self.activation = activation
+        self.hidden_size = hidden_size
+        self.ffn_hidden_size = ffn_hidden_size
+        self.eps = eps
+        self.normalization = normalization
+        self.zero_centered_gamma = zero_centered_gamma
+        self.return_bias = return_bias
+        self.return_layernorm_output = return_layernorm_output
+        self.use_bias = bias
+
+        self.layer_norm_weight, layer_norm_bias = make_norm_params(
+            hidden_size, normalization, zero_centered_gamma, params_dtype, device
+        )
+        self.register_parameter("layer_norm_bias", layer_norm_bias)
+        fc1_out = 2 * ffn_hidden_size if gated else ffn_hidden_size
+        # Reuse Linear for parameter creation; keep TE's flat fc1_*/fc2_* names on this module.
+        fc1 = Linear(hidden_size, fc1_out, init_method, bias, params_dtype=params_dtype, device=device)
+        fc2 = Linear(
+            ffn_hidden_size,
+            hidden_size,
+            output_layer_init_method,
+            bias,
+            params_dtype=params_dtype,
+            device=device,
+        )
+        for prefix, linear in (("fc1_", fc1), ("fc2_", fc2)):
+            self.register_parameter(prefix + "weight", linear.weight)
+            self.register_parameter(prefix + "bias", linear.bias)
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, **_):
+        ln_out = apply_norm(
+            inp,
+            self.normalization,
+            self.layer_norm_weight,
+            self.layer_norm_bias,
+            self.eps,
+            self.zero_centered_gamma,
+        )
+        hidden = self.activation_fn(F.linear(ln_out, self.fc1_weight, self.fc1_bias))
+        if self.return_bias:
+            out = F.linear(hidden, self.fc2_weight)
+            bias = self.fc2_bias.to(out.dtype) if self.fc2_bias is not None else None
+        else:
+            out, bias = F.linear(hidden, self.fc2_weight, self.fc2_bias), None
+        return pack_outputs(out, bias, ln_out, self.return_bias, self.return_layernorm_output)
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
+            f"activation={self.activation!r}, normalization={self.normalization!r}"
+        )
