@@ -75,6 +75,10 @@ class AttentionParams:
             self.is_causal and self.window_size == (-1, 0)
         )
 
+    def fields(self) -> tuple:
+        """The field values in order: ``AttentionParams(*p.fields()) == p``."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
     def as_log_dict(self) -> dict:
         """Fields as plain values, for the `Running with config=...` log line."""
         out = {}

@@ -27,26 +27,31 @@ SWITCHES = {
     unfused.NAME: "NVTE_UNFUSED_ATTN",
 }
 _LOG_LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG}
-_cache: Dict[tuple, ModuleType] = {}
+_BACKENDS_BY_NAME = {b.NAME: b for b in ALL_BACKENDS}
+_cache: Dict[tuple, str] = {}
 _CACHE_LIMIT = 1024
+_log_level_set = None  # the level last applied to the logger (plain global: cheap to trace)
 
 
 def _env_flag(name: str, default: str = "1") -> bool:
     return os.getenv(name, default) != "0"
 
 
-def configure_logging() -> int:
-    """Applies NVTE_DEBUG / NVTE_DEBUG_LEVEL to the logger; returns the level in force."""
+def log_level() -> int:
+    """The level NVTE_DEBUG / NVTE_DEBUG_LEVEL ask for (TE: their product, 0/1/2)."""
     debug = int(os.getenv("NVTE_DEBUG", "0"))
-    level = _LOG_LEVELS.get(debug * int(os.getenv("NVTE_DEBUG_LEVEL", "0")), logging.DEBUG)
-    if logger.level != level:
-        logger.setLevel(level)
+    return _LOG_LEVELS.get(debug * int(os.getenv("NVTE_DEBUG_LEVEL", "0")), logging.DEBUG)
+
+
+def _configure_logging(level: int) -> None:
+    global _log_level_set
     if not logger.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("[%(levelname)-8s | %(name)-19s]: %(message)s"))
         logger.addHandler(handler)
         logger.propagate = False
-    return level
+    logger.setLevel(level)
+    _log_level_set = level
 
 
 def deterministic_requested() -> bool:
@@ -79,7 +84,7 @@ def _version() -> str:
     return __version__
 
 
-def _decide(params: AttentionParams, enabled: Dict[str, bool]) -> ModuleType:
+def _decide(params: AttentionParams, enabled: Dict[str, bool]) -> str:
     logger.debug("Running with config=%s", _run_config(params))
     reasons: Dict[str, List[str]] = {}
     for backend in ALL_BACKENDS:
@@ -96,24 +101,33 @@ def _decide(params: AttentionParams, enabled: Dict[str, bool]) -> ModuleType:
     for backend in preference_order(params):
         if available[backend.NAME]:
             logger.info("Selected backend = %s", backend.NAME)
-            return backend
+            return backend.NAME
     details = "; ".join(f"{name}: {', '.join(r)}" for name, r in reasons.items())
     raise ValueError(
         f"No dot product attention backend is available for the provided inputs. {details}")
 
 
-def select_backend(params: AttentionParams) -> ModuleType:
-    """The backend module to run ``params`` with (cached; raises ValueError if none)."""
-    level = configure_logging()
-    enabled = {name: _env_flag(var) for name, var in SWITCHES.items()}
-    key = (params, tuple(enabled.values()), level)
-    backend = _cache.get(key)
-    if backend is None:
-        backend = _decide(params, enabled)
+@torch.compiler.assume_constant_result
+def _select_name(fields: tuple, enabled: Tuple[bool, ...], level: int) -> str:
+    # Under torch.compile this runs once at trace time and its answer is baked into the graph
+    # (which is why it takes plain tuples: those are constants to the tracer).
+    key = (fields, enabled, level)
+    name = _cache.get(key)
+    if name is None:
+        params = AttentionParams(*fields)
+        if level != _log_level_set:
+            _configure_logging(level)
+        name = _decide(params, dict(zip(SWITCHES, enabled)))
         if len(_cache) >= _CACHE_LIMIT:
             _cache.clear()
-        _cache[key] = backend
-    return backend
+        _cache[key] = name
+    return name
+
+
+def select_backend(params: AttentionParams) -> ModuleType:
+    """The backend module to run ``params`` with (cached; raises ValueError if none)."""
+    enabled = tuple(_env_flag(var) for var in SWITCHES.values())
+    return _BACKENDS_BY_NAME[_select_name(params.fields(), enabled, log_level())]
 
 
 def clear_cache() -> None:

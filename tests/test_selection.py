@@ -1,0 +1,211 @@
+"""Backend selection, env switches, TE-style logs, bad input, torch.compile."""
+import logging
+
+import pytest
+import torch
+
+import transformer_fa as tfa
+from transformer_fa.attention import selection
+
+
+class Capture(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def log_lines():
+    handler = Capture()
+    logger = logging.getLogger("DotProductAttention")
+    logger.addHandler(handler)
+    yield handler.lines
+    logger.removeHandler(handler)
+
+
+def qkv(s=6, b=2, h=2, d=8, **kw):
+    return [torch.randn(s, b, h, d, **kw) for _ in range(3)]
+
+
+def test_cpu_selects_unfused_and_logs_te_lines(monkeypatch, log_lines):
+    monkeypatch.setenv("NVTE_DEBUG", "1")
+    monkeypatch.setenv("NVTE_DEBUG_LEVEL", "2")
+    dpa = tfa.DotProductAttention(2, 8)
+    dpa(*qkv())
+    assert dpa.last_backend == "UnfusedDotProductAttention"
+    assert any(line.startswith("Running with config=") and "'qkv_layout': 'sbhd_sbhd_sbhd'" in line
+               for line in log_lines)
+    assert any(line.startswith("Disabling FlashAttention as it requires CUDA") for line in log_lines)
+    assert any(line.startswith("Disabling FusedAttention ") for line in log_lines)
+    assert ("Available backends = {FlashAttention=False, FusedAttention=False, "
+            "UnfusedDotProductAttention=True}") in log_lines
+    assert "Selected backend = UnfusedDotProductAttention" in log_lines
+
+
+def test_log_level_follows_env_on_every_call(monkeypatch, log_lines):
+    dpa = tfa.DotProductAttention(2, 8)
+    dpa(*qkv())
+    assert log_lines == []  # NVTE_DEBUG unset: warnings only
+    monkeypatch.setenv("NVTE_DEBUG", "1")
+    monkeypatch.setenv("NVTE_DEBUG_LEVEL", "1")
+    dpa(*qkv())
+    assert log_lines == ["Selected backend = UnfusedDotProductAttention"]
+
+
+def test_switch_off_removes_backend_and_error_names_reasons(monkeypatch, log_lines):
+    monkeypatch.setenv("NVTE_DEBUG", "1")
+    monkeypatch.setenv("NVTE_DEBUG_LEVEL", "2")
+    monkeypatch.setenv("NVTE_UNFUSED_ATTN", "0")
+    dpa = tfa.DotProductAttention(2, 8)
+    with pytest.raises(ValueError, match="No dot product attention backend is available for the "
+                                         "provided inputs.*NVTE_UNFUSED_ATTN=0"):
+        dpa(*qkv())
+    assert "Disabling UnfusedDotProductAttention due to NVTE_UNFUSED_ATTN=0" in log_lines
+    monkeypatch.setenv("NVTE_UNFUSED_ATTN", "1")  # read again on the next call
+    dpa(*qkv())
+    assert dpa.last_backend == "UnfusedDotProductAttention"
+
+
+def test_decision_is_cached_per_params(monkeypatch):
+    calls = []
+    real = selection._decide
+    monkeypatch.setattr(selection, "_decide", lambda p, e: calls.append(p) or real(p, e))
+    dpa = tfa.DotProductAttention(2, 8)
+    for _ in range(3):
+        dpa(*qkv())
+    assert len(calls) == 1
+    dpa(*qkv(s=7))
+    assert len(calls) == 2
+
+
+def test_deterministic_flag(monkeypatch):
+    seen = []
+    real = selection._decide
+    monkeypatch.setattr(selection, "_decide", lambda p, e: seen.append(p) or real(p, e))
+    dpa = tfa.DotProductAttention(2, 8)
+    dpa(*qkv())
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+    dpa(*qkv())
+    assert [p.deterministic for p in seen] == [False, True]
+
+
+def test_dropout_only_in_training_params(monkeypatch):
+    seen = []
+    real = selection._decide
+    monkeypatch.setattr(selection, "_decide", lambda p, e: seen.append(p) or real(p, e))
+    dpa = tfa.DotProductAttention(2, 8, attention_dropout=0.2)
+    dpa(*qkv())
+    dpa.eval()
+    dpa(*qkv())
+    assert [p.attention_dropout for p in seen] == [0.2, 0.0]
+
+
+BAD_INPUTS = [
+    ("rank", lambda: [torch.randn(6, 2, 16)] * 3, {}, ValueError, "query_layer must have 4 dims"),
+    ("heads", lambda: qkv(h=3), {}, ValueError, "num_attention_heads=2"),
+    ("kv heads", lambda: [torch.randn(6, 2, 2, 8), torch.randn(6, 2, 1, 8), torch.randn(6, 2, 1, 8)],
+     {}, ValueError, "num_gqa_groups=2"),
+    ("head dim", lambda: qkv(d=4), {}, ValueError, "kv_channels=8"),
+    ("dtype", lambda: [torch.randn(6, 2, 2, 8), torch.randn(6, 2, 2, 8).double(),
+                       torch.randn(6, 2, 2, 8)], {}, TypeError, "key_layer dtype"),
+    ("int", lambda: [torch.ones(6, 2, 2, 8, dtype=torch.int64)] * 3, {}, TypeError, "floating point"),
+    ("last stride", lambda: [torch.randn(6, 2, 8, 2).transpose(-1, -2)] * 3, {}, ValueError,
+     "stride 1 in its last"),
+    ("device", lambda: [torch.randn(6, 2, 2, 8), torch.randn(6, 2, 2, 8, device="meta"),
+                        torch.randn(6, 2, 2, 8)], {}, ValueError, "key_layer is on meta"),
+    ("not tensor", lambda: [torch.randn(6, 2, 2, 8), [1.0], torch.randn(6, 2, 2, 8)], {}, TypeError,
+     "key_layer must be a torch.Tensor"),
+    ("format", lambda: qkv(), {"qkv_format": "bhsd"}, ValueError, "qkv_format must be one of"),
+    ("mask type", lambda: qkv(), {"attn_mask_type": "diagonal"}, ValueError, "attn_mask_type must"),
+    ("window", lambda: qkv(), {"attn_mask_type": "no_mask", "window_size": (-2, 0)}, ValueError,
+     "window_size entries"),
+    ("mask unused", lambda: qkv(), {"attention_mask": torch.zeros(2, 1, 1, 6, dtype=torch.bool)},
+     ValueError, "does not use it"),
+    ("padding mask shape", lambda: qkv(), {"attn_mask_type": "padding",
+                                           "attention_mask": torch.zeros(2, 1, 6, dtype=torch.bool)},
+     ValueError, "shape \\[b, 1, 1, s\\]"),
+    ("left padded", lambda: qkv(), {"attn_mask_type": "padding", "attention_mask":
+                                    torch.tensor([True] + [False] * 5).expand(2, 1, 1, 6)},
+     ValueError, "right-padded"),
+    ("arbitrary needs mask", lambda: qkv(), {"attn_mask_type": "arbitrary"}, TypeError,
+     "needs attention_mask"),
+    ("bias missing", lambda: qkv(), {"core_attention_bias_type": "post_scale_bias"}, TypeError,
+     "needs core_attention_bias"),
+    ("bias shape", lambda: qkv(), {"core_attention_bias_type": "post_scale_bias",
+                                   "core_attention_bias": torch.zeros(1, 2, 6, 5)}, ValueError,
+     "core_attention_bias must have shape"),
+    ("bias type", lambda: qkv(), {"core_attention_bias_type": "bias"}, ValueError,
+     "core_attention_bias_type must be one of"),
+    ("alibi dtype", lambda: qkv(), {"core_attention_bias_type": "alibi",
+                                    "alibi_slopes": torch.ones(2, dtype=torch.float64)}, TypeError,
+     "alibi_slopes must be a float32"),
+    ("inference", lambda: qkv(), {"inference_params": object()}, ValueError, "inference_params"),
+]
+
+
+@pytest.mark.parametrize("name,make,kwargs,error,match", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_is_named(name, make, kwargs, error, match):
+    dpa = tfa.DotProductAttention(2, 8)
+    with pytest.raises(error, match=match):
+        dpa(*make(), **kwargs)
+
+
+def thd_inputs(t=9):
+    return [torch.randn(t, 2, 8) for _ in range(3)]
+
+
+@pytest.mark.parametrize("cu,error,match", [
+    (None, ValueError, "cu_seqlens_q is required"),
+    (torch.tensor([0, 4, 9], dtype=torch.int64), TypeError, "cu_seqlens_q must be int32"),
+    (torch.tensor([[0, 4, 9]], dtype=torch.int32), ValueError, "cu_seqlens_q must be 1-D"),
+    (torch.tensor([0, 5, 4], dtype=torch.int32), ValueError, "never decrease"),
+    (torch.tensor([1, 4, 9], dtype=torch.int32), ValueError, "start at 0"),
+    (torch.tensor([0, 4, 12], dtype=torch.int32), ValueError, "has only 9 tokens"),
+])
+def test_bad_cu_seqlens(cu, error, match):
+    dpa = tfa.DotProductAttention(2, 8, qkv_format="thd")
+    good = torch.tensor([0, 4, 9], dtype=torch.int32)
+    with pytest.raises(error, match=match):
+        dpa(*thd_inputs(), cu_seqlens_q=cu, cu_seqlens_kv=good)
+
+
+def test_max_seqlen_too_small():
+    dpa = tfa.DotProductAttention(2, 8, qkv_format="thd")
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    with pytest.raises(ValueError, match="max_seqlen_q=3 is less than the longest sequence"):
+        dpa(*thd_inputs(), cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=3)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"num_attention_heads": 6, "kv_channels": 8, "num_gqa_groups": 4}, "divisible"),
+    ({"num_attention_heads": 0, "kv_channels": 8}, "num_attention_heads must be a positive"),
+    ({"num_attention_heads": 2, "kv_channels": (8, 8, 8)}, "kv_channels must be"),
+    ({"num_attention_heads": 2, "kv_channels": 8, "attention_dropout": 1.5}, "attention_dropout"),
+    ({"num_attention_heads": 2, "kv_channels": 8, "attention_type": "both"}, "attention_type"),
+])
+def test_bad_constructor_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        tfa.DotProductAttention(**kwargs)
+
+
+def test_torch_compile_matches_eager():
+    torch._dynamo.reset()
+    dpa = tfa.DotProductAttention(2, 8, qkv_format="bshd", attn_mask_type="causal")
+    q, k, v = (torch.randn(2, 6, 2, 8, requires_grad=True) for _ in range(3))
+    compiled = torch.compile(dpa, backend="eager", fullgraph=True)
+    out = compiled(q, k, v)
+    torch.testing.assert_close(out, dpa(q, k, v))
+    out.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_torch_compile_with_packed_views_copies_and_stays_right():
+    torch._dynamo.reset()
+    dpa = tfa.DotProductAttention(2, 8, attn_mask_type="no_mask")
+    qkv_buf = torch.randn(6, 2, 3, 2, 8)
+    q, k, v = qkv_buf.unbind(2)
+    out = torch.compile(dpa, backend="eager", fullgraph=True)(q, k, v)
+    torch.testing.assert_close(out, dpa(q, k, v))
