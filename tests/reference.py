@@ -25,35 +25,37 @@ def allowed(i, j, sq, skv, mask_type, window):
 
 
 def attention_one(q, k, v, mask_type="no_mask", window=(-1, -1), scale=None, bias=None,
-                  alibi_slopes=None, arbitrary=None, pre_scale_bias=False):
+                  alibi_slopes=None, arbitrary=None, pre_scale_bias=False, dtype=torch.float64):
     """q [sq, h, d], k/v [skv, hkv, d(v)] (one sequence, actual lengths) -> [sq, h, dv].
 
     bias: [h|1, sq, skv]; alibi_slopes: [h]; arbitrary: bool [h|1, sq, skv], True = masked.
-    Computed in float64. Rows with nothing to attend give zeros.
+    Computed in ``dtype`` (float64 for the reference; the input dtype gives the error of the
+    plain math in that precision, the yardstick of the FlashAttention error rule).
+    Rows with nothing to attend give zeros.
     """
-    q, k, v = q.double(), k.double(), v.double()
+    q, k, v = q.cpu().to(dtype), k.cpu().to(dtype), v.cpu().to(dtype)
     sq, h, d = q.shape
     skv, hkv = k.shape[:2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    out = torch.zeros(sq, h, v.shape[-1], dtype=torch.float64)
+    out = torch.zeros(sq, h, v.shape[-1], dtype=dtype)
     top_left = mask_type in ("causal", "padding_causal")
     for head in range(h):
         kv_head = head // (h // hkv)
         s = q[:, head] @ k[:, kv_head].T
         if bias is not None and pre_scale_bias:
-            s = s + bias[head % bias.shape[0]].double()
+            s = s + bias[head % bias.shape[0]].cpu().to(dtype)
         s = s * scale
         if bias is not None and not pre_scale_bias:
-            s = s + bias[head % bias.shape[0]].double()
+            s = s + bias[head % bias.shape[0]].cpu().to(dtype)
         if alibi_slopes is not None:
             off = 0 if top_left else skv - sq
             dist = torch.tensor([[abs(i + off - j) for j in range(skv)] for i in range(sq)],
-                                dtype=torch.float64)
+                                dtype=dtype)
             s = s - float(alibi_slopes[head]) * dist
         keep = torch.tensor([[allowed(i, j, sq, skv, mask_type, window) for j in range(skv)]
                              for i in range(sq)], dtype=torch.bool)
         if arbitrary is not None:
-            keep &= ~arbitrary[head % arbitrary.shape[0]]
+            keep &= ~arbitrary[head % arbitrary.shape[0]].cpu()
         for i in range(sq):
             if keep[i].any():
                 p = torch.softmax(s[i].masked_fill(~keep[i], float("-inf")), -1)

@@ -18,7 +18,8 @@ GQA = [(4, 4), (4, 2), (4, 1)]
 
 
 def run_case(qkv_format, mask_type, window, heads, groups, dtype=torch.float32, dq=8, dv=8,
-             lens_q=(7, 3), lens_kv=(5, 9), grad=False, bias_type="no_bias", seed=0):
+             lens_q=(7, 3), lens_kv=(5, 9), grad=False, bias_type="no_bias", seed=0,
+             device="cpu"):
     """Runs DotProductAttention on one case; returns (per-seq outputs, padding rows, refs)."""
     gen = torch.Generator().manual_seed(seed)
     q_fmt, kv_fmt = qkv_format.split("_2") if "_2" in qkv_format else (qkv_format,) * 2
@@ -29,37 +30,38 @@ def run_case(qkv_format, mask_type, window, heads, groups, dtype=torch.float32, 
     qs = make_sequences(lens_q, heads, dq, dtype, gen)
     ks = make_sequences(lens_kv, groups, dq, dtype, gen)
     vs = make_sequences(lens_kv, groups, dv, dtype, gen)
-    q, k, v = to_format(qs, q_fmt, gen=gen), to_format(ks, kv_fmt, gen=gen), to_format(vs, kv_fmt, gen=gen)
-    for t in (q, k, v):
-        t.requires_grad_(grad)
+    q, k, v = (to_format(seqs, fmt, gen=gen).to(device).requires_grad_(grad)
+               for seqs, fmt in ((qs, q_fmt), (ks, kv_fmt), (vs, kv_fmt)))
     kwargs = {}
     if "thd" in qkv_format or "padding" in mask_type:
-        kwargs.update(cu_seqlens_q=cu_seqlens(lens_q), cu_seqlens_kv=cu_seqlens(lens_kv))
+        kwargs.update(cu_seqlens_q=cu_seqlens(lens_q).to(device),
+                      cu_seqlens_kv=cu_seqlens(lens_kv).to(device))
     arbitrary = None
     if mask_type == "arbitrary":
         arbitrary = torch.rand(b, heads, sq, skv, generator=gen) < 0.3
-        kwargs["attention_mask"] = arbitrary
+        kwargs["attention_mask"] = arbitrary.to(device)
     bias = slopes = None
     if bias_type in ("post_scale_bias", "pre_scale_bias"):
         bias = torch.randn(1, heads, sq, skv, generator=gen)
-        kwargs["core_attention_bias"] = bias
+        kwargs["core_attention_bias"] = bias.to(device)
     if bias_type == "alibi":
         slopes = torch.rand(heads, generator=gen)
-        kwargs["alibi_slopes"] = slopes
+        kwargs["alibi_slopes"] = slopes.to(device)
     dpa = tfa.DotProductAttention(heads, (dq, dv), num_gqa_groups=groups, qkv_format=qkv_format,
                                   attn_mask_type=mask_type, window_size=window)
     out = dpa(q, k, v, core_attention_bias_type=bias_type, **kwargs)
     assert dpa.last_backend == "UnfusedDotProductAttention"
-    outs, pad = output_rows(out, q_fmt, lens_q, heads)
+    outs, pad = output_rows(out.cpu(), q_fmt, lens_q, heads)
     win = check_set_window_size(mask_type, window)
 
-    def reference(i, qi, ki, vi):
-        """The float64 reference for sequence i, from its own q, k, v."""
+    def reference(i, qi, ki, vi, dtype=torch.float64):
+        """The reference for sequence i, from its own q, k, v (float64 unless told)."""
         return attention_one(
             qi, ki, vi, mask_type, win,
             bias=None if bias is None else bias[0, :, : lens_q[i], : lens_kv[i]],
             pre_scale_bias=bias_type == "pre_scale_bias", alibi_slopes=slopes,
-            arbitrary=None if arbitrary is None else arbitrary[i, :, : lens_q[i], : lens_kv[i]])
+            arbitrary=None if arbitrary is None else arbitrary[i, :, : lens_q[i], : lens_kv[i]],
+            dtype=dtype)
 
     refs = [reference(i, *seq) for i, seq in enumerate(zip(qs, ks, vs))]
     return dict(out=out, outs=outs, pad=pad, refs=refs, inputs=(q, k, v), seqs=(qs, ks, vs),
