@@ -66,15 +66,14 @@ def _contiguous_strides(shape: Sequence[int]) -> List[int]:
 
 
 def _is_packed(tensors: Sequence[torch.Tensor], heads_first: bool) -> bool:
-    """Are ``tensors`` the n slices of one dense buffer packed along a new dim?
+    """Are ``tensors`` (known to share one storage) the n slices of one dense buffer packed
+    along a new dim?
 
     heads_first=False: buffer [outer..., n, h, d] (the ``3hd`` / ``2hd`` layouts);
     heads_first=True: buffer [outer..., h, n, d] (the ``h3d`` / ``h2d`` layouts).
     """
     first = tensors[0]
     if any(t.shape != first.shape or t.dtype != first.dtype for t in tensors[1:]):
-        return False
-    if not _shares_storage(tensors):
         return False
     n = len(tensors)
     outer, (h, d) = list(first.shape[:-2]), first.shape[-2:]
@@ -105,12 +104,13 @@ def detect_qkv_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       qkv_format: str = "sbhd") -> Optional[str]:
     """The layout q, k, v are exactly in, or None if they match none of them."""
     q_format, kv_format = split_qkv_format(qkv_format)
-    compiling = torch.compiler.is_compiling()
+    # Storage identity cannot be inspected while tracing: only the separate-tensor layout is
+    # proven there (packed views get copied, which is correct, not fast).
+    kv_packable = not torch.compiler.is_compiling() and _shares_storage([k, v])
+    qkv_packable = kv_packable and _shares_storage([q, k])
     for layout in candidate_layouts(q_format, kv_format):
-        packed = "3" in layout or "2" in layout.split("_", 1)[-1]
-        if compiling and packed:
-            # Storage identity cannot be inspected while tracing: only the separate-tensor
-            # layout is proven there (packed views get copied, which is correct, not fast).
+        n_packed = 3 if "3" in layout else (2 if "2" in layout.split("_", 1)[-1] else 0)
+        if (n_packed == 3 and not qkv_packable) or (n_packed == 2 and not kv_packable):
             continue
         if _matches(layout, q, k, v):
             return layout
