@@ -37,10 +37,11 @@ _QK_NORMS = {"RMSNorm": RMSNorm, "LayerNorm": LayerNorm}
 def split_grouped_heads(
     mixed: torch.Tensor, parts: Sequence[int], num_groups: int, head_dim: int, interleaved: bool
 ) -> Tuple[torch.Tensor, ...]:
-    """Split a fused projection ``[..., sum(parts) * num_groups * head_dim]`` into ``[..., heads, d]`` tensors.
+    """Split a fused ``[..., sum(parts) * num_groups * head_dim]`` projection into ``[..., h, d]``.
 
     ``parts`` counts heads per group for each output: ``(np/ng, 1, 1)`` for q, k, v, or ``(1, 1)``
-    for k, v. ``interleaved`` reads the last dim as ``[groups, parts, d]``, else ``[parts, groups, d]``.
+    for k, v. ``interleaved`` reads the last dim as ``[groups, parts, d]``, else as
+    ``[parts, groups, d]``.
     The results are views of ``mixed`` where the layout allows it (no copy).
     """
     lead = mixed.shape[:-1]
@@ -197,8 +198,9 @@ class MultiheadAttention(torch.nn.Module):
         self.q_norm = self.k_norm = None
         if qk_norm_type is not None:
             norm_cls = _QK_NORMS[qk_norm_type]
-            self.q_norm = norm_cls(kv_channels, eps=qk_norm_eps, params_dtype=self.params_dtype, device=device)
-            self.k_norm = norm_cls(kv_channels, eps=qk_norm_eps, params_dtype=self.params_dtype, device=device)
+            norm_args = dict(eps=qk_norm_eps, params_dtype=self.params_dtype, device=device)
+            self.q_norm = norm_cls(kv_channels, **norm_args)
+            self.k_norm = norm_cls(kv_channels, **norm_args)
 
         self.core_attention = DotProductAttention(
             num_attention_heads,
@@ -275,7 +277,7 @@ class MultiheadAttention(torch.nn.Module):
         fast_zero_fill: bool = True,
         pad_between_seqs: Optional[bool] = None,
     ):
-        """hidden_states: ``[s, b, hidden]`` (sbhd), ``[b, s, hidden]`` (bshd) or ``[t, hidden]`` (thd).
+        """hidden_states: ``[s, b, hidden]`` (sbhd), ``[b, s, hidden]`` (bshd) or ``[t, hidden]``.
 
         ``is_first_microbatch`` and ``fast_zero_fill`` are accepted for TE compatibility and
         have no effect. ``cu_seqlens_*_padded`` may only repeat ``cu_seqlens_*``.
@@ -283,7 +285,7 @@ class MultiheadAttention(torch.nn.Module):
         if inference_params is not None:
             raise ValueError("inference_params: KV-cache inference is not supported yet; pass None")
         if pad_between_seqs:
-            raise ValueError("pad_between_seqs=True is not supported (no padding between sequences)")
+            raise ValueError("pad_between_seqs=True is not supported")
         for padded, plain, name in (
             (cu_seqlens_q_padded, cu_seqlens_q, "cu_seqlens_q_padded"),
             (cu_seqlens_kv_padded, cu_seqlens_kv, "cu_seqlens_kv_padded"),
@@ -292,7 +294,8 @@ class MultiheadAttention(torch.nn.Module):
                 raise ValueError(f"{name} must be None or equal to the unpadded cu_seqlens")
         if core_attention_bias_type not in BIAS_TYPES:
             raise ValueError(
-                f"core_attention_bias_type must be one of {BIAS_TYPES}, got {core_attention_bias_type!r}"
+                f"core_attention_bias_type must be one of {BIAS_TYPES}, "
+                f"got {core_attention_bias_type!r}"
             )
         attn_mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         window_size = self.window_size if window_size is None else window_size

@@ -53,12 +53,14 @@ class RotaryPositionEmbedding(torch.nn.Module):
         self.rotary_base = rotary_base
         self.interleaved = interleaved
         # TE puts the table on the current CUDA device; fall back to CPU without one.
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        device = "cpu"
+        if torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
         exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
         self.register_buffer("inv_freq", 1.0 / (rotary_base**exponents))
 
     def forward(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
-        """float32 ``[max_seq_len, 1, 1, dim]`` table for positions ``offset .. offset + max_seq_len - 1``."""
+        """float32 ``[max_seq_len, 1, 1, dim]`` table for positions ``offset ..``."""
         seq = torch.arange(max_seq_len, device=self.inv_freq.device, dtype=torch.float32) + offset
         factor = self.seq_len_interpolation_factor
         if factor is not None:
@@ -110,7 +112,7 @@ def apply_rotary_pos_emb(
     cp_size: int = 1,
     cp_rank: int = 0,
 ) -> torch.Tensor:
-    """Apply RoPE to ``t`` of shape ``[s, b, h, d]`` (sbhd), ``[b, s, h, d]`` (bshd) or ``[t, h, d]`` (thd).
+    """Apply RoPE to ``t``: ``[s, b, h, d]`` (sbhd), ``[b, s, h, d]`` (bshd) or ``[t, h, d]`` (thd).
 
     freqs: ``[s2, 1, 1, d2]`` from ``RotaryPositionEmbedding`` with ``s2 >= s`` and ``d2 <= d``;
         channels past ``d2`` pass through unchanged.
@@ -145,7 +147,9 @@ def apply_rotary_pos_emb(
         seqlen = t.shape[seq_dim]
         if start_positions is None:
             if seqlen > max_len:
-                raise ValueError(f"sequence length {seqlen} exceeds the {max_len} positions in freqs")
+                raise ValueError(
+                    f"sequence length {seqlen} exceeds the {max_len} positions in freqs"
+                )
             angles = table[:seqlen, None, None, :]  # [s, 1, 1, d2]
             if tensor_format == "bshd":
                 angles = angles.transpose(0, 1)  # [1, s, 1, d2]
@@ -153,7 +157,9 @@ def apply_rotary_pos_emb(
             start = start_positions.to(device=table.device, dtype=torch.int64)
             pos = start[:, None] + torch.arange(seqlen, device=table.device)  # [b, s]
             if int(pos.max()) >= max_len:
-                raise ValueError(f"start_positions + sequence length exceed the {max_len} positions in freqs")
+                raise ValueError(
+                    f"start_positions + sequence length exceed the {max_len} positions in freqs"
+                )
             angles = table[pos].unsqueeze(2)  # [b, s, 1, d2]
             if tensor_format == "sbhd":
                 angles = angles.transpose(0, 1)

@@ -120,12 +120,12 @@ class _Norm(torch.nn.Module):
 
 
 class LayerNorm(_Norm):
-    r"""y = (x - E[x]) / sqrt(Var[x] + eps) * gamma + beta  (gamma -> 1 + gamma if zero_centered_gamma)."""
+    r"""y = (x - E[x]) / sqrt(Var[x] + eps) * gamma + beta; gamma -> 1 + gamma if zero_centered."""
 
     normalization = "LayerNorm"
 
 
 class RMSNorm(_Norm):
-    r"""y = x / sqrt(mean(x^2) + eps) * gamma  (gamma -> 1 + gamma if zero_centered_gamma)."""
+    r"""y = x / sqrt(mean(x^2) + eps) * gamma; gamma -> 1 + gamma if zero_centered_gamma."""
 
     normalization = "RMSNorm"

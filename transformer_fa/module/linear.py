@@ -117,7 +117,8 @@ class Linear(torch.nn.Module):
         return pack_outputs(out, bias, return_bias=self.return_bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.use_bias}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.use_bias}")
 
 
 class LayerNormLinear(Linear):
@@ -216,7 +217,9 @@ class LayerNormMLP(torch.nn.Module):
         self.register_parameter("layer_norm_bias", layer_norm_bias)
         fc1_out = 2 * ffn_hidden_size if gated else ffn_hidden_size
         # Reuse Linear for parameter creation; keep TE's flat fc1_*/fc2_* names on this module.
-        fc1 = Linear(hidden_size, fc1_out, init_method, bias, params_dtype=params_dtype, device=device)
+        fc1 = Linear(
+            hidden_size, fc1_out, init_method, bias, params_dtype=params_dtype, device=device
+        )
         fc2 = Linear(
             ffn_hidden_size,
             hidden_size,
