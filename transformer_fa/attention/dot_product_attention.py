@@ -8,7 +8,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from . import layout, masks, padding, selection
-from .params import BIAS_TYPES, MASK_TYPES, AttentionInputs, AttentionParams
+from .params import BIAS_TYPES, MASK_TYPES, AttentionInputs, params_fields
 
 
 @lru_cache(maxsize=None)
@@ -102,7 +102,7 @@ class DotProductAttention(torch.nn.Module):
         slopes = _check_alibi(core_attention_bias_type, alibi_slopes, batch,
                               self.num_attention_heads, q.device)
 
-        params = AttentionParams(
+        fields = params_fields(
             qkv_format=qkv_format, q_format=q_format, kv_format=kv_format,
             qkv_layout=qkv_layout, batch_size=batch, num_heads=self.num_attention_heads,
             num_gqa_groups=self.num_gqa_groups, max_seqlen_q=sq, max_seqlen_kv=skv,
@@ -121,8 +121,9 @@ class DotProductAttention(torch.nn.Module):
                 t.requires_grad for t in (q, k, v)),
             is_compiling=torch.compiler.is_compiling(),
         )
-        backend = selection.select_backend(params)
-        self.last_backend = backend.NAME
+        backend, params = selection.select(fields)
+        if self.last_backend != backend.NAME:  # nn.Module.__setattr__ is slow: set on change
+            self.last_backend = backend.NAME
         inputs = AttentionInputs(q, k, v, cu_q, cu_kv, arbitrary, bias, slopes)
         return backend.run(inputs, params)
 

@@ -104,6 +104,10 @@ def detect_qkv_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       qkv_format: str = "sbhd") -> Optional[str]:
     """The layout q, k, v are exactly in, or None if they match none of them."""
     q_format, kv_format = split_qkv_format(qkv_format)
+    if q.is_contiguous() and k.is_contiguous() and v.is_contiguous():
+        # Each tensor is dense on its own. (A packed view is contiguous only when its outer
+        # dims are all 1, and then both readings address the same memory.)
+        return candidate_layouts(q_format, kv_format)[-1]
     # Storage identity cannot be inspected while tracing: only the separate-tensor layout is
     # proven there (packed views get copied, which is correct, not fast).
     kv_packable = not torch.compiler.is_compiling() and _shares_storage([k, v])

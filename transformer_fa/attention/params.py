@@ -75,10 +75,6 @@ class AttentionParams:
             self.is_causal and self.window_size == (-1, 0)
         )
 
-    def fields(self) -> tuple:
-        """The field values in order: ``AttentionParams(*p.fields()) == p``."""
-        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
-
     def as_log_dict(self) -> dict:
         """Fields as plain values, for the `Running with config=...` log line."""
         out = {}
@@ -86,6 +82,15 @@ class AttentionParams:
             value = getattr(self, f.name)
             out[f.name] = str(value) if isinstance(value, torch.dtype) else value
         return out
+
+
+FIELD_NAMES = tuple(f.name for f in dataclasses.fields(AttentionParams))
+
+
+def params_fields(**values) -> tuple:
+    """AttentionParams' field values in order, without building one:
+    ``AttentionParams(*params_fields(**kw)) == AttentionParams(**kw)``."""
+    return tuple(values[name] for name in FIELD_NAMES)
 
 
 @dataclasses.dataclass

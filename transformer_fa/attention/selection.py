@@ -28,13 +28,10 @@ SWITCHES = {
 }
 _LOG_LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG}
 _BACKENDS_BY_NAME = {b.NAME: b for b in ALL_BACKENDS}
-_cache: Dict[tuple, str] = {}
+_cache: Dict[tuple, str] = {}  # decisions by (fields, switches, log level)
+_entries: Dict[tuple, Tuple[ModuleType, AttentionParams]] = {}  # the same, with params built
 _CACHE_LIMIT = 1024
 _log_level_set = None  # the level last applied to the logger (plain global: cheap to trace)
-
-
-def _env_flag(name: str, default: str = "1") -> bool:
-    return os.getenv(name, default) != "0"
 
 
 def log_level() -> int:
@@ -124,11 +121,27 @@ def _select_name(fields: tuple, enabled: Tuple[bool, ...], level: int) -> str:
     return name
 
 
-def select_backend(params: AttentionParams) -> ModuleType:
-    """The backend module to run ``params`` with (cached; raises ValueError if none)."""
-    enabled = tuple(_env_flag(var) for var in SWITCHES.values())
-    return _BACKENDS_BY_NAME[_select_name(params.fields(), enabled, log_level())]
+def select(fields: tuple) -> Tuple[ModuleType, AttentionParams]:
+    """The backend to run a call with, and the call's AttentionParams.
+
+    ``fields`` are the AttentionParams values in order (``params.params_fields``): the hot
+    path looks the decision up by them and builds the params object only on a miss.
+    Raises ValueError when no backend can run.
+    """
+    enabled = tuple(os.environ.get(var, "1") != "0" for var in SWITCHES.values())
+    level = log_level()
+    if torch.compiler.is_compiling():
+        return _BACKENDS_BY_NAME[_select_name(fields, enabled, level)], AttentionParams(*fields)
+    key = (fields, enabled, level)
+    entry = _entries.get(key)
+    if entry is None:
+        name = _select_name(fields, enabled, level)
+        if len(_entries) >= _CACHE_LIMIT:
+            _entries.clear()
+        entry = _entries[key] = (_BACKENDS_BY_NAME[name], AttentionParams(*fields))
+    return entry
 
 
 def clear_cache() -> None:
     _cache.clear()
+    _entries.clear()
