@@ -1,0 +1,525 @@
+"""Attention benchmarks: transformer_fa's backends against PyTorch SDPA's, in one run.
+
+    python benchmarks/bench_attention.py            # full grid, ~8 minutes on an H100
+    python benchmarks/bench_attention.py --quick    # a few shapes of each part
+    python benchmarks/bench_attention.py --tiny --device cpu   # smoke test (CI)
+
+Writes benchmarks/results/<gpu>-<date>.json and .md (and .png when matplotlib is there;
+otherwise run benchmarks/report.py on the JSON). FLOPs follow the FlashAttention convention:
+forward 4*b*h*sq*sk*d, halved for causal; backward 2.5x forward.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import re
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import report  # noqa: E402
+
+# our backend names -> the env switch that enables each
+OURS = dict(zip(report.OURS, ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")))
+BACKENDS = report.BACKENDS
+NO_BACKEND = "No dot product attention backend is available for the provided inputs"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+RECORD_KEYS = ("backend", "dtype", "d", "causal", "s", "b", "h", "fwd_tflops", "bwd_tflops",
+               "fwd_ms", "bwd_ms", "peak_mem_gb")
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    seqlens: tuple  # grid: sequence lengths
+    head_dims: tuple
+    tokens: int  # grid: batch * seqlen
+    hidden: int  # grid: heads * head_dim
+    gqa: tuple  # (q heads, kv heads, head_dim, seqlens)
+    varlen: tuple  # (batch, max seqlen, heads, head_dim)
+    decode: tuple  # (q heads, kv heads, head_dim, batches, kv seqlens)
+    overhead: tuple  # (batch, seqlen, heads, head_dim)
+    layer: tuple  # (layers, batch, seqlen, hidden, heads, ffn, timed steps)
+    warmup_ms: int
+    rep_ms: int
+    budget_s: int  # rows not started by then are recorded as skipped
+
+
+K = 1024
+PRESETS = {
+    "full": Preset((512, K, 2 * K, 4 * K, 8 * K, 16 * K), (64, 128, 256), 16 * K, 2048,
+                   (32, 8, 128, (K, 4 * K, 16 * K)), (16, 4 * K, 16, 128),
+                   (32, 8, 128, (1, 8, 32), (4 * K, 8 * K, 16 * K, 32 * K, 64 * K, 128 * K)),
+                   (2, 128, 16, 64), (8, 2, 4 * K, 2048, 16, 8192, 10), 10, 30, 450),
+    "quick": Preset((K, 4 * K), (64, 128), 16 * K, 2048,
+                    (32, 8, 128, (4 * K,)), (16, 4 * K, 16, 128),
+                    (32, 8, 128, (1, 8), (4 * K, 32 * K)),
+                    (2, 128, 16, 64), (4, 2, 4 * K, 2048, 16, 8192, 5), 5, 15, 240),
+    "tiny": Preset((32, 64), (16,), 128, 64,
+                   (4, 2, 16, (64,)), (3, 64, 4, 16),
+                   (4, 2, 16, (1, 2), (64, 128)),
+                   (1, 16, 2, 16), (2, 2, 32, 64, 4, 128, 2), 1, 3, 60),
+}
+
+
+class Unavailable(Exception):
+    """A backend cannot serve this row; the message is the reason recorded."""
+
+
+def attn_flops(b, h, sq, sk, d, causal):
+    """Forward FLOPs, FlashAttention convention (backward is 2.5x this)."""
+    flops = 4 * b * h * sq * sk * d
+    return flops / 2 if causal else flops
+
+
+def describe(exc, caught=(), name=None):
+    """One reason string for a failed row: for ours, the asked backend's part of the selection
+    error; for peers, the error and SDPA's 'why not' warnings."""
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        tried = re.search(r"Tried to allocate [\d.]+ \w+", str(exc))
+        return "out of memory" + (f" ({tried.group(0)})" if tried else "")
+    text = str(exc).strip()
+    others = "|".join(OURS)
+    mine = re.search(rf"(?:^|[.;] ){name}: (.*?)(?=; (?:{others}): |$)", text, re.S)
+    if mine and NO_BACKEND in text:
+        return f"{name} {mine.group(1)}"
+    if not isinstance(exc, (Unavailable, ValueError)):
+        text = f"{type(exc).__name__}: {text}"
+    notes = report.sdpa_notes(str(w.message) for w in caught)
+    return " | ".join([text] + notes)[:1000]
+
+
+def gpu_name(device):
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def cudnn_version():
+    v = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return f"{v // 10000}.{v % 10000 // 100}.{v % 100}" if v and v >= 10000 else str(v)
+
+
+def import_tfa():
+    try:
+        import transformer_fa
+    except Exception as exc:  # the library is missing or broken: every row of ours says so
+        raise Unavailable(f"import transformer_fa failed: {describe(exc)}") from exc
+    return transformer_fa
+
+
+@contextlib.contextmanager
+def only_backend(name):
+    """Enable exactly one of our backends through the NVTE_* switches (peers: one SDPA kernel)."""
+    if name not in OURS:
+        with sdpa_kernel(getattr(SDPBackend, name.split(":", 1)[1])):
+            yield
+        return
+    saved = {var: os.environ.get(var) for var in OURS.values()}
+    os.environ.update({var: "1" if other == name else "0" for other, var in OURS.items()})
+    try:
+        yield
+    finally:
+        for var, value in saved.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
+
+
+def ours_fn(name, q, k, v, mask_type, qkv_format="bshd", **call_kwargs):
+    """DotProductAttention forced to `name`; raises Unavailable if selection went elsewhere."""
+    dpa = import_tfa().DotProductAttention(
+        num_attention_heads=q.shape[-2], kv_channels=q.shape[-1], num_gqa_groups=k.shape[-2],
+        qkv_format=qkv_format, attn_mask_type=mask_type, attention_dropout=0.0)
+
+    def fn():
+        return dpa(q, k, v, **call_kwargs)
+
+    fn()
+    if dpa.last_backend != name:
+        raise Unavailable(f"DotProductAttention selected {dpa.last_backend} instead")
+    fn.module = dpa
+    return fn
+
+
+def peer_fn(q, k, v, causal):
+    """F.scaled_dot_product_attention on [b, h, s, d] views of bshd tensors."""
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    gqa = {"enable_gqa": True} if q.shape[-2] != k.shape[-2] else {}
+
+    def fn():
+        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, **gqa)
+
+    fn()
+    return fn
+
+
+def attention_fn(name, q, k, v, causal, mask_type=None, **ours_kwargs):
+    if name in OURS:
+        return ours_fn(name, q, k, v, mask_type or ("causal" if causal else "no_mask"),
+                       **ours_kwargs)
+    return peer_fn(q, k, v, causal)
+
+
+class Bench:
+    def __init__(self, preset, device, out_base):
+        self.p, self.device, self.out_base = preset, device, out_base
+        self.deadline = time.monotonic() + preset.budget_s
+        self.data = {"gpu": gpu_name(device), "date": datetime.date.today().isoformat(),
+                     "torch": torch.__version__, "cudnn": cudnn_version(),
+                     "records": [], "decode": [], "layer": []}
+
+    def randn(self, *shape, dtype, grad=False):
+        return torch.randn(*shape, dtype=dtype, device=self.device, requires_grad=grad)
+
+    def time_ms(self, fn, grad_to_none=None):
+        """Median time of fn in ms: CUDA events via triton's do_bench, else wall clock."""
+        if self.device == "cuda":
+            from triton.testing import do_bench
+            return do_bench(fn, warmup=self.p.warmup_ms, rep=self.p.rep_ms,
+                            grad_to_none=grad_to_none, return_mode="median")
+        start = time.perf_counter()  # CPU (smoke test): one call
+        fn()
+        return (time.perf_counter() - start) * 1e3
+
+    def sync(self):
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def free(self):
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+
+    def check_memory(self, name, score_elems):
+        """Skip the unfused backend when its score matrices would not fit (~24 B per element
+        for scores, probabilities and their gradients, measured on an H100)."""
+        if name != "UnfusedDotProductAttention" or self.device != "cuda":
+            return
+        need, free = 24 * score_elems, torch.cuda.mem_get_info()[0]
+        if need > 0.9 * free:
+            raise Unavailable(f"skipped: needs about {need / 1e9:.0f} GB for the score "
+                              f"matrices, {free / 1e9:.0f} GB free")
+
+    def measure(self, name, make_fn, inputs, backward=True):
+        """fwd_ms, bwd_ms, peak_mem_gb and reason for one backend on one set of inputs."""
+        res = {"fwd_ms": None, "bwd_ms": None, "peak_mem_gb": None, "reason": None}
+        if time.monotonic() > self.deadline:
+            res["reason"] = f"skipped: time budget of {self.p.budget_s} s used up"
+            return res
+        caught = []
+        try:
+            with only_backend(name), warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                fn = make_fn()
+                caught.clear()
+                if self.device == "cuda":  # one pass (forward, backward) for the peak
+                    self.sync()
+                    torch.cuda.reset_peak_memory_stats()
+                out = fn()
+                if backward:
+                    out.backward(torch.randn_like(out))
+                if self.device == "cuda":
+                    self.sync()
+                    res["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 3)
+                res["fwd_ms"] = self.time_ms(fn)
+                if backward:
+                    out = fn()
+                    dout = torch.randn_like(out)
+                    res["bwd_ms"] = self.time_ms(
+                        lambda: out.backward(dout, retain_graph=True), grad_to_none=inputs)
+        except Exception as exc:  # a backend that cannot run the row records why
+            res["reason"] = describe(exc, caught, name)
+        finally:
+            for x in inputs:
+                x.grad = None
+            fn = out = dout = None
+            self.free()
+        return res
+
+    def attention_rows(self, base, names, q, k, v, causal, flops, **ours_kwargs):
+        """Measure each backend on (q, k, v); append one record each."""
+        for name in names:
+            rec = dict.fromkeys(RECORD_KEYS)
+            rec.update(base, backend=name)
+            try:
+                self.check_memory(name, base["b"] * base["h"] * base["s"] ** 2)
+                res = self.measure(name, lambda: attention_fn(name, q, k, v, causal, **ours_kwargs),
+                                   [q, k, v])
+            except Unavailable as exc:
+                res = {"reason": str(exc)}
+            rec.update(res)
+            if rec["fwd_ms"]:
+                rec["fwd_tflops"] = round(flops / rec["fwd_ms"] / 1e9, 2)
+            if rec["bwd_ms"]:
+                rec["bwd_tflops"] = round(2.5 * flops / rec["bwd_ms"] / 1e9, 2)
+            self.data["records"].append(rec)
+            log_row(rec)
+
+    # ---- parts -------------------------------------------------------------------------
+
+    def grid(self, dtypes):
+        p = self.p
+        for dt in dtypes:
+            for d in p.head_dims:
+                for causal in (False, True):
+                    for s in p.seqlens:
+                        b, h = max(1, p.tokens // s), p.hidden // d
+                        q, k, v = (self.randn(b, s, h, d, dtype=DTYPES[dt], grad=True)
+                                   for _ in range(3))
+                        base = dict(case="grid", dtype=dt, d=d, causal=causal, s=s, b=b, h=h)
+                        self.attention_rows(base, BACKENDS, q, k, v, causal,
+                                            attn_flops(b, h, s, s, d, causal))
+
+    def gqa(self):
+        hq, hkv, d, seqlens = self.p.gqa
+        for causal in (False, True):
+            for s in seqlens:
+                b = max(1, self.p.tokens // s)
+                q = self.randn(b, s, hq, d, dtype=torch.bfloat16, grad=True)
+                k, v = (self.randn(b, s, hkv, d, dtype=torch.bfloat16, grad=True)
+                        for _ in range(2))
+                base = dict(case="gqa", dtype="bf16", d=d, causal=causal, s=s, b=b, h=hq, hkv=hkv)
+                self.attention_rows(base, BACKENDS, q, k, v, causal,
+                                    attn_flops(b, hq, s, s, d, causal))
+
+    def varlen(self):
+        """thd with random lengths against the same batch padded to the longest (padding mask).
+        TFLOPS count only the real tokens in both, so they compare directly."""
+        b, max_s, h, d = self.p.varlen
+        gen = torch.Generator().manual_seed(0)
+        lens = torch.randint(max_s // 8, max_s + 1, (b,), generator=gen)
+        lens[0] = max_s
+        cu = F.pad(lens.cumsum(0), (1, 0)).to(torch.int32).to(self.device)
+        t = int(lens.sum())
+        pad_mask = (torch.arange(max_s)[None, :] >= lens[:, None]).view(b, 1, 1, max_s)
+        pad_mask = pad_mask.to(self.device)
+        for causal in (False, True):
+            flops = sum(attn_flops(1, h, n, n, d, causal) for n in lens.tolist())
+            mask_type = "padding_causal" if causal else "padding"
+            base = dict(dtype="bf16", d=d, causal=causal, s=max_s, b=b, h=h, tokens=t)
+            thd = [self.randn(t, h, d, dtype=torch.bfloat16, grad=True) for _ in range(3)]
+            self.attention_rows(dict(base, case="varlen"), OURS, *thd, causal, flops,
+                                mask_type=mask_type, qkv_format="thd", cu_seqlens_q=cu,
+                                cu_seqlens_kv=cu, max_seqlen_q=max_s, max_seqlen_kv=max_s)
+            padded = [self.randn(b, max_s, h, d, dtype=torch.bfloat16, grad=True)
+                      for _ in range(3)]
+            self.attention_rows(dict(base, case="padded"), OURS, *padded, causal, flops,
+                                mask_type=mask_type, attention_mask=pad_mask)
+
+    def decode(self):
+        """One query token against a long KV cache; reported as K+V bytes read per second."""
+        hq, hkv, d, batches, seqlens = self.p.decode
+        for b in batches:
+            for sk in seqlens:
+                q = self.randn(b, 1, hq, d, dtype=torch.bfloat16)
+                k, v = (self.randn(b, sk, hkv, d, dtype=torch.bfloat16) for _ in range(2))
+                kv_bytes = 2 * k.numel() * k.element_size()
+                for name in BACKENDS:
+                    res = self.measure(name, lambda: attention_fn(name, q, k, v, False),
+                                       [q, k, v], backward=False)
+                    ms = res.pop("fwd_ms")
+                    res.pop("bwd_ms")
+                    rec = dict(backend=name, dtype="bf16", b=b, sk=sk, hq=hq, hkv=hkv, d=d,
+                               ms=ms, kv_tb_per_s=round(kv_bytes / ms / 1e9, 3) if ms else None,
+                               **res)
+                    self.data["decode"].append(rec)
+                    log_row(rec)
+                del q, k, v
+                self.free()
+
+    def overhead(self):
+        """Host time of a DotProductAttention call against the selected backend's bare `run`."""
+        b, s, h, d = self.p.overhead
+        q, k, v = (self.randn(b, s, h, d, dtype=torch.bfloat16 if self.device == "cuda"
+                              else torch.float32, grad=True) for _ in range(3))
+        for name in OURS:
+            rec = dict.fromkeys(RECORD_KEYS)
+            rec.update(case="overhead", backend=name, dtype=str(q.dtype).split(".")[-1],
+                       d=d, causal=True, s=s, b=b, h=h, call_us=None, bare_us=None,
+                       overhead_us=None, reason=None)
+            try:
+                with only_backend(name):
+                    call = attention_fn(name, q, k, v, True)
+                    bare = capture_backend_call(name, call)
+                    rec["call_us"], rec["bare_us"] = self.host_us(call), self.host_us(bare)
+                rec["overhead_us"] = round(rec["call_us"] - rec["bare_us"], 1)
+            except Exception as exc:
+                rec["reason"] = describe(exc, name=name)
+            self.data["records"].append(rec)
+            log_row(rec)
+
+    def host_us(self, fn, calls=50, trials=5):
+        """Best-of-trials mean wall time per call (µs), synchronizing once per trial."""
+        if self.device != "cuda":  # smoke test: keep it short
+            calls, trials = min(calls, 3), 1
+        best = float("inf")
+        for _ in range(trials):
+            self.sync()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            self.sync()
+            best = min(best, (time.perf_counter() - start) / calls)
+        return round(best * 1e6, 1)
+
+    def layer(self):
+        """Training step (forward, backward, AdamW) of a GPT-style stack, ours vs plain PyTorch."""
+        layers, b, s, hidden, heads, ffn, steps = self.p.layer
+        dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
+        blocks = {"transformer_fa.TransformerLayer": tfa_layer,
+                  "torch (F.scaled_dot_product_attention)": TorchBlock}
+        for model_name, block in blocks.items():
+            rec = dict(model=model_name, dtype=str(dtype).split(".")[-1], layers=layers, b=b,
+                       s=s, hidden=hidden, heads=heads, ffn=ffn, step_ms=None,
+                       tokens_per_s=None, peak_mem_gb=None, attn_backend=None, reason=None)
+            try:
+                if time.monotonic() > self.deadline:
+                    raise Unavailable(f"skipped: time budget of {self.p.budget_s} s used up")
+                model = torch.nn.Sequential(*[block(hidden, heads, ffn, dtype, self.device)
+                                              for _ in range(layers)])
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+                x = self.randn(b, s, hidden, dtype=dtype)
+
+                def step():
+                    opt.zero_grad(set_to_none=True)
+                    model(x).float().square().mean().backward()
+                    opt.step()
+
+                if self.device == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                for _ in range(2):
+                    step()
+                ms = self.host_us(step, calls=steps, trials=1) / 1e3
+                rec.update(step_ms=round(ms, 2), tokens_per_s=round(b * s / ms * 1e3))
+                if self.device == "cuda":
+                    rec["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 3)
+                rec["attn_backend"] = next((m.last_backend for m in model.modules()
+                                            if getattr(m, "last_backend", None)), "torch SDPA")
+            except Exception as exc:
+                rec["reason"] = describe(exc)
+            finally:
+                model = opt = x = None
+                self.free()
+            self.data["layer"].append(rec)
+            log_row(rec)
+
+    def save(self):
+        path = self.out_base.with_suffix(".json")
+        path.write_text(json.dumps(self.data, indent=1) + "\n")
+        return path
+
+
+def capture_backend_call(name, call):
+    """A zero-argument function that calls the selected backend's `run` exactly as
+    DotProductAttention did in `call`, captured by wrapping the backend module's `run`."""
+    from transformer_fa.attention import backends
+
+    module = next(m for m in backends.ALL_BACKENDS if m.NAME == name)
+    seen, run = [], module.run
+
+    def spy(*args, **kwargs):
+        seen.append((args, kwargs))
+        return run(*args, **kwargs)
+
+    module.run = spy
+    try:
+        call()
+    finally:
+        module.run = run
+    if not seen:
+        raise Unavailable(f"DotProductAttention did not call {module.__name__}.run")
+    args, kwargs = seen[-1]
+    return lambda: run(*args, **kwargs)
+
+
+def tfa_layer(hidden, heads, ffn, dtype, device):
+    return import_tfa().TransformerLayer(
+        hidden, ffn, heads, hidden_dropout=0.0, attention_dropout=0.0,
+        self_attn_mask_type="causal", attn_input_format="bshd", params_dtype=dtype, device=device)
+
+
+class TorchBlock(torch.nn.Module):
+    """The same pre-LayerNorm block as TransformerLayer's defaults, in plain PyTorch."""
+
+    def __init__(self, hidden, heads, ffn, dtype, device):
+        super().__init__()
+        kw = dict(dtype=dtype, device=device)
+        self.heads = heads
+        self.ln1, self.ln2 = (torch.nn.LayerNorm(hidden, eps=1e-5, **kw) for _ in range(2))
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden, **kw)
+        self.proj = torch.nn.Linear(hidden, hidden, **kw)
+        self.fc1 = torch.nn.Linear(hidden, ffn, **kw)
+        self.fc2 = torch.nn.Linear(ffn, hidden, **kw)
+
+    def forward(self, x):  # [b, s, hidden]
+        b, s, _ = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, -1))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
+
+
+def log_row(rec):
+    keys = ("case", "backend", "model", "d", "causal", "s", "b", "sk", "fwd_tflops",
+            "bwd_tflops", "kv_tb_per_s", "overhead_us", "tokens_per_s", "peak_mem_gb")
+    parts = [f"{key}={rec[key]}" for key in keys if rec.get(key) is not None]
+    if rec.get("reason"):
+        parts.append("null: " + rec["reason"][:120])
+    print("  " + " ".join(parts), flush=True)
+
+
+PARTS = ("grid", "gqa", "varlen", "decode", "overhead", "layer")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="a few shapes of each part")
+    mode.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
+    ap.add_argument("--fp16", action="store_true", help="run the grid in fp16 too")
+    ap.add_argument("--parts", default=",".join(PARTS), help="comma list of " + ",".join(PARTS))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--budget-s", type=int, help="stop starting rows after this many seconds")
+    args = ap.parse_args(argv)
+
+    preset = PRESETS["quick" if args.quick else "tiny" if args.tiny else "full"]
+    if args.budget_s:
+        preset = dataclasses.replace(preset, budget_s=args.budget_s)
+    torch.manual_seed(0)
+    start = time.monotonic()
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = re.sub(r"[^A-Za-z0-9]+", "-", gpu_name(args.device)).strip("-")
+    bench = Bench(preset, args.device, out_dir / f"{name}-{datetime.date.today().isoformat()}")
+    print(f"{bench.data['gpu']}  torch {bench.data['torch']}  cuDNN {bench.data['cudnn']}",
+          flush=True)
+
+    for part in args.parts.split(","):
+        print(f"== {part} ({time.monotonic() - start:.0f} s)", flush=True)
+        if part == "grid":
+            bench.grid(["bf16", "fp16"] if args.fp16 else ["bf16"])
+        else:
+            getattr(bench, part)()
+        bench.save()  # after each part, so a run cut short keeps what it measured
+
+    path = bench.save()
+    print(report.write(path))
+    print(f"wrote {path} and its .md ({time.monotonic() - start:.0f} s)")
+    return path
+
+
+if __name__ == "__main__":
+    main()

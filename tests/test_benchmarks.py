@@ -1,0 +1,73 @@
+"""Smoke test of the benchmark harness: tiny shapes on CPU, and the report from a fixed JSON."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import bench_attention, report  # noqa: E402
+
+TOP_KEYS = ["gpu", "date", "torch", "cudnn", "records", "decode", "layer"]
+
+
+def test_tiny_run_on_cpu(tmp_path):
+    path = bench_attention.main(["--tiny", "--device", "cpu", "--out-dir", str(tmp_path)])
+    data = json.loads(path.read_text())
+    assert list(data) == TOP_KEYS
+    assert path.name.endswith(f"-{data['date']}.json")
+
+    cases = {r["case"] for r in data["records"]}
+    assert cases == {"grid", "gqa", "varlen", "padded", "overhead"}
+    grid = [r for r in data["records"] if r["case"] == "grid"]
+    assert {r["backend"] for r in grid} == set(report.BACKENDS)
+    for r in data["records"]:
+        assert set(bench_attention.RECORD_KEYS) <= set(r)
+        assert r["reason"] or r["fwd_ms"] is not None or r["case"] == "overhead", r
+    # The unfused backend runs on CPU: its rows carry numbers, not reasons.
+    unfused = [r for r in grid if r["backend"] == "UnfusedDotProductAttention"]
+    assert all(r["fwd_tflops"] is not None and r["bwd_ms"] is not None for r in unfused), unfused
+    # FlashAttention cannot run on CPU: the reason names the backend, not the whole error.
+    flash = next(r for r in grid if r["backend"] == "FlashAttention")
+    assert flash["fwd_ms"] is None and flash["reason"].startswith("FlashAttention")
+
+    assert {r["backend"] for r in data["decode"]} == set(report.BACKENDS)
+    assert any(r["kv_tb_per_s"] is not None for r in data["decode"])
+    torch_layer = next(r for r in data["layer"] if r["model"].startswith("torch"))
+    assert torch_layer["tokens_per_s"] > 0
+    assert path.with_suffix(".md").read_text().startswith("## Attention benchmarks")
+
+
+def record(backend, fwd, bwd, **kw):
+    base = dict(case="grid", backend=backend, dtype="bf16", d=128, causal=True, s=4096, b=4,
+                h=16, fwd_tflops=fwd, bwd_tflops=bwd, fwd_ms=1.0, bwd_ms=2.0, peak_mem_gb=1.0,
+                reason=None if fwd else "not built")
+    return dict(base, **kw)
+
+
+def test_report_ratios_and_readme(tmp_path):
+    data = {"gpu": "NVIDIA H100 80GB HBM3", "date": "2026-11-23", "torch": "2.11", "cudnn": "9.19.0",
+            "records": [record("FusedAttention", 600.0, 500.0),
+                        record("FlashAttention", None, None),
+                        record("torch:FLASH_ATTENTION", 300.0, 250.0),
+                        record("torch:CUDNN_ATTENTION", 400.0, 520.0),
+                        record("FusedAttention", 500.0, 400.0, s=8192, b=2)],
+            "decode": [], "layer": []}
+    path = tmp_path / "gpu-2026-11-23.json"
+    path.write_text(json.dumps(data))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# B\n\n{report.BEGIN}\nold\n{report.END}\n\ntail\n")
+
+    text = report.write(path, readme)
+    # Best peer is the max per direction: 400 forward (cuDNN), 520 backward (cuDNN).
+    assert "600 / 500 (1.50x / 0.96x)" in text
+    assert "| 500 / 400 |" in text  # no peer on that row: no ratio
+    assert "- FlashAttention (1 row): not built" in text
+    assert "FlashAttention |" not in text.split("Not run")[0]  # a column only if it ran
+    new = readme.read_text()
+    assert "old" not in new and new.endswith("tail\n") and "1.50x" in new
+    if path.with_suffix(".png").exists():
+        assert path.with_suffix(".png").stat().st_size > 1000
+    else:
+        pytest.importorskip("matplotlib")  # matplotlib there but no PNG: fail
+        raise AssertionError("no PNG written")
