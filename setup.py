@@ -72,7 +72,7 @@ setup(
     python_requires=">=3.9",
     install_requires=["torch>=2.4", "einops"],
     extras_require={
-        "cudnn": ["nvidia-cudnn-frontend>=1.8"],
+        "cudnn": ["nvidia-cudnn-frontend>=1.32,<1.33"]  # fused.py uses its plan execute path,
         "test": ["pytest", "hypothesis", "tqdm"],
         "bench": ["matplotlib"],
     },

@@ -143,5 +143,7 @@ def select(fields: tuple) -> Tuple[ModuleType, AttentionParams]:
 
 
 def clear_cache() -> None:
+    """Forgets every decision, and the backends' own support verdicts and plans."""
     _cache.clear()
     _entries.clear()
+    fused.clear_cache()
