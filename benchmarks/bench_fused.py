@@ -1,6 +1,6 @@
 """FusedAttention vs torch's SDPA CUDNN_ATTENTION: kernel speed and host overhead.
 
-Run on a GPU machine: ``python tests/gpu/bench_fused.py``. Prints one table. Times are
+Run on a GPU machine: ``python benchmarks/bench_fused.py``. Prints one table. Times are
 medians of CUDA-event timings (triton.testing.do_bench) after warm-up, on random data.
 Host overhead: wall time per call of a loop of calls at a tiny shape, without
 synchronizing (the GPU work is far shorter than the host's), so it measures the Python and

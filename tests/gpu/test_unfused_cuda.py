@@ -14,6 +14,13 @@ from test_unfused import CASES, run_case
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 DTYPES = [torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def unfused_only(monkeypatch):
+    """These tests are about the unfused backend: switch the others off."""
+    monkeypatch.setenv("NVTE_FLASH_ATTN", "0")
+    monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
 ATOL = 1e-3
 
 
