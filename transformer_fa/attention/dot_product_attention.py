@@ -68,6 +68,23 @@ class DotProductAttention(torch.nn.Module):
         self.softmax_scale = (softmax_scale if softmax_scale is not None
                               else 1.0 / math.sqrt(self.head_dim_qk))
         self.last_backend: Optional[str] = None
+        self._valid_signatures: set = set()
+
+    def _validate_qkv(self, q, k, v, q_format: str, kv_format: str) -> None:
+        """layout.validate_qkv, remembered per tensor signature (it depends on nothing else)."""
+        tensors = (q, k, v)
+        signature = None
+        if all(isinstance(t, torch.Tensor) for t in tensors) and not torch.compiler.is_compiling():
+            signature = (q_format, kv_format) + tuple(
+                (t.shape, t.dtype, t.device, t.stride(-1)) for t in tensors)
+            if signature in self._valid_signatures:
+                return
+        layout.validate_qkv(q, k, v, q_format, kv_format, self.num_attention_heads,
+                            self.num_gqa_groups, self.head_dim_qk, self.head_dim_v)
+        if signature is not None:
+            if len(self._valid_signatures) > 256:
+                self._valid_signatures.clear()
+            self._valid_signatures.add(signature)
 
     def forward(self, query_layer: torch.Tensor, key_layer: torch.Tensor,
                 value_layer: torch.Tensor, attention_mask=None, qkv_format: Optional[str] = None,
@@ -88,8 +105,7 @@ class DotProductAttention(torch.nn.Module):
             mask_type, self.window_size if window_size is None else window_size)
 
         q, k, v = query_layer, key_layer, value_layer
-        layout.validate_qkv(q, k, v, q_format, kv_format, self.num_attention_heads,
-                            self.num_gqa_groups, self.head_dim_qk, self.head_dim_v)
+        self._validate_qkv(q, k, v, q_format, kv_format)
         qkv_layout, q, k, v = layout.get_qkv_layout(q, k, v, qkv_format)
 
         lengths = _sequence_lengths(q, k, q_format, kv_format, mask_type, attention_mask,
@@ -102,6 +118,7 @@ class DotProductAttention(torch.nn.Module):
         slopes = _check_alibi(core_attention_bias_type, alibi_slopes, batch,
                               self.num_attention_heads, q.device)
 
+        env = selection.read_env()
         fields = params_fields(
             qkv_format=qkv_format, q_format=q_format, kv_format=kv_format,
             qkv_layout=qkv_layout, batch_size=batch, num_heads=self.num_attention_heads,
@@ -116,12 +133,12 @@ class DotProductAttention(torch.nn.Module):
             alibi_slopes_shape=tuple(slopes.shape) if slopes is not None else None,
             attention_dropout=self.attention_dropout if self.training else 0.0,
             softmax_scale=self.softmax_scale,
-            deterministic=selection.deterministic_requested(),
+            deterministic=selection.deterministic_requested(env),
             requires_grad=torch.is_grad_enabled() and any(
                 t.requires_grad for t in (q, k, v)),
             is_compiling=torch.compiler.is_compiling(),
         )
-        backend, params = selection.select(fields)
+        backend, params = selection.select(fields, env)
         if self.last_backend != backend.NAME:  # nn.Module.__setattr__ is slow: set on change
             self.last_backend = backend.NAME
         inputs = AttentionInputs(q, k, v, cu_q, cu_kv, arbitrary, bias, slopes)

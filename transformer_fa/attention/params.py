@@ -7,6 +7,7 @@ so every field is hashable and nothing in it refers to tensor data.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Optional, Tuple
 
 import torch
@@ -85,12 +86,15 @@ class AttentionParams:
 
 
 FIELD_NAMES = tuple(f.name for f in dataclasses.fields(AttentionParams))
+_in_field_order = operator.itemgetter(*FIELD_NAMES)
 
 
 def params_fields(**values) -> tuple:
     """AttentionParams' field values in order, without building one:
     ``AttentionParams(*params_fields(**kw)) == AttentionParams(**kw)``."""
-    return tuple(values[name] for name in FIELD_NAMES)
+    if torch.compiler.is_compiling():  # the tracer cannot call an itemgetter
+        return tuple(values[name] for name in FIELD_NAMES)
+    return _in_field_order(values)
 
 
 @dataclasses.dataclass

@@ -34,10 +34,34 @@ _CACHE_LIMIT = 1024
 _log_level_set = None  # the level last applied to the logger (plain global: cheap to trace)
 
 
-def log_level() -> int:
+ENV_VARS = tuple(SWITCHES.values()) + (
+    "NVTE_DEBUG", "NVTE_DEBUG_LEVEL", "NVTE_ALLOW_NONDETERMINISTIC_ALGO")
+# os.getenv encodes the name on every call (a few microseconds for six variables, on every
+# attention call); os.environ's own dict, keyed by the encoded names, answers at once.
+_ENV_DATA = getattr(os.environ, "_data", None)
+_ENV_KEYS = tuple(os.environ.encodekey(n) for n in ENV_VARS) if _ENV_DATA is not None else None
+
+
+def read_env() -> tuple:
+    """The raw values of ENV_VARS now (None where unset; str or bytes)."""
+    if _ENV_KEYS is not None and not torch.compiler.is_compiling():
+        return tuple(map(_ENV_DATA.get, _ENV_KEYS))
+    return tuple(map(os.environ.get, ENV_VARS))
+
+
+def _is_zero(value) -> bool:
+    return value in ("0", b"0")
+
+
+def log_level(env: tuple) -> int:
     """The level NVTE_DEBUG / NVTE_DEBUG_LEVEL ask for (TE: their product, 0/1/2)."""
-    debug = int(os.getenv("NVTE_DEBUG", "0"))
-    return _LOG_LEVELS.get(debug * int(os.getenv("NVTE_DEBUG_LEVEL", "0")), logging.DEBUG)
+    debug, debug_level = int(env[3] or 0), int(env[4] or 0)
+    return _LOG_LEVELS.get(debug * debug_level, logging.DEBUG)
+
+
+def deterministic_requested(env: tuple) -> bool:
+    """NVTE_ALLOW_NONDETERMINISTIC_ALGO=0, or torch's deterministic mode."""
+    return _is_zero(env[5]) or torch.are_deterministic_algorithms_enabled()
 
 
 def _configure_logging(level: int) -> None:
@@ -49,11 +73,6 @@ def _configure_logging(level: int) -> None:
         logger.propagate = False
     logger.setLevel(level)
     _log_level_set = level
-
-
-def deterministic_requested() -> bool:
-    return (os.getenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1") == "0"
-            or torch.are_deterministic_algorithms_enabled())
 
 
 def preference_order(params: AttentionParams) -> Tuple[ModuleType, ...]:
@@ -121,21 +140,22 @@ def _select_name(fields: tuple, enabled: Tuple[bool, ...], level: int) -> str:
     return name
 
 
-def select(fields: tuple) -> Tuple[ModuleType, AttentionParams]:
+def select(fields: tuple, env: tuple) -> Tuple[ModuleType, AttentionParams]:
     """The backend to run a call with, and the call's AttentionParams.
 
-    ``fields`` are the AttentionParams values in order (``params.params_fields``): the hot
-    path looks the decision up by them and builds the params object only on a miss.
-    Raises ValueError when no backend can run.
+    ``fields`` are the AttentionParams values in order (``params.params_fields``) and ``env``
+    is ``read_env()``: the hot path looks the decision up by them and builds the params
+    object only on a miss. Raises ValueError when no backend can run.
     """
-    enabled = tuple(os.environ.get(var, "1") != "0" for var in SWITCHES.values())
-    level = log_level()
     if torch.compiler.is_compiling():
-        return _BACKENDS_BY_NAME[_select_name(fields, enabled, level)], AttentionParams(*fields)
-    key = (fields, enabled, level)
+        enabled = tuple(not _is_zero(value) for value in env[:3])
+        name = _select_name(fields, enabled, log_level(env))
+        return _BACKENDS_BY_NAME[name], AttentionParams(*fields)
+    key = (fields, env)
     entry = _entries.get(key)
     if entry is None:
-        name = _select_name(fields, enabled, level)
+        enabled = tuple(not _is_zero(value) for value in env[:3])
+        name = _select_name(fields, enabled, log_level(env))
         if len(_entries) >= _CACHE_LIMIT:
             _entries.clear()
         entry = _entries[key] = (_BACKENDS_BY_NAME[name], AttentionParams(*fields))
