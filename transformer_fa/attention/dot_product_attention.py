@@ -75,8 +75,9 @@ class DotProductAttention(torch.nn.Module):
         tensors = (q, k, v)
         signature = None
         if all(isinstance(t, torch.Tensor) for t in tensors) and not torch.compiler.is_compiling():
-            signature = (q_format, kv_format) + tuple(
-                (t.shape, t.dtype, t.device, t.stride(-1)) for t in tensors)
+            signature = (q_format, kv_format, q.shape, k.shape, v.shape, q.dtype, k.dtype,
+                         v.dtype, q.device, k.device, v.device, q.stride(-1), k.stride(-1),
+                         v.stride(-1))
             if signature in self._valid_signatures:
                 return
         layout.validate_qkv(q, k, v, q_format, kv_format, self.num_attention_heads,
