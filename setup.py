@@ -74,7 +74,7 @@ setup(
     extras_require={
         # fused.py executes plans through the frontend's own path, tested with 1.32.
         "cudnn": ["nvidia-cudnn-frontend>=1.32,<1.33"],
-        "test": ["pytest", "hypothesis", "tqdm"],
+        "test": ["pytest", "hypothesis", "tqdm", "matplotlib"],
         "bench": ["matplotlib"],
     },
     ext_modules=ext_modules,
