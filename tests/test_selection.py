@@ -6,6 +6,7 @@ import torch
 
 import transformer_fa as tfa
 from transformer_fa.attention import selection
+from transformer_fa.attention.backends import unfused
 
 
 class Capture(logging.Handler):
@@ -209,3 +210,38 @@ def test_torch_compile_with_packed_views_copies_and_stays_right():
     q, k, v = qkv_buf.unbind(2)
     out = torch.compile(dpa, backend="eager", fullgraph=True)(q, k, v)
     torch.testing.assert_close(out, dpa(q, k, v))
+
+
+def test_repeated_calls_follow_env_mode_and_layout_changes(monkeypatch):
+    """The cached fast path for dense calls must see every change that matters."""
+    dpa = tfa.DotProductAttention(2, 8, attn_mask_type="no_mask", attention_dropout=0.5)
+    dpa.eval()
+    fresh = lambda: tfa.DotProductAttention(2, 8, attn_mask_type="no_mask").eval()  # noqa: E731
+    q, k, v = qkv()
+    for _ in range(2):
+        torch.testing.assert_close(dpa(q, k, v), fresh()(q, k, v))
+    dpa.train()  # dropout now applies
+    assert not torch.allclose(dpa(q, k, v), fresh()(q, k, v))
+    dpa.eval()
+    monkeypatch.setenv("NVTE_UNFUSED_ATTN", "0")
+    with pytest.raises(ValueError, match="No dot product attention backend"):
+        dpa(q, k, v)
+    monkeypatch.delenv("NVTE_UNFUSED_ATTN")
+    # Packed views, then separate tensors with the very same strides and offsets in
+    # different storages, then a fused GQA-style split: each read right, every time.
+    buf = torch.randn(6, 2, 3, 2, 8)
+    packed = buf.unbind(2)
+    separate = [torch.empty(buf.numel()).as_strided(p.shape, p.stride(), p.storage_offset())
+                for p in packed]
+    for t, p in zip(separate, packed):
+        t.copy_(p * 2)
+    split = torch.randn(6, 2, 6, 8).split(2, dim=2)
+    layouts = []
+    real_run = unfused.run
+    monkeypatch.setattr(unfused, "run", lambda i, p: layouts.append(p.qkv_layout) or real_run(i, p))
+    for inputs, layout in ((packed, "sb3hd"), (separate, "sbhd_sbhd_sbhd"), (packed, "sb3hd"),
+                           (split, "sb3hd"), (separate, "sbhd_sbhd_sbhd")):
+        for _ in range(2):
+            layouts.clear()
+            torch.testing.assert_close(dpa(*inputs), fresh()(*[t.contiguous() for t in inputs]))
+            assert layouts[0] == layout

@@ -49,6 +49,10 @@ struct FwdParams {
   //   window_right < 0 or j <= i + off + window_right     (causal: window_right = 0)
   int window_left, window_right;
   bool bottom_right;
+
+  // Tile shape: 0 = the default for the head dim; 1..3 = alternatives kept for tuning
+  // (fwd_launch_sm80.cuh lists them). Benchmarks set it; users leave it 0.
+  int tile_variant;
 };
 
 // One definition per (dtype, head dim), each in its own generated .cu file.

@@ -17,8 +17,9 @@ namespace transformer_fa {
 namespace flash {
 namespace sm80 {
 
-template <typename T, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+template <typename T, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kMinBlocks_ = 1>
 struct FwdTraits {
+  static constexpr int kMinBlocks = kMinBlocks_;  // __launch_bounds__ occupancy hint
   using Element = T;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
@@ -169,7 +170,7 @@ __device__ __forceinline__ SeqInfo seq_info(const FwdParams& p, int bidb) {
 // The kernel
 // ---------------------------------------------------------------------------------------
 template <typename Tr>
-__global__ void __launch_bounds__(Tr::kNThreads, 2) fwd_kernel(const FwdParams p) {
+__global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(const FwdParams p) {
   using T = typename Tr::Element;
   constexpr int D = Tr::kHeadDim;
   constexpr int BM = Tr::kBlockM;

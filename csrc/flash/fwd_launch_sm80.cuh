@@ -1,8 +1,5 @@
-// Launch template of the sm80-class forward: picks the tile shape per head dim.
+// Launch template of the sm80-class forward: the tile shapes per head dim.
 #pragma once
-
-#include <cstdio>
-#include <cstdlib>
 
 #include "flash.h"
 #include "fwd_kernel_sm80.cuh"
@@ -11,17 +8,21 @@ namespace transformer_fa {
 namespace flash {
 namespace sm80 {
 
-// Tile shapes (as FlashAttention-2 on A100/H100 without dropout): 4 warps, 128 query rows.
-template <typename T, int kHeadDim>
+// FwdTraits<T, head dim, query rows, key rows, warps, min CTAs per SM>.
+// Variant 0 is the default; 1..3 are kept for tuning (params.tile_variant).
+template <typename T, int kHeadDim, int kVariant>
 struct FwdConfig;
-template <typename T>
-struct FwdConfig<T, 64> { using Traits = FwdTraits<T, 64, 128, 128, 4>; };
-template <typename T>
-struct FwdConfig<T, 128> { using Traits = FwdTraits<T, 128, 128, 64, 4>; };
+template <typename T> struct FwdConfig<T, 64, 0> { using Traits = FwdTraits<T, 64, 128, 64, 8>; };
+template <typename T> struct FwdConfig<T, 64, 1> { using Traits = FwdTraits<T, 64, 128, 128, 8>; };
+template <typename T> struct FwdConfig<T, 64, 2> { using Traits = FwdTraits<T, 64, 64, 128, 4, 2>; };
+template <typename T> struct FwdConfig<T, 64, 3> { using Traits = FwdTraits<T, 64, 128, 128, 4, 2>; };
+template <typename T> struct FwdConfig<T, 128, 0> { using Traits = FwdTraits<T, 128, 128, 64, 8>; };
+template <typename T> struct FwdConfig<T, 128, 1> { using Traits = FwdTraits<T, 128, 64, 64, 4, 2>; };
+template <typename T> struct FwdConfig<T, 128, 2> { using Traits = FwdTraits<T, 128, 128, 64, 4, 2>; };
+template <typename T> struct FwdConfig<T, 128, 3> { using Traits = FwdTraits<T, 128, 128, 32, 4, 2>; };
 
-template <typename T, int kHeadDim>
-void launch_fwd(FwdParams& params, cudaStream_t stream) {
-  using Tr = typename FwdConfig<T, kHeadDim>::Traits;
+template <typename Tr>
+void launch_fwd_traits(FwdParams& params, cudaStream_t stream) {
   const int num_m_blocks = (params.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
   if (num_m_blocks == 0 || params.b == 0 || params.h == 0) return;
   dim3 grid(num_m_blocks, params.h, params.b);
@@ -31,6 +32,16 @@ void launch_fwd(FwdParams& params, cudaStream_t stream) {
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   }
   kernel<<<grid, Tr::kNThreads, smem, stream>>>(params);
+}
+
+template <typename T, int kHeadDim>
+void launch_fwd(FwdParams& params, cudaStream_t stream) {
+  switch (params.tile_variant) {
+    case 1: launch_fwd_traits<typename FwdConfig<T, kHeadDim, 1>::Traits>(params, stream); break;
+    case 2: launch_fwd_traits<typename FwdConfig<T, kHeadDim, 2>::Traits>(params, stream); break;
+    case 3: launch_fwd_traits<typename FwdConfig<T, kHeadDim, 3>::Traits>(params, stream); break;
+    default: launch_fwd_traits<typename FwdConfig<T, kHeadDim, 0>::Traits>(params, stream);
+  }
 }
 
 }  // namespace sm80
