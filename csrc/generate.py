@@ -1,11 +1,13 @@
 """Writes one .cu per kernel instantiation into csrc/flash/instantiations/.
 
     python csrc/generate.py          # (re)generate; the files are committed
+    python csrc/generate.py --check  # exit 1 if the committed files are stale (CI)
 
 Each file defines one ``run_fwd<DType, head_dim>`` specialization, so the kernel space
 builds in parallel and a new head dim or dtype is one line in the lists below.
 """
 import os
+import sys
 
 HEAD_DIMS = (64, 128)
 DTYPES = {"fp16": ("kFP16", "__half"), "bf16": ("kBF16", "__nv_bfloat16")}
@@ -34,7 +36,23 @@ def instantiations():
             yield f"fwd_{name}_hdim{d}_sm80.cu", TEMPLATE.format(enum=enum, ctype=ctype, d=d)
 
 
+def check() -> int:
+    stale = []
+    wanted = set()
+    for fname, text in instantiations():
+        wanted.add(fname)
+        path = os.path.join(OUT_DIR, fname)
+        if not os.path.exists(path) or open(path).read() != text:
+            stale.append(fname)
+    extra = [f for f in os.listdir(OUT_DIR) if f.endswith(".cu") and f not in wanted]
+    for fname in stale + extra:
+        print(f"csrc/generate.py: {fname} is stale; run python csrc/generate.py")
+    return 1 if stale or extra else 0
+
+
 def main():
+    if "--check" in sys.argv[1:]:
+        sys.exit(check())
     os.makedirs(OUT_DIR, exist_ok=True)
     wanted = set()
     for fname, text in instantiations():

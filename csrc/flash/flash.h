@@ -50,8 +50,8 @@ struct FwdParams {
   int window_left, window_right;
   bool bottom_right;
 
-  // Tile shape: 0 = the default for the head dim; 1..3 = alternatives kept for tuning
-  // (fwd_launch_sm80.cuh lists them). Benchmarks set it; users leave it 0.
+  // Tile shape variant 0..4 (fwd_launch_sm80.cuh lists them; the Python side picks one
+  // per head dim).
   int tile_variant;
 };
 

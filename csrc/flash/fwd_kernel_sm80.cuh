@@ -27,6 +27,9 @@ struct FwdTraits {
   static constexpr int kNWarps = kNWarps_;
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr int kMFrags = kBlockM / (16 * kNWarps);  // 16-row MMA tiles per warp
+  // With one 16-row tile per warp, its Q fragments stay in registers for the whole loop
+  // (4 * head_dim / 16 registers) instead of being re-read from shared memory per key block.
+  static constexpr bool kQInRegs = kMFrags == 1;
   static constexpr int kChunks = kHeadDim / 8;              // 16-byte chunks per row
   static constexpr int kSmemQ = kBlockM * kHeadDim;         // elements
   static constexpr int kSmemKV = kBlockN * kHeadDim;
@@ -118,20 +121,28 @@ __device__ __forceinline__ int swz(int row, int col) {
 }
 
 // Copies rows [0, kRows) of a tile into swizzled shared memory; rows >= valid_rows are zero.
+// Thread tid copies chunk tid % kChunks of rows tid / kChunks + i * kRowStep: one running
+// pointer (the per-chunk addresses are not kept in registers across the main loop).
 template <typename Tr, int kRows>
 __device__ __forceinline__ void load_tile(typename Tr::Element* smem,
                                           const typename Tr::Element* gmem, int64_t row_stride,
                                           int valid_rows, int tid) {
-  constexpr int kTotal = kRows * Tr::kChunks;
-  static_assert(kTotal % Tr::kNThreads == 0, "tile chunks divide over the threads");
+  constexpr int kRowStep = Tr::kNThreads / Tr::kChunks;
+  static_assert(Tr::kNThreads % Tr::kChunks == 0 && kRows % kRowStep == 0,
+                "tile chunks divide over the threads");
+  static_assert(kRowStep % 8 == 0, "rows of one thread share the swizzle (row % 8)");
+  const int row0 = tid / Tr::kChunks;
+  const int col = (tid % Tr::kChunks) * 8;
+  const typename Tr::Element* src = gmem + row0 * row_stride + col;
+  const int64_t step = kRowStep * row_stride;
+  const uint32_t dst0 = smem_u32(smem + swz<Tr::kHeadDim>(row0, col));
 #pragma unroll
-  for (int i = 0; i < kTotal / Tr::kNThreads; ++i) {
-    const int idx = tid + i * Tr::kNThreads;
-    const int row = idx / Tr::kChunks;
-    const int col = (idx % Tr::kChunks) * 8;
-    const bool valid = row < valid_rows;
-    const typename Tr::Element* src = valid ? gmem + row * row_stride + col : gmem;
-    cp_async_16(smem_u32(smem + swz<Tr::kHeadDim>(row, col)), src, valid);
+  for (int i = 0; i < kRows / kRowStep; ++i) {
+    const int row = row0 + i * kRowStep;
+    // kRowStep is a multiple of 8, so every row of this thread has the same swizzle.
+    cp_async_16(dst0 + i * kRowStep * Tr::kHeadDim * int(sizeof(typename Tr::Element)),
+                row < valid_rows ? src : gmem, row < valid_rows);
+    src += step;
   }
 }
 
@@ -254,6 +265,24 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
     const int b_row = (lane & 7) + ((lane >> 4) << 3), b_col = ((lane >> 3) & 1) * 8;  // K
     const int v_row = (lane & 7) + (((lane >> 3) & 1) << 3), v_col = (lane >> 4) * 8;  // V
 
+    // Byte offsets of this lane's ldmatrix rows at k = 0 (XOR-swizzled; see swz).
+    const uint32_t sQ_u32 = smem_u32(sQ), sK_u32 = smem_u32(sK), sV_u32 = smem_u32(sV);
+    const uint32_t q_off0 = swz<D>(warp_row0 + a_row, a_col) * int(sizeof(T));
+    const uint32_t k_off0 = swz<D>(b_row, b_col) * int(sizeof(T));
+    const uint32_t v_off0 = swz<D>(v_row, v_col) * int(sizeof(T));
+    constexpr int QR = Tr::kQInRegs ? KF_QK : 1;
+    uint32_t q_frag[QR][MF][4];
+    if constexpr (Tr::kQInRegs) {
+      cp_async_wait_all();
+      __syncthreads();  // Q visible
+#pragma unroll
+      for (int kk = 0; kk < KF_QK; ++kk)
+#pragma unroll
+        for (int mf = 0; mf < MF; ++mf)
+          ldmatrix_x4(q_frag[kk][mf],
+                      smem_u32(sQ + swz<D>(warp_row0 + mf * 16 + a_row, kk * 16 + a_col)));
+    }
+
     for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
       const int n0 = n_block * BN;
       cp_async_wait_all();
@@ -274,12 +303,19 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
       for (int kk = 0; kk < KF_QK; ++kk) {
         uint32_t a[MF][4];
 #pragma unroll
-        for (int mf = 0; mf < MF; ++mf)
-          ldmatrix_x4(a[mf], smem_u32(sQ + swz<D>(warp_row0 + mf * 16 + a_row, kk * 16 + a_col)));
+        for (int mf = 0; mf < MF; ++mf) {
+          if constexpr (Tr::kQInRegs) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) a[mf][e] = q_frag[kk][mf][e];
+          } else {
+            ldmatrix_x4(a[mf], sQ_u32 + ((q_off0 ^ (kk * 32)) + mf * 16 * D * int(sizeof(T))));
+          }
+        }
 #pragma unroll
         for (int nn = 0; nn < NF_S / 2; ++nn) {
           uint32_t b[4];
-          ldmatrix_x4(b, smem_u32(sK + swz<D>(nn * 16 + b_row, kk * 16 + b_col)));
+          // swz(row, 16 kk + c) = swz(row, c) ^ (2 kk chunks): one base offset per thread.
+          ldmatrix_x4(b, sK_u32 + ((k_off0 ^ (kk * 32)) + nn * 16 * D * int(sizeof(T))));
 #pragma unroll
           for (int mf = 0; mf < MF; ++mf) {
             mma_16816<T>(acc_s[mf][2 * nn], a[mf], b[0], b[1]);
@@ -368,7 +404,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
 #pragma unroll
         for (int nn = 0; nn < NF_O / 2; ++nn) {
           uint32_t b[4];
-          ldmatrix_x4_trans(b, smem_u32(sV + swz<D>(kk * 16 + v_row, nn * 16 + v_col)));
+          ldmatrix_x4_trans(b, sV_u32 + ((v_off0 ^ (nn * 32)) + kk * 16 * D * int(sizeof(T))));
 #pragma unroll
           for (int mf = 0; mf < MF; ++mf) {
             mma_16816<T>(acc_o[mf][2 * nn], a[mf], b[0], b[1]);

@@ -415,19 +415,36 @@ def test_sliding_window(case):
     run_case(case, claimed=flash.WINDOW_SUPPORTED)
 
 
-@pytest.mark.parametrize("variant", [1, 2, 3])
+VARIANT_CASES = {
+    "thd-gqa-causal-br": dict(fmt="thd", lens_q=[300, 17, 128, 513], lens_kv=[290, 60, 128, 700],
+                              mask="padding_causal_bottom_right", hq=4, hkv=2),
+    "sb3hd-causal": dict(fmt="sbhd", layout="3", b=3, sq=333, hq=4, mask="causal"),
+    "bshd-gqa-split-nomask": dict(fmt="bshd", layout="gqa_split", b=2, sq=200, skv=200, hq=6,
+                                  hkv=2, mask="no_mask"),
+    "thd-window": dict(fmt="thd", lens_q=[300, 17, 128], mask="padding", window=(40, 24)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VARIANT_CASES))
+@pytest.mark.parametrize("variant", [1, 2, 3, 4])
 @pytest.mark.parametrize("d", DIMS)
-def test_tile_variants(variant, d):
-    """The tuning tile shapes compute the same function as the default one."""
-    c = Case(fmt="thd", lens_q=[300, 17, 128, 513], lens_kv=[290, 60, 128, 700],
-             mask="padding_causal_bottom_right", hq=4, hkv=2, d=d)
+def test_tile_variants(name, variant, d):
+    """Every tile shape computes the same function as variant 0 (which the cases above test
+    in full), so that flash.TILE_VARIANT may pick any of them."""
+    c = Case(d=d, **VARIANT_CASES[name])
     (qp, kp, vp), (q, k, v) = build_inputs(c)
-    args = (q, k, v, _cu(c.lens_q), _cu(c.lens_kv), "thd", "thd", c.sq, c.skv,
-            1.0 / math.sqrt(d), -1, 0, True, True)
+    params = make_params(c)
+    left, right, bottom_right = flash._mask_args(params)
+    cu_q = _cu(c.lens_q) if c.padded else None
+    cu_kv = _cu(c.lens_kv) if c.padded else None
+    args = (q, k, v, cu_q, cu_kv, c.fmt, c.kv_fmt, c.sq, c.skv, params.softmax_scale, left,
+            right, bottom_right, True)
     out0, lse0 = flash._fwd_impl(*args, tile_variant=0)
     out1, lse1 = flash._fwd_impl(*args, tile_variant=variant)
     torch.testing.assert_close(out1, out0, rtol=0, atol=2e-2)
     torch.testing.assert_close(lse1, lse0, rtol=1e-5, atol=1e-4)
+    if variant == flash.TILE_VARIANT.get(d):  # the default: against the reference too
+        run_case(c, claimed="window" not in VARIANT_CASES[name] or flash.WINDOW_SUPPORTED)
 
 
 def test_deterministic_and_streams():

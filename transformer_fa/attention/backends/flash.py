@@ -2,9 +2,10 @@
 
 What exists (issue 3, first step): the sm80-class forward (mma.sync, ldmatrix, cp.async;
 FlashAttention-2 work partitioning, online softmax) for fp16/bf16 and head dims 64 and 128,
-with no mask, causal top-left and bottom-right masks, GQA/MQA without K/V copies, sq != skv,
-varlen through cu_seqlens (thd, and padding masks on sbhd/bshd), every layout's strides
-(packed sb3hd-style views and GQA split views without a copy) and the log-sum-exp output.
+with no mask, causal top-left and bottom-right masks, sliding windows, GQA/MQA without K/V
+copies, sq != skv, varlen through cu_seqlens (thd, and padding masks on sbhd/bshd), every
+layout's strides (packed sb3hd-style views and GQA split views without a copy) and the
+log-sum-exp output.
 No backward yet: calls that need gradients go to another backend.
 
 ``not_supported_reasons`` claims only what ``tests/gpu/test_flash.py`` covers and passed on
@@ -27,9 +28,14 @@ EXTENSION = "transformer_fa_flash"
 # What the GPU tests (tests/gpu/test_flash.py) cover, and so what is claimed.
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-SUPPORTED_ARCH_MAJORS = (8, 9)  # sm80-class kernels, built for sm_80 and sm_90a
-# Sliding windows (left, right): implemented in the kernel; claimed once the tests pass.
-WINDOW_SUPPORTED = False
+SUPPORTED_ARCH_MAJORS = (9,)  # sm80-class kernels built for sm_80 and sm_90a; only sm_90 (H100) tested
+# Sliding windows (left, right), TE semantics with both alignments: tested on an H100.
+WINDOW_SUPPORTED = True
+
+# Tile shape per head dim (csrc/flash/fwd_launch_sm80.cuh lists the variants), from
+# benchmarks/bench_flash.py on an H100 (benchmarks/results/flash_fwd_H100_2026-11-22.*): d=64 128x128, d=128 128x64, 4 warps
+# with 32 query rows each, as FlashAttention-2.
+TILE_VARIANT = {64: 3, 128: 2}
 
 _FORMATS = {"bshd": 0, "sbhd": 1, "thd": 2}
 _ext = None
@@ -67,7 +73,7 @@ def _reasons(p: AttentionParams) -> List[str]:
         return [f"as the transformer_fa CUDA kernels failed to load ({_ext_error})"]
     cc = p.compute_capability
     if cc is None or cc[0] not in SUPPORTED_ARCH_MAJORS:
-        return [f"as it does not support compute capability {cc} (sm80 and sm90 only)"]
+        return [f"as it does not support compute capability {cc} (tested and supported: sm90)"]
     reasons = []
     if p.requires_grad:
         reasons.append("as the FlashAttention backward is not implemented yet")
@@ -105,9 +111,11 @@ def _fresh(t: torch.Tensor) -> torch.Tensor:
 
 def _fwd_impl(q, k, v, cu_q, cu_kv, q_format: str, kv_format: str, max_seqlen_q: int,
               max_seqlen_kv: int, softmax_scale: float, window_left: int, window_right: int,
-              bottom_right: bool, return_lse: bool, tile_variant: int = 0):
+              bottom_right: bool, return_lse: bool, tile_variant: Optional[int] = None):
     """(out in q's format [..., h, d], lse float32 ([h, t] for thd q, else [b, h, sq]) or an
     empty tensor)."""
+    if tile_variant is None:
+        tile_variant = TILE_VARIANT.get(q.shape[-1], 0)
     if not _kernel_ready(q):
         q = _fresh(q)
     if not _kernel_ready(k):

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# CI: compile one instantiation of every kernel family with nvcc (no torch, no GPU), so that
+# a change that breaks the kernels' build cannot land. Fails loudly on any error.
+#   csrc/ci_compile_check.sh            # from anywhere; needs nvcc (CUDA 12.x/13.x)
+# Families (csrc/flash/): sm80-class forward (fwd_kernel_sm80.cuh), every tile variant of
+# the instantiations compiled below. Also checks that the generated files are up to date.
+set -euo pipefail
+cd "$(dirname "$0")"
+NVCC=${NVCC:-nvcc}
+if ! command -v "$NVCC" >/dev/null 2>&1; then
+  echo "ci_compile_check: FAILED: nvcc not found (set NVCC=/path/to/nvcc)" >&2
+  exit 1
+fi
+python3 generate.py --check || { echo "ci_compile_check: FAILED: stale generated files" >&2; exit 1; }
+
+FLAGS=(-O3 -std=c++17 --use_fast_math --expt-relaxed-constexpr -I. -Xptxas -v)
+# (file, arch): each family once, both dtypes and head dims between them, both default archs.
+JOBS=(
+  "flash/instantiations/fwd_fp16_hdim64_sm80.cu 80"
+  "flash/instantiations/fwd_bf16_hdim128_sm80.cu 90a"
+)
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+status=0
+pids=()
+for job in "${JOBS[@]}"; do
+  set -- $job
+  log="$TMP/$(basename "$1").$2.log"
+  ( "$NVCC" "${FLAGS[@]}" -gencode=arch=compute_$2,code=sm_$2 -c "$1" -o "$TMP/$(basename "$1").$2.o" \
+      >"$log" 2>&1 ) &
+  pids+=("$!:$1:$2:$log")
+done
+for entry in "${pids[@]}"; do
+  IFS=: read -r pid file arch log <<<"$entry"
+  if wait "$pid"; then
+    spills=$(grep -E "bytes spill stores" "$log" | awk '{s += $5} END {print s + 0}')
+    echo "ci_compile_check: ok   $file (sm_$arch; spill store bytes over its kernels: $spills)"
+  else
+    echo "ci_compile_check: FAILED $file (sm_$arch):" >&2
+    cat "$log" >&2
+    status=1
+  fi
+done
+if [ $status -ne 0 ]; then
+  echo "ci_compile_check: FAILED: a kernel family does not compile" >&2
+fi
+exit $status
