@@ -24,7 +24,9 @@ from transformer_fa.attention.params import AttentionInputs, AttentionParams  # 
 if not flash.is_built():
     pytest.skip("transformer_fa_flash is not built", allow_module_level=True)
 
-DEV = "cuda"
+from attention_cases import (DEV, Case, build_inputs, check, cu_seqlens, keep_mask,  # noqa: E402
+                             out_to_padded, pad_rows, reference, valid_rows)
+
 CC = torch.cuda.get_device_capability()
 if CC[0] not in flash.SUPPORTED_ARCH_MAJORS:
     pytest.skip(f"FlashAttention does not claim sm{CC[0]}{CC[1]}", allow_module_level=True)
@@ -33,201 +35,18 @@ if CC[0] not in flash.SUPPORTED_ARCH_MAJORS:
 # ------------------------------------------------------------------------------------------
 # Cases and inputs
 # ------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class Case:
-    fmt: str = "bshd"                 # q format
-    kv_fmt: str = None                # kv format (default: fmt)
-    layout: str = "separate"          # separate | 3 | h3 | 2 | h2 | gqa_split
-    b: int = 2
-    sq: int = 128
-    skv: int = None
-    hq: int = 4
-    hkv: int = None
-    d: int = 64
-    dtype: torch.dtype = torch.bfloat16
-    mask: str = "causal"
-    window: tuple = None
-    lens_q: list = None               # padding / thd: actual lengths
-    lens_kv: list = None
-    scale: float = None
-    seed: int = 0
-
-    def __post_init__(self):
-        self.kv_fmt = self.kv_fmt or self.fmt
-        self.skv = self.skv or self.sq
-        self.hkv = self.hkv or self.hq
-        if self.window is None:
-            self.window = (-1, 0) if "causal" in self.mask else (-1, -1)
-        thd = "thd" in (self.fmt, self.kv_fmt)
-        if (thd or "padding" in self.mask) and self.lens_q is None:
-            gen = torch.Generator().manual_seed(self.b * 7 + self.sq + self.seed)
-            self.lens_q = torch.randint(1, self.sq + 1, (self.b,), generator=gen).tolist()
-            self.lens_q[0] = self.sq
-            if self.lens_kv is None and self.skv == self.sq:
-                self.lens_kv = list(self.lens_q)
-            elif self.lens_kv is None:
-                self.lens_kv = torch.randint(1, self.skv + 1, (self.b,), generator=gen).tolist()
-                self.lens_kv[-1] = self.skv
-        if self.lens_kv is None and self.lens_q is not None:
-            self.lens_kv = list(self.lens_q)
-        if self.lens_q is not None:
-            self.b = len(self.lens_q)
-        if thd:
-            if self.fmt == "thd":
-                self.sq = max(self.lens_q)
-            if self.kv_fmt == "thd":
-                self.skv = max(self.lens_kv)
-        if thd and "padding" not in self.mask:
-            self.mask = "padding" if self.mask == "no_mask" else "padding_" + self.mask
-
-    @property
-    def padded(self):
-        return self.lens_q is not None
-
-    @property
-    def qkv_format(self):
-        return self.fmt if self.fmt == self.kv_fmt else f"{self.fmt}_2{self.kv_fmt}"
-
-    def __str__(self):
-        lens = f" lens{self.lens_q}/{self.lens_kv}" if self.padded else ""
-        return (f"{self.qkv_format}/{self.layout} b{self.b} s{self.sq}x{self.skv} h{self.hq}/"
-                f"{self.hkv} d{self.d} {str(self.dtype)[6:]} {self.mask} w{self.window}{lens}")
-
-
-def _cu(lens):
-    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
-                        device=DEV)
-
-
-def _to_format(xp, fmt, lens):
-    """padded bshd [b, s, h, d] -> fmt (thd: packed by lens)."""
-    if fmt == "bshd":
-        return xp
-    if fmt == "sbhd":
-        return xp.transpose(0, 1)
-    return torch.cat([xp[i, :n] for i, n in enumerate(lens)], 0)
-
-
-def _to_padded(x, fmt, lens, s):
-    """fmt -> padded bshd [b, s, h, d] (zeros in padding slots for thd)."""
-    if fmt == "bshd":
-        return x
-    if fmt == "sbhd":
-        return x.transpose(0, 1)
-    out = x.new_zeros((len(lens), s) + tuple(x.shape[1:]))
-    start = 0
-    for i, n in enumerate(lens):
-        out[i, :n] = x[start:start + n]
-        start += n
-    return out
-
-
-def _layout_name(c: Case):
-    p = {"sbhd": "sb", "bshd": "bs", "thd": "t"}
-    if c.fmt != c.kv_fmt or c.layout in ("separate", "gqa_split"):
-        return f"{c.fmt}_{c.kv_fmt}_{c.kv_fmt}"
-    f, x = c.fmt, p[c.fmt]
-    return {"3": f"{x}3hd", "h3": f"{x}h3d", "2": f"{f}_{x}2hd", "h2": f"{f}_{x}h2d"}[c.layout]
-
-
-def build_inputs(c: Case):
-    """Padded data (bshd) and the q, k, v tensors the backend gets, as views of one buffer
-    where the layout packs them. Padding slots hold large garbage the kernel must ignore."""
-    gen = torch.Generator(device=DEV).manual_seed(c.seed)
-    qp = torch.randn(c.b, c.sq, c.hq, c.d, generator=gen, device=DEV).to(c.dtype)
-    kp = torch.randn(c.b, c.skv, c.hkv, c.d, generator=gen, device=DEV).to(c.dtype)
-    vp = torch.randn(c.b, c.skv, c.hkv, c.d, generator=gen, device=DEV).to(c.dtype)
-    if c.padded:
-        for i in range(c.b):
-            for x, n in ((qp, c.lens_q[i]), (kp, c.lens_kv[i]), (vp, c.lens_kv[i])):
-                x[i, n:] = (100 * torch.randn(x[i, n:].shape, generator=gen,
-                                              device=DEV)).to(c.dtype)
-    qf = _to_format(qp, c.fmt, c.lens_q)
-    kf = _to_format(kp, c.kv_fmt, c.lens_kv)
-    vf = _to_format(vp, c.kv_fmt, c.lens_kv)
-    if c.layout == "separate" or c.fmt != c.kv_fmt:
-        q, k, v = qf.contiguous(), kf.contiguous(), vf.contiguous()
-    elif c.layout == "gqa_split":  # [.., hq + 2 hkv, d] split along heads: strided views
-        buf = torch.cat([qf, kf, vf], dim=-2).contiguous()
-        q, k, v = buf.split([c.hq, c.hkv, c.hkv], dim=-2)
-    else:
-        n = 3 if c.layout in ("3", "h3") else 2
-        dim = -2 if c.layout in ("h3", "h2") else -3
-        parts = [qf, kf, vf] if n == 3 else [kf, vf]
-        views = torch.stack(parts, dim=dim).contiguous().unbind(dim)
-        q, k, v = views if n == 3 else (qf.contiguous(),) + tuple(views)
-    return (qp, kp, vp), (q, k, v)
-
-
 def make_params(c: Case, requires_grad=False, **changes):
     params = AttentionParams(
         qkv_format=c.qkv_format, q_format=c.fmt, kv_format=c.kv_fmt,
-        qkv_layout=_layout_name(c), batch_size=c.b, num_heads=c.hq, num_gqa_groups=c.hkv,
-        max_seqlen_q=c.sq, max_seqlen_kv=c.skv, head_dim_qk=c.d, head_dim_v=c.d,
+        qkv_layout=c.layout_name, batch_size=c.b, num_heads=c.hq, num_gqa_groups=c.hkv,
+        max_seqlen_q=c.sq, max_seqlen_kv=c.skv, head_dim_qk=c.dqk, head_dim_v=c.dv,
         dtype=c.dtype, device_type="cuda", compute_capability=CC, attn_mask_type=c.mask,
         window_size=c.window, core_attention_bias_type="no_bias",
         core_attention_bias_shape=None, core_attention_bias_requires_grad=False,
         alibi_slopes_shape=None, attention_dropout=0.0,
-        softmax_scale=c.scale if c.scale is not None else 1.0 / math.sqrt(c.d),
+        softmax_scale=c.scale if c.scale is not None else 1.0 / math.sqrt(c.dqk),
         deterministic=False, requires_grad=requires_grad)
     return dataclasses.replace(params, **changes) if changes else params
-
-
-# ------------------------------------------------------------------------------------------
-# Reference
-# ------------------------------------------------------------------------------------------
-def keep_mask(c: Case):
-    """bool [b, 1, sq, skv], True = attend (TE semantics, per-sequence lengths)."""
-    lq = torch.tensor(c.lens_q if c.padded else [c.sq] * c.b, device=DEV).view(-1, 1, 1, 1)
-    lk = torch.tensor(c.lens_kv if c.padded else [c.skv] * c.b, device=DEV).view(-1, 1, 1, 1)
-    i = torch.arange(c.sq, device=DEV).view(1, 1, -1, 1)
-    j = torch.arange(c.skv, device=DEV).view(1, 1, 1, -1)
-    off = 0 if c.mask in ("causal", "padding_causal") else lk - lq
-    left, right = c.window
-    if "causal" in c.mask:
-        right = 0
-    keep = (i < lq) & (j < lk)
-    if left >= 0:
-        keep = keep & (j >= i + off - left)
-    if right >= 0:
-        keep = keep & (j <= i + off + right)
-    return keep
-
-
-def reference(qp, kp, vp, keep, scale, upcast=True):
-    """(out [b, sq, hq, d], lse [b, hq, sq] float32). upcast: float32 math; else the same
-    math in the input dtype (scores and P rounded to it)."""
-    dtype = qp.dtype
-    if upcast:
-        qp, kp, vp = qp.float(), kp.float(), vp.float()
-    g = qp.shape[2] // kp.shape[2]
-    kp = kp.repeat_interleave(g, dim=2)
-    vp = vp.repeat_interleave(g, dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", qp, kp) * scale
-    s = s.float().masked_fill(~keep, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    p = p if upcast else p.to(dtype)
-    return torch.einsum("bhqk,bkhd->bqhd", p, vp), lse
-
-
-def check(name, ours, ref32, refdt, atol):
-    ours, ref32, refdt = ours.float(), ref32.float(), refdt.float()
-    assert not ours.isnan().any(), f"{name}: NaN in the output (an unwritten element?)"
-    err = (ours - ref32).abs().max().item() if ours.numel() else 0.0
-    base = (refdt - ref32).abs().max().item() if ours.numel() else 0.0
-    tol = 2 * base + atol * max(1.0, ref32.abs().max().item() if ours.numel() else 0.0)
-    assert err <= tol, f"{name}: max error {err:.4g} > {tol:.4g} (2 x {base:.4g} + atol)"
-
-
-def _valid_rows(xp, lens):
-    return xp if lens is None else torch.cat([xp[i, :n] for i, n in enumerate(lens)], 0)
-
-
-def _pad_rows(xp, lens):
-    if lens is None:
-        return xp[:, :0]
-    return torch.cat([xp[i, n:] for i, n in enumerate(lens)], 0)
 
 
 def _poison_allocator(nbytes):
@@ -237,27 +56,19 @@ def _poison_allocator(nbytes):
     del junk
 
 
-def out_to_padded(out, c: Case):
-    if c.fmt == "thd":
-        return _to_padded(out.view(out.shape[0], c.hq, c.d), "thd", c.lens_q, c.sq)
-    if c.fmt == "sbhd":
-        return out.view(c.sq, c.b, c.hq, c.d).transpose(0, 1)
-    return out.view(c.b, c.sq, c.hq, c.d)
-
-
 def run_case(c: Case, check_lse=True, claimed=True):
-    (qp, kp, vp), (q, k, v) = build_inputs(c)
+    (qp, kp, vp), (q, k, v), _ = build_inputs(c, requires_grad=False)
     params = make_params(c)
     reasons = flash.not_supported_reasons(params)
     if claimed:
         assert not reasons, f"FlashAttention declined a case it must serve {c}: {reasons}"
-    cu_q = _cu(c.lens_q) if c.padded else None
-    cu_kv = _cu(c.lens_kv) if c.padded else None
+    cu_q = cu_seqlens(c.lens_q) if c.padded else None
+    cu_kv = cu_seqlens(c.lens_kv) if c.padded else None
     _poison_allocator(4 * q.numel() * 2 + 4 * c.b * c.hq * c.sq * 4)
     out = flash.run(AttentionInputs(q, k, v, cu_q, cu_kv), params)
     assert out.dtype == c.dtype
-    expected_shape = {"sbhd": (c.sq, c.b, c.hq * c.d), "bshd": (c.b, c.sq, c.hq * c.d),
-                      "thd": (q.shape[0], c.hq * c.d)}[c.fmt]
+    expected_shape = {"sbhd": (c.sq, c.b, c.hq * c.dqk), "bshd": (c.b, c.sq, c.hq * c.dqk),
+                      "thd": (q.shape[0], c.hq * c.dqk)}[c.fmt]
     assert tuple(out.shape) == expected_shape
 
     keep = keep_mask(c)
@@ -266,15 +77,15 @@ def run_case(c: Case, check_lse=True, claimed=True):
     refdt, _ = reference(qp, kp, vp, keep, scale, upcast=False)
     atol = 2e-3 if c.dtype == torch.float16 else 8e-3
     outp = out_to_padded(out, c)
-    check(f"out {c}", _valid_rows(outp, c.lens_q), _valid_rows(ref32, c.lens_q),
-          _valid_rows(refdt, c.lens_q), atol)
+    check(f"out {c}", valid_rows(outp, c.lens_q), valid_rows(ref32, c.lens_q),
+          valid_rows(refdt, c.lens_q), atol)
     # Rows with no key (fully masked) are zero, as in the reference.
     dead = ~keep.any(-1).squeeze(1)  # [b, sq]
     outp_rows = outp.float()
     assert (outp_rows[dead.unsqueeze(-1).unsqueeze(-1).expand_as(outp_rows)] == 0).all(), \
         "rows with no key to attend are not zero"
     if c.padded and c.fmt != "thd":
-        assert (_pad_rows(outp, c.lens_q) == 0).all(), "padded query rows are not zero"
+        assert (pad_rows(outp, c.lens_q) == 0).all(), "padded query rows are not zero"
     if c.fmt == "thd" and q.shape[0] > sum(c.lens_q):
         assert (out[sum(c.lens_q):] == 0).all()
 
@@ -305,12 +116,12 @@ def run_case(c: Case, check_lse=True, claimed=True):
 DTYPES = (torch.float16, torch.bfloat16)
 DIMS = (64, 128)
 
-BASIC_CASES = [Case(d=d, dtype=dt, mask=mask, sq=sq, skv=skv, hq=4, hkv=2)
+BASIC_CASES = [Case(dqk=d, dtype=dt, mask=mask, sq=sq, skv=skv, hq=4, hkv=2)
                for d in DIMS for dt in DTYPES
                for mask in ("no_mask", "causal", "causal_bottom_right")
                for sq, skv in ((128, 128), (96, 200), (200, 96), (257, 1000))]
 
-GQA_CASES = [Case(hq=8, hkv=hkv, mask=m, sq=192, skv=320, d=d, dtype=dt)
+GQA_CASES = [Case(hq=8, hkv=hkv, mask=m, sq=192, skv=320, dqk=d, dtype=dt)
              for hkv in (8, 2, 1) for m in ("no_mask", "causal", "causal_bottom_right")
              for d, dt in ((64, torch.float16), (128, torch.bfloat16))]
 
@@ -318,40 +129,40 @@ LAYOUT_CASES = []
 for fmt in ("sbhd", "bshd", "thd"):
     for layout in ("3", "h3", "2", "h2", "separate"):
         for d in DIMS:
-            LAYOUT_CASES.append(Case(fmt=fmt, layout=layout, b=3, sq=136, hq=4, d=d,
+            LAYOUT_CASES.append(Case(fmt=fmt, layout=layout, b=3, sq=136, hq=4, dqk=d,
                                      mask="causal"))
     for d in DIMS:
-        LAYOUT_CASES.append(Case(fmt=fmt, layout="gqa_split", hq=8, hkv=2, sq=130, d=d,
+        LAYOUT_CASES.append(Case(fmt=fmt, layout="gqa_split", hq=8, hkv=2, sq=130, dqk=d,
                                  mask="causal" if d == 64 else "no_mask"))  # the classic trap
 LAYOUT_CASES += [
     Case(fmt="sbhd", kv_fmt="bshd", sq=96, skv=160, mask="no_mask"),  # mixed formats
-    Case(fmt="bshd", kv_fmt="sbhd", sq=160, skv=160, mask="causal", d=128),
+    Case(fmt="bshd", kv_fmt="sbhd", sq=160, skv=160, mask="causal", dqk=128),
     Case(fmt="thd", kv_fmt="bshd", lens_q=[30, 64, 7], lens_kv=[64, 40, 64], sq=64, skv=64,
          mask="padding"),
     Case(fmt="bshd", kv_fmt="thd", lens_q=[30, 64, 7], lens_kv=[64, 40, 3], sq=64, skv=64,
-         mask="padding_causal_bottom_right", d=128),
+         mask="padding_causal_bottom_right", dqk=128),
 ]
 
 VARLEN_CASES = []
 for d in DIMS:
     for dt in DTYPES:
         VARLEN_CASES += [
-            Case(fmt="thd", lens_q=[37, 256, 1, 90], mask="padding", d=d, dtype=dt),
-            Case(fmt="thd", lens_q=[37, 256, 1, 90], mask="padding_causal", d=d, dtype=dt),
+            Case(fmt="thd", lens_q=[37, 256, 1, 90], mask="padding", dqk=d, dtype=dt),
+            Case(fmt="thd", lens_q=[37, 256, 1, 90], mask="padding_causal", dqk=d, dtype=dt),
             Case(fmt="thd", lens_q=[100, 20, 64], lens_kv=[180, 20, 33], mask="padding",
-                 d=d, dtype=dt),
+                 dqk=d, dtype=dt),
             Case(fmt="thd", lens_q=[100, 20, 64], lens_kv=[180, 20, 33],
-                 mask="padding_causal_bottom_right", d=d, dtype=dt),
+                 mask="padding_causal_bottom_right", dqk=d, dtype=dt),
             Case(fmt="thd", lens_q=[50, 200, 129], lens_kv=[60, 250, 129],
-                 mask="padding_causal", hq=8, hkv=2, d=d, dtype=dt),
+                 mask="padding_causal", hq=8, hkv=2, dqk=d, dtype=dt),
             Case(fmt="thd", lens_q=[300, 17, 128, 513], mask="padding_causal", hq=6, hkv=1,
-                 d=d, dtype=dt),
+                 dqk=d, dtype=dt),
             Case(fmt="sbhd", lens_q=[128, 3, 77], lens_kv=[128, 100, 1], sq=128,
-                 mask="padding_causal", d=d, dtype=dt),
+                 mask="padding_causal", dqk=d, dtype=dt),
             Case(fmt="bshd", lens_q=[128, 3, 77], lens_kv=[120, 100, 1], sq=128,
-                 mask="padding_causal_bottom_right", d=d, dtype=dt),
+                 mask="padding_causal_bottom_right", dqk=d, dtype=dt),
             Case(fmt="bshd", lens_q=[128, 0, 77], lens_kv=[128, 100, 0], sq=128,
-                 mask="padding", d=d, dtype=dt),  # empty sequences: zero rows
+                 mask="padding", dqk=d, dtype=dt),  # empty sequences: zero rows
         ]
 # random ragged lengths
 for seed in range(6):
@@ -361,26 +172,26 @@ for seed in range(6):
     lk = lq if seed % 2 else torch.randint(1, 600, (b,), generator=gen).tolist()
     mask = ("padding", "padding_causal", "padding_causal_bottom_right")[seed % 3]
     VARLEN_CASES.append(Case(fmt="thd", lens_q=lq, lens_kv=lk, mask=mask, hq=4,
-                             hkv=(4, 2, 1)[seed % 3], d=DIMS[seed % 2],
+                             hkv=(4, 2, 1)[seed % 3], dqk=DIMS[seed % 2],
                              dtype=DTYPES[(seed // 2) % 2], seed=seed))
 
 OTHER_CASES = [
     Case(scale=0.3, mask="no_mask", sq=64, skv=64),
-    Case(scale=0.05, mask="causal", sq=300, skv=300, d=128, dtype=torch.float16),
+    Case(scale=0.05, mask="causal", sq=300, skv=300, dqk=128, dtype=torch.float16),
     Case(b=1, sq=1, skv=1, mask="no_mask"),
-    Case(b=1, sq=1, skv=777, mask="causal_bottom_right", d=128),  # decode-like
-    Case(b=1, sq=1, skv=777, mask="causal", d=128),  # top-left: one key
+    Case(b=1, sq=1, skv=777, mask="causal_bottom_right", dqk=128),  # decode-like
+    Case(b=1, sq=1, skv=777, mask="causal", dqk=128),  # top-left: one key
     Case(b=2, sq=1000, skv=5, mask="causal_bottom_right"),  # most rows see no key
 ]
 
 WINDOW_CASES = [
     Case(mask="causal", sq=256, skv=256, window=(32, 0)),
-    Case(mask="causal", sq=128, skv=256, window=(48, 0), d=128),
+    Case(mask="causal", sq=128, skv=256, window=(48, 0), dqk=128),
     Case(mask="causal_bottom_right", sq=128, skv=256, window=(48, 0), dtype=torch.float16),
-    Case(mask="no_mask", sq=256, skv=256, window=(32, 16), d=128),
+    Case(mask="no_mask", sq=256, skv=256, window=(32, 16), dqk=128),
     Case(mask="no_mask", sq=128, skv=300, window=(20, 130)),
     Case(fmt="thd", lens_q=[300, 17, 128], mask="padding_causal", window=(64, 0)),
-    Case(fmt="thd", lens_q=[300, 17, 128], mask="padding", window=(32, 32), d=128),
+    Case(fmt="thd", lens_q=[300, 17, 128], mask="padding", window=(32, 32), dqk=128),
 ]
 
 
@@ -431,12 +242,12 @@ VARIANT_CASES = {
 def test_tile_variants(name, variant, d):
     """Every tile shape computes the same function as variant 0 (which the cases above test
     in full), so that flash.TILE_VARIANT may pick any of them."""
-    c = Case(d=d, **VARIANT_CASES[name])
-    (qp, kp, vp), (q, k, v) = build_inputs(c)
+    c = Case(dqk=d, **VARIANT_CASES[name])
+    (qp, kp, vp), (q, k, v), _ = build_inputs(c, requires_grad=False)
     params = make_params(c)
     left, right, bottom_right = flash._mask_args(params)
-    cu_q = _cu(c.lens_q) if c.padded else None
-    cu_kv = _cu(c.lens_kv) if c.padded else None
+    cu_q = cu_seqlens(c.lens_q) if c.padded else None
+    cu_kv = cu_seqlens(c.lens_kv) if c.padded else None
     args = (q, k, v, cu_q, cu_kv, c.fmt, c.kv_fmt, c.sq, c.skv, params.softmax_scale, left,
             right, bottom_right, True)
     out0, lse0 = flash._fwd_impl(*args, tile_variant=0)
@@ -448,8 +259,8 @@ def test_tile_variants(name, variant, d):
 
 
 def test_deterministic_and_streams():
-    c = Case(b=2, sq=512, hq=8, hkv=2, mask="causal", d=128)
-    (_, _, _), (q, k, v) = build_inputs(c)
+    c = Case(b=2, sq=512, hq=8, hkv=2, mask="causal", dqk=128)
+    (_, _, _), (q, k, v), _ = build_inputs(c, requires_grad=False)
     params = make_params(c)
     inputs = AttentionInputs(q, k, v)
     ref = flash.run(inputs, params)
@@ -464,7 +275,7 @@ def test_deterministic_and_streams():
 
 def test_unaligned_inputs_run_on_copies():
     c = Case(b=2, sq=128, hq=4, mask="causal", dtype=torch.float16)
-    (qp, kp, vp), (q, k, v) = build_inputs(c)
+    (qp, kp, vp), (q, k, v), _ = build_inputs(c, requires_grad=False)
     buf = torch.empty(q.numel() + 1, dtype=q.dtype, device=DEV)
     q_mis = buf[1:].view(q.shape).copy_(q)
     params = make_params(c)
@@ -521,11 +332,11 @@ def test_selected_for_inference(monkeypatch):
 @pytest.mark.parametrize("fmt", ["bshd", "thd"])
 def test_torch_compile_traces_the_op(fmt):
     c = Case(fmt=fmt, b=3, sq=128, hq=4, hkv=2, mask="causal")
-    (_, _, _), (q, k, v) = build_inputs(c)
+    (_, _, _), (q, k, v), _ = build_inputs(c, requires_grad=False)
     params = make_params(c)
     assert not flash.not_supported_reasons(params)
-    cu_q = _cu(c.lens_q) if c.padded else None
-    cu_kv = _cu(c.lens_kv) if c.padded else None
+    cu_q = cu_seqlens(c.lens_q) if c.padded else None
+    cu_kv = cu_seqlens(c.lens_kv) if c.padded else None
 
     def fn(q, k, v):
         return flash.run(AttentionInputs(q, k, v, cu_q, cu_kv), params)
@@ -537,7 +348,7 @@ def test_torch_compile_traces_the_op(fmt):
 
 def test_opcheck():
     c = Case(b=2, sq=64, hq=2, mask="causal", dtype=torch.float16)
-    (_, _, _), (q, k, v) = build_inputs(c)
+    (_, _, _), (q, k, v), _ = build_inputs(c, requires_grad=False)
     args = (q, k, v, None, None, "bshd", "bshd", 64, 64, 0.125, -1, 0, False, True)
     torch.library.opcheck(torch.ops.transformer_fa.flash_attn_fwd.default, args,
                           test_utils=("test_schema", "test_faketensor"))

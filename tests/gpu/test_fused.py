@@ -23,7 +23,10 @@ if not torch.cuda.is_available():
 from transformer_fa.attention.backends import fused  # noqa: E402
 from transformer_fa.attention.params import AttentionInputs, AttentionParams  # noqa: E402
 
-DEV = "cuda"
+from attention_cases import (DEV, Case, alibi_bias, build_inputs, check, cu_seqlens,  # noqa: E402
+                             keep_mask, out_to_padded, pad_rows, reference, to_format,
+                             to_padded, valid_rows)
+
 CC = torch.cuda.get_device_capability()
 if CC[0] not in fused.SUPPORTED_ARCH_MAJORS:
     pytest.skip(f"FusedAttention does not claim sm{CC[0]}{CC[1]}", allow_module_level=True)
@@ -32,157 +35,12 @@ if CC[0] not in fused.SUPPORTED_ARCH_MAJORS:
 # ------------------------------------------------------------------------------------------
 # Case description and input construction
 # ------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class Case:
-    fmt: str = "bshd"                 # q format
-    kv_fmt: str = None                # kv format (default: fmt)
-    layout: str = "separate"          # separate | 3 | h3 | 2 | h2 | gqa_split
-    b: int = 2
-    sq: int = 128
-    skv: int = None
-    hq: int = 4
-    hkv: int = None
-    dqk: int = 64
-    dv: int = None
-    dtype: torch.dtype = torch.bfloat16
-    mask: str = "causal"
-    window: tuple = None
-    lens_q: list = None               # padding / thd: actual lengths
-    lens_kv: list = None
-    bias: str = None                  # post_scale_bias shape code: 1hss | b1ss | bhss | 11ss
-    bias_grad: bool = False
-    alibi: str = None                 # "h" or "bh" slopes
-    scale: float = None
-    must: bool = True                 # the backend claims this case
-
-    def __post_init__(self):
-        self.kv_fmt = self.kv_fmt or self.fmt
-        self.skv = self.skv or self.sq
-        self.hkv = self.hkv or self.hq
-        self.dv = self.dv or self.dqk
-        if self.window is None:
-            self.window = (-1, 0) if "causal" in self.mask else (-1, -1)
-        thd = "thd" in (self.fmt, self.kv_fmt)
-        if self.lens_q is not None:
-            self.b = len(self.lens_q)
-        if (thd or "padding" in self.mask) and self.lens_q is None:
-            gen = torch.Generator().manual_seed(self.b * 7 + self.sq)
-            self.lens_q = torch.randint(1, self.sq + 1, (self.b,), generator=gen).tolist()
-            self.lens_q[0] = self.sq
-            if self.lens_kv is None and self.skv == self.sq:
-                self.lens_kv = list(self.lens_q)
-            elif self.lens_kv is None:
-                self.lens_kv = torch.randint(1, self.skv + 1, (self.b,), generator=gen).tolist()
-                self.lens_kv[-1] = self.skv
-        if self.lens_kv is None and self.lens_q is not None:
-            self.lens_kv = list(self.lens_q)
-        if thd:
-            # thd tensors are exactly as long as their sequences; the max is the longest one
-            self.b = len(self.lens_q)
-            if self.fmt == "thd":
-                self.sq = max(self.lens_q)
-            if self.kv_fmt == "thd":
-                self.skv = max(self.lens_kv)
-
-    @property
-    def padded(self):
-        return self.lens_q is not None
-
-    @property
-    def qkv_format(self):
-        return self.fmt if self.fmt == self.kv_fmt else f"{self.fmt}_2{self.kv_fmt}"
-
-    def __str__(self):
-        return (f"{self.qkv_format}/{self.layout} b{self.b} s{self.sq}x{self.skv} h{self.hq}/"
-                f"{self.hkv} d{self.dqk}/{self.dv} {str(self.dtype)[6:]} {self.mask} "
-                f"w{self.window} bias={self.bias}{'+grad' if self.bias_grad else ''} "
-                f"alibi={self.alibi}")
-
-
-def _cu(lens):
-    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
-
-
-def _garbage(shape, dtype, gen):
-    return (100 * torch.randn(shape, generator=gen, device=DEV)).to(dtype)
-
-
-def _to_format(xp, fmt, lens):
-    """padded bshd [b, s, h, d] -> fmt (thd: packed by lens)."""
-    if fmt == "bshd":
-        return xp
-    if fmt == "sbhd":
-        return xp.transpose(0, 1)
-    return torch.cat([xp[i, :n] for i, n in enumerate(lens)], 0)
-
-
-def _to_padded(x, fmt, lens, s):
-    """fmt -> padded bshd [b, s, h, d] (zeros in padding slots for thd)."""
-    if fmt == "bshd":
-        return x
-    if fmt == "sbhd":
-        return x.transpose(0, 1)
-    out = x.new_zeros((len(lens), s) + tuple(x.shape[1:]))
-    start = 0
-    for i, n in enumerate(lens):
-        out[i, :n] = x[start:start + n]
-        start += n
-    return out
-
-
-def _layout_name(c: Case):
-    p = {"sbhd": "sb", "bshd": "bs", "thd": "t"}
-    if c.fmt != c.kv_fmt or c.layout in ("separate", "gqa_split"):
-        return f"{c.fmt}_{c.kv_fmt}_{c.kv_fmt}"
-    f, x = c.fmt, p[c.fmt]
-    return {"3": f"{x}3hd", "h3": f"{x}h3d", "2": f"{f}_{x}2hd", "h2": f"{f}_{x}h2d"}[c.layout]
-
-
-def build_inputs(c: Case, seed=0):
-    """Padded data (bshd) and the q, k, v tensors the backend gets, as views of one buffer
-    where the layout packs them."""
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    qp = torch.randn(c.b, c.sq, c.hq, c.dqk, generator=gen, device=DEV).to(c.dtype)
-    kp = torch.randn(c.b, c.skv, c.hkv, c.dqk, generator=gen, device=DEV).to(c.dtype)
-    vp = torch.randn(c.b, c.skv, c.hkv, c.dv, generator=gen, device=DEV).to(c.dtype)
-    if c.padded:  # garbage the backend must ignore
-        for i in range(c.b):
-            qp[i, c.lens_q[i]:] = _garbage(qp[i, c.lens_q[i]:].shape, c.dtype, gen)
-            kp[i, c.lens_kv[i]:] = _garbage(kp[i, c.lens_kv[i]:].shape, c.dtype, gen)
-            vp[i, c.lens_kv[i]:] = _garbage(vp[i, c.lens_kv[i]:].shape, c.dtype, gen)
-    qf = _to_format(qp, c.fmt, c.lens_q)
-    kf = _to_format(kp, c.kv_fmt, c.lens_kv)
-    vf = _to_format(vp, c.kv_fmt, c.lens_kv)
-
-    leaves = []
-
-    def leaf(t):
-        t = t.detach().clone().requires_grad_()
-        leaves.append(t)
-        return t
-
-    if c.layout == "separate" or c.fmt != c.kv_fmt:
-        q, k, v = leaf(qf.contiguous()), leaf(kf.contiguous()), leaf(vf.contiguous())
-    elif c.layout == "gqa_split":  # [.., hq + 2 hkv, d] split along heads: strided views
-        assert c.dqk == c.dv
-        buf = leaf(torch.cat([qf, kf, vf], dim=-2).contiguous())
-        q, k, v = buf.split([c.hq, c.hkv, c.hkv], dim=-2)
-    else:
-        n = 3 if c.layout in ("3", "h3") else 2
-        dim = -2 if c.layout in ("h3", "h2") else -3
-        parts = [qf, kf, vf] if n == 3 else [kf, vf]
-        buf = leaf(torch.stack(parts, dim=dim).contiguous())
-        views = buf.unbind(dim)
-        q, k, v = (views if n == 3 else (leaf(qf.contiguous()),) + views)
-    return (qp, kp, vp), (q, k, v), leaves
-
-
 def make_params(c: Case, q, requires_grad=True, dropout=0.0, deterministic=False,
                 bias_shape=None, slopes_shape=None):
     thd = "thd" in (c.fmt, c.kv_fmt)
     return AttentionParams(
         qkv_format=c.qkv_format, q_format=c.fmt, kv_format=c.kv_fmt,
-        qkv_layout=_layout_name(c), batch_size=c.b, num_heads=c.hq, num_gqa_groups=c.hkv,
+        qkv_layout=c.layout_name, batch_size=c.b, num_heads=c.hq, num_gqa_groups=c.hkv,
         max_seqlen_q=c.sq, max_seqlen_kv=c.skv, head_dim_qk=c.dqk, head_dim_v=c.dv,
         dtype=c.dtype, device_type="cuda", compute_capability=CC,
         attn_mask_type=c.mask if not thd or "padding" in c.mask else (
@@ -198,79 +56,12 @@ def make_params(c: Case, q, requires_grad=True, dropout=0.0, deterministic=False
 
 
 # ------------------------------------------------------------------------------------------
-# Reference (plain torch math on padded bshd)
-# ------------------------------------------------------------------------------------------
-def keep_mask(c: Case, mask_type):
-    """bool [b, 1, sq, skv], True = attend (TE semantics, per-sequence lengths)."""
-    lq = torch.tensor(c.lens_q if c.padded else [c.sq] * c.b, device=DEV).view(-1, 1, 1, 1)
-    lk = torch.tensor(c.lens_kv if c.padded else [c.skv] * c.b, device=DEV).view(-1, 1, 1, 1)
-    i = torch.arange(c.sq, device=DEV).view(1, 1, -1, 1)
-    j = torch.arange(c.skv, device=DEV).view(1, 1, 1, -1)
-    off = 0 if mask_type in ("causal", "padding_causal") else lk - lq
-    left, right = c.window
-    if "causal" in mask_type:
-        right = 0
-    keep = (i < lq) & (j < lk)
-    if left >= 0:
-        keep = keep & (j >= i + off - left)
-    if right >= 0:
-        keep = keep & (j <= i + off + right)
-    return keep
-
-
-def alibi_bias(c: Case, slopes, mask_type):
-    lq = torch.tensor(c.lens_q if c.padded else [c.sq] * c.b, device=DEV).view(-1, 1, 1, 1)
-    lk = torch.tensor(c.lens_kv if c.padded else [c.skv] * c.b, device=DEV).view(-1, 1, 1, 1)
-    i = torch.arange(c.sq, device=DEV).view(1, 1, -1, 1)
-    j = torch.arange(c.skv, device=DEV).view(1, 1, 1, -1)
-    off = 0 if mask_type in ("causal", "padding_causal") else lk - lq
-    s = slopes.view(1, -1, 1, 1) if slopes.dim() == 1 else slopes.view(c.b, -1, 1, 1)
-    return -s * (i + off - j).abs().float()
-
-
-def reference(qp, kp, vp, keep, scale, bias=None, upcast=True):
-    """out [b, sq, hq, dv]. upcast: float32 math; else the same math in the input dtype."""
-    dtype = qp.dtype
-    if upcast:
-        qp, kp, vp = qp.float(), kp.float(), vp.float()
-        bias = bias.float() if bias is not None else None
-    g = qp.shape[2] // kp.shape[2]
-    kp = kp.repeat_interleave(g, dim=2)
-    vp = vp.repeat_interleave(g, dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", qp, kp) * scale
-    if bias is not None:
-        s = s + bias.to(s.dtype)
-    s = s.float().masked_fill(~keep, float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    p = p if upcast else p.to(dtype)
-    return torch.einsum("bhqk,bkhd->bqhd", p, vp)
-
-
-def check(name, ours, ref32, refdt, atol):
-    ours, ref32, refdt = ours.float(), ref32.float(), refdt.float()
-    err = (ours - ref32).abs().max().item()
-    base = (refdt - ref32).abs().max().item()
-    tol = 2 * base + atol * max(1.0, ref32.abs().max().item())
-    assert err <= tol, f"{name}: max error {err:.4g} > {tol:.4g} (2 x {base:.4g} + atol)"
-
-
-def _valid_rows(xp, lens):
-    return xp if lens is None else torch.cat([xp[i, :n] for i, n in enumerate(lens)], 0)
-
-
-def _pad_rows(xp, lens):
-    if lens is None:
-        return xp[:, :0]
-    return torch.cat([xp[i, n:] for i, n in enumerate(lens)], 0)
-
-
-# ------------------------------------------------------------------------------------------
 # Running one case
 # ------------------------------------------------------------------------------------------
 def run_fused(c: Case, q, k, v, bias=None, slopes=None, dropout=0.0, deterministic=False,
               requires_grad=True):
-    cu_q = _cu(c.lens_q) if c.padded else None
-    cu_kv = _cu(c.lens_kv) if c.padded else None
+    cu_q = cu_seqlens(c.lens_q) if c.padded else None
+    cu_kv = cu_seqlens(c.lens_kv) if c.padded else None
     bias_shape = None
     if bias is not None:
         bias_shape = ("b" if bias.shape[0] > 1 else "1") + ("h" if bias.shape[1] > 1 else "1") + "ss"
@@ -284,14 +75,6 @@ def run_fused(c: Case, q, k, v, bias=None, slopes=None, dropout=0.0, determinist
         pytest.skip(f"declined: {reasons[0][:300]}")
     inputs = AttentionInputs(q, k, v, cu_q, cu_kv, None, bias, slopes)
     return fused.run(inputs, params), params
-
-
-def out_to_padded(out, c: Case):
-    if c.fmt == "thd":
-        return _to_padded(out.view(out.shape[0], c.hq, c.dv), "thd", c.lens_q, c.sq)
-    if c.fmt == "sbhd":
-        return out.view(c.sq, c.b, c.hq, c.dv).transpose(0, 1)
-    return out.view(c.b, c.sq, c.hq, c.dv)
 
 
 def run_case(c: Case, seed=0, mangle=None):
@@ -334,7 +117,7 @@ def run_case(c: Case, seed=0, mangle=None):
         kr = kp.detach().clone().float().requires_grad_() if upcast else kp.detach().clone().requires_grad_()
         vr = vp.detach().clone().float().requires_grad_() if upcast else vp.detach().clone().requires_grad_()
         br = ref_bias32 if upcast else ref_biasdt
-        o = reference(qr, kr, vr, keep, scale, br, upcast)
+        o = reference(qr, kr, vr, keep, scale, br, upcast)[0]
         dop = out_to_padded(dout, c)
         rw = [qr, kr, vr] + ([br] if c.bias and c.bias_grad else [])
         g = torch.autograd.grad(o, rw, dop.to(o.dtype))
@@ -342,10 +125,10 @@ def run_case(c: Case, seed=0, mangle=None):
 
     atol = 2e-3 if c.dtype == torch.float16 else 8e-3
     outp = out_to_padded(out.detach(), c)
-    check(f"out {c}", _valid_rows(outp, lens_q), _valid_rows(refs[True][0], lens_q),
-          _valid_rows(refs[False][0], lens_q), atol)
+    check(f"out {c}", valid_rows(outp, lens_q), valid_rows(refs[True][0], lens_q),
+          valid_rows(refs[False][0], lens_q), atol)
     if c.padded and c.fmt != "thd":
-        assert (_pad_rows(outp, lens_q) == 0).all(), "padded query rows of the output are not zero"
+        assert (pad_rows(outp, lens_q) == 0).all(), "padded query rows of the output are not zero"
     if c.fmt == "thd" and q.shape[0] > sum(lens_q):
         assert (out[sum(lens_q):] == 0).all()
 
@@ -354,11 +137,11 @@ def run_case(c: Case, seed=0, mangle=None):
     lens = (lens_q, lens_kv, lens_kv)
     seqs = (c.sq, c.skv, c.skv)
     for i in range(3):
-        gp = _to_padded(grads[i].detach(), fmts[i], lens[i], seqs[i])
-        check(f"{names[i]} {c}", _valid_rows(gp, lens[i]), _valid_rows(refs[True][1][i], lens[i]),
-              _valid_rows(refs[False][1][i], lens[i]), atol)
+        gp = to_padded(grads[i].detach(), fmts[i], lens[i], seqs[i])
+        check(f"{names[i]} {c}", valid_rows(gp, lens[i]), valid_rows(refs[True][1][i], lens[i]),
+              valid_rows(refs[False][1][i], lens[i]), atol)
         if c.padded and fmts[i] != "thd":
-            assert (_pad_rows(gp, lens[i]) == 0).all(), f"{names[i]} is not zero in padding rows"
+            assert (pad_rows(gp, lens[i]) == 0).all(), f"{names[i]} is not zero in padding rows"
     if c.bias and c.bias_grad:
         check(f"dbias {c}", grads[3], refs[True][1][3], refs[False][1][3], atol)
         assert grads[3].shape == bias.shape and grads[3].dtype == bias.dtype
@@ -514,7 +297,7 @@ def test_dropout(fmt):
              lens_q=[n, n] if fmt == "thd" else None, dtype=torch.float16)
     (qp, kp, _), (q, k, _), _ = build_inputs(c)
     eye = torch.eye(n, device=DEV, dtype=c.dtype).view(1, n, 1, n).expand(c.b, n, c.hkv, n)
-    v_eye = _to_format(eye.contiguous(), fmt, c.lens_kv).contiguous()
+    v_eye = to_format(eye.contiguous(), fmt, c.lens_kv).contiguous()
     with torch.no_grad():
         m = out_to_padded(_dropout_run(c, q, k, v_eye, p, 7), c).float()  # [b, sq, h, skv]
         m_again = out_to_padded(_dropout_run(c, q, k, v_eye, p, 7), c).float()
@@ -533,7 +316,7 @@ def test_dropout(fmt):
 
     # Same seed, random V: out = M V; gradients from M (dS = M * dM - P * rowsum(dO * O)).
     vp = torch.randn(c.b, n, c.hkv, n, device=DEV).to(c.dtype)
-    v2 = _to_format(vp, fmt, c.lens_kv).contiguous().requires_grad_()
+    v2 = to_format(vp, fmt, c.lens_kv).contiguous().requires_grad_()
     out = _dropout_run(c, q, k, v2, p, 7)
     dout = torch.randn_like(out)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v2), dout)
@@ -552,7 +335,7 @@ def test_dropout(fmt):
             "dv": mm.transpose(-1, -2) @ do}
     for name, ours, lens, f in (("dq", dq, c.lens_q, fmt), ("dk", dk, c.lens_kv, fmt),
                                 ("dv", dv, c.lens_kv, fmt)):
-        got = _to_padded(ours, f, lens, n).float().permute(0, 2, 1, 3)
+        got = to_padded(ours, f, lens, n).float().permute(0, 2, 1, 3)
         err = (got - refs[name]).abs().max().item()
         assert err <= 3e-2 * max(1.0, refs[name].abs().max().item()), f"{name}: {err}"
 
@@ -647,8 +430,8 @@ def test_torch_compile_traces_the_ops(fmt):
     (_, _, _), (q, k, v), _ = build_inputs(c)
     params = make_params(c, q)
     assert not fused.not_supported_reasons(params)
-    cu_q = _cu(c.lens_q) if c.padded else None
-    cu_kv = _cu(c.lens_kv) if c.padded else None
+    cu_q = cu_seqlens(c.lens_q) if c.padded else None
+    cu_kv = cu_seqlens(c.lens_kv) if c.padded else None
 
     def fn(q, k, v):
         return fused.run(AttentionInputs(q, k, v, cu_q, cu_kv), params)
@@ -729,7 +512,7 @@ def test_dot_product_attention_fused_matches_unfused(monkeypatch, qkv_format):
     h, d = 4, 64
     gen = torch.Generator(device=DEV).manual_seed(5)
     lens = [100, 37, 128]
-    cu = _cu(lens)
+    cu = cu_seqlens(lens)
     if qkv_format == "sbhd":
         qkv = torch.randn(128, 3, 3, h, d, generator=gen, device=DEV).to(torch.bfloat16)
         mask_type, extra = "causal", {}
