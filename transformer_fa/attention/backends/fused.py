@@ -38,6 +38,7 @@ import torch
 
 from .. import masks, padding
 from ..params import AttentionInputs, AttentionParams
+from .support import never_raises
 
 NAME = "FusedAttention"
 logger = logging.getLogger("DotProductAttention")
@@ -450,14 +451,6 @@ def _cudnn_rejection(spec: _Spec, device_index: int) -> Optional[str]:
     return verdict
 
 
-def not_supported_reasons(params: AttentionParams) -> List[str]:
-    """Why FusedAttention cannot serve params (each reads after "Disabling FusedAttention ")."""
-    try:
-        return _reasons(params)
-    except Exception as exc:  # never in the user's face
-        return [f"as its support check failed ({type(exc).__name__}: {exc})"]
-
-
 def _reasons(p: AttentionParams) -> List[str]:
     if p.device_type != "cuda":
         return [f"as it requires CUDA tensors (got device type {p.device_type})"]
@@ -504,6 +497,9 @@ def _reasons(p: AttentionParams) -> List[str]:
     if msg is not None:
         return [f"as cuDNN does not support this configuration ({msg})"]
     return []
+
+# Why this backend cannot serve params (each reads after "Disabling <NAME> ").
+not_supported_reasons = never_raises(_reasons)
 
 
 # --------------------------------------------------------------------------------------------
