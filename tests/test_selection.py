@@ -245,3 +245,16 @@ def test_repeated_calls_follow_env_mode_and_layout_changes(monkeypatch):
             layouts.clear()
             torch.testing.assert_close(dpa(*inputs), fresh()(*[t.contiguous() for t in inputs]))
             assert layouts[0] == layout
+
+
+def test_changed_module_settings_are_seen_by_repeated_calls():
+    q, k, v = qkv()
+    dpa = tfa.DotProductAttention(2, 8, attn_mask_type="no_mask")
+    dpa(q, k, v)
+    dpa.attn_mask_type = "causal"  # a later change of the module's defaults must count
+    torch.testing.assert_close(dpa(q, k, v),
+                               tfa.DotProductAttention(2, 8, attn_mask_type="causal")(q, k, v))
+    dpa.window_size = (1, 0)
+    torch.testing.assert_close(
+        dpa(q, k, v), tfa.DotProductAttention(2, 8, attn_mask_type="causal",
+                                              window_size=(1, 0))(q, k, v))

@@ -87,7 +87,10 @@ class DotProductAttention(torch.nn.Module):
                 and max_seqlen_q is None and max_seqlen_kv is None
                 and core_attention_bias_type == "no_bias" and core_attention_bias is None
                 and alibi_slopes is None and not torch.compiler.is_compiling()):
-            dense_key = self._dense_call_key(q, k, v, qkv_format, attn_mask_type, window_size)
+            dense_key = self._dense_call_key(
+                q, k, v, self.qkv_format if qkv_format is None else qkv_format,
+                self.attn_mask_type if attn_mask_type is None else attn_mask_type,
+                self.window_size if window_size is None else window_size)
             hit = self._dense_calls.get(dense_key) if dense_key is not None else None
             if hit is not None:
                 backend, params = hit
