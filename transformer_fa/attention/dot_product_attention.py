@@ -169,7 +169,8 @@ class DotProductAttention(torch.nn.Module):
         shares = (meta[0][-1] == meta[1][-1], meta[1][-1] == meta[2][-1])
         meta = tuple(m[:-1] for m in meta)  # the base pointers matter only through `shares`
         return (meta, shares, qkv_format, attn_mask_type, window_size, self.training,
-                self.attention_dropout, self.softmax_scale, torch.is_grad_enabled(),
+                self.attention_dropout, self.softmax_scale, self.num_attention_heads,
+                self.num_gqa_groups, self.head_dim_qk, self.head_dim_v, torch.is_grad_enabled(),
                 torch.are_deterministic_algorithms_enabled(), selection.read_env())
 
 
