@@ -5,12 +5,10 @@ TRANSFORMER_FA_BUILD_CUDA=1 forces it (=0 forces it off). Otherwise the pure-Pyt
 is installed; it runs everywhere with the unfused backend. To build the extension against
 the torch you already have, install without build isolation:
     pip install --no-build-isolation -e .
-Arch list for the kernels: TRANSFORMER_FA_CUDA_ARCHS (default "80;90a"); kernel set:
-TRANSFORMER_FA_FLASH_KERNELS (default all, e.g. "bf16_hdim128" for a fast development build).
+Arch list for the kernels: TRANSFORMER_FA_CUDA_ARCHS (default "80;90a").
 """
 import glob
 import os
-import re
 import shutil
 
 from setuptools import find_packages, setup
@@ -19,27 +17,10 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 EXTENSION = "transformer_fa_flash"
 
 
-def flash_instantiations():
-    """The generated kernel files to build, each with the macro that enables its dispatch.
-
-    TRANSFORMER_FA_FLASH_KERNELS (e.g. "bf16_hdim128,fp16_hdim64") keeps only the named ones,
-    for fast development builds; by default every file csrc/generate.py wrote is built.
-    """
-    wanted = [w.strip() for w in os.environ.get("TRANSFORMER_FA_FLASH_KERNELS", "").split(",")
-              if w.strip()]
-    kept = []
-    for path in sorted(glob.glob(os.path.join("csrc", "flash", "instantiations", "*.cu"))):
-        match = re.fullmatch(r"fwd_(\w+?)_hdim(\d+)_sm80\.cu", os.path.basename(path))
-        if match and (not wanted or f"{match[1]}_hdim{match[2]}" in wanted):
-            # The macro is csrc/generate.py's kernel_macro(name, d): it enables the dispatch case.
-            kept.append((path, f"TFA_FLASH_FWD_{match[1].upper()}_HDIM{match[2]}"))
-    return kept
-
-
 def cuda_sources():
-    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
-    kernels = [path for path, _ in flash_instantiations()]
-    return sources + kernels if kernels else []
+    sources = glob.glob(os.path.join("csrc", "*.cpp"))
+    sources += glob.glob(os.path.join("csrc", "flash", "**", "*.cu"), recursive=True)
+    return sorted(sources)
 
 
 def want_cuda_build():
@@ -70,11 +51,10 @@ def extensions():
 
     archs = os.environ.get("TRANSFORMER_FA_CUDA_ARCHS", "80;90a").split(";")
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs if a]
-    kernels = [f"-D{macro}" for _, macro in flash_instantiations()]
     ext = CUDAExtension(
         EXTENSION, cuda_sources(),
         include_dirs=[os.path.join(ROOT, "csrc")],
-        extra_compile_args={"cxx": ["-O3", "-std=c++17"] + kernels,
+        extra_compile_args={"cxx": ["-O3", "-std=c++17"],
                             "nvcc": ["-O3", "-std=c++17", "--use_fast_math",
                                      "--expt-relaxed-constexpr"] + gencode})
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}

@@ -4,12 +4,10 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
-#include <pybind11/stl.h>
 #include <torch/extension.h>
 
 #include <cmath>
 
-#include "flash/dispatch.h"
 #include "flash/flash.h"
 
 namespace tf = transformer_fa::flash;
@@ -169,9 +167,12 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
 
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   const bool bf16 = dtype == at::kBFloat16;
-  TORCH_CHECK(tf::dispatch_fwd(bf16, static_cast<int>(d), p, stream),
-              "flash_attn_fwd: this build has no ", bf16 ? "bf16" : "fp16", " kernel for head dim ",
-              d, " (see TRANSFORMER_FA_FLASH_KERNELS in setup.py)");
+  if (d == 64) {
+    bf16 ? tf::run_fwd<tf::DType::kBF16, 64>(p, stream) : tf::run_fwd<tf::DType::kFP16, 64>(p, stream);
+  } else {
+    bf16 ? tf::run_fwd<tf::DType::kBF16, 128>(p, stream)
+         : tf::run_fwd<tf::DType::kFP16, 128>(p, stream);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {out, lse};
 }
@@ -184,5 +185,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("softmax_scale"), py::arg("window_left"), py::arg("window_right"),
         py::arg("bottom_right"), py::arg("return_lse"), py::arg("tile_variant") = 0);
   m.attr("HEAD_DIMS") = py::make_tuple(64, 128);
-  m.attr("INSTANTIATIONS") = tf::built_instantiations();
 }

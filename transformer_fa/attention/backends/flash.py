@@ -76,12 +76,6 @@ def _reasons(p: AttentionParams) -> List[str]:
     if p.head_dim_qk != p.head_dim_v or p.head_dim_qk not in SUPPORTED_HEAD_DIMS:
         reasons.append(f"as it does not support head_dim_qk = {p.head_dim_qk}, head_dim_v = "
                        f"{p.head_dim_v} (supported: {SUPPORTED_HEAD_DIMS}, equal)")
-    elif p.dtype in SUPPORTED_DTYPES:
-        kernel = f"{'bf16' if p.dtype == torch.bfloat16 else 'fp16'}_hdim{p.head_dim_qk}"
-        built = getattr(_extension(), "INSTANTIATIONS", None)
-        if built is not None and kernel not in built:
-            reasons.append(f"as this build has no {kernel} kernel (built: {', '.join(built)}; "
-                           f"see TRANSFORMER_FA_FLASH_KERNELS)")
     if p.attn_mask_type == "arbitrary":
         reasons.append("as it does not support attn_mask_type = arbitrary")
     if p.has_window and not WINDOW_SUPPORTED:
