@@ -20,25 +20,67 @@ def gpu_params(**changes):
     return dataclasses.replace(base, **changes)
 
 
-def test_claims_exactly_what_the_gpu_tests_cover(monkeypatch):
+def built_extension(monkeypatch, **attrs):
+    """A stand-in for the built extension: what the support check looks at."""
+    ext = types.SimpleNamespace(fwd=None, bwd=None, HEAD_DIMS=(64, 128, 192, 256))
+    for name, value in attrs.items():
+        setattr(ext, name, value)
     monkeypatch.setattr(flash, "is_built", lambda: True)
-    monkeypatch.setattr(flash, "_extension", lambda: types.SimpleNamespace())
+    monkeypatch.setattr(flash, "_extension", lambda: ext)
+    return ext
+
+
+def test_claims_exactly_what_the_gpu_tests_cover(monkeypatch):
+    built_extension(monkeypatch)
+    claimed = []
     for dtype in (torch.float16, torch.bfloat16):
-        for d in (64, 128):
-            assert flash.not_supported_reasons(
-                gpu_params(dtype=dtype, head_dim_qk=d, head_dim_v=d)) == []
+        for d in range(8, 257, 8):  # every multiple of 8: tests/gpu/test_flash.py runs each
+            claimed.append(gpu_params(dtype=dtype, head_dim_qk=d, head_dim_v=d,
+                                      requires_grad=True))
+    claimed += [
+        gpu_params(requires_grad=False),
+        gpu_params(attention_dropout=0.1, requires_grad=True),
+        gpu_params(core_attention_bias_type="alibi", alibi_slopes_shape=(4,)),
+        gpu_params(core_attention_bias_type="alibi", alibi_slopes_shape=(2, 4),
+                   attn_mask_type="causal_bottom_right", requires_grad=True),
+        gpu_params(deterministic=True, requires_grad=True),
+        gpu_params(num_gqa_groups=1, requires_grad=True),
+        gpu_params(window_size=(64, 0), requires_grad=True),
+        gpu_params(attn_mask_type="no_mask", window_size=(32, 16)),
+        gpu_params(qkv_format="thd", q_format="thd", kv_format="thd",
+                   qkv_layout="thd_thd_thd", attn_mask_type="padding_causal_bottom_right",
+                   requires_grad=True, attention_dropout=0.2),
+    ]
+    for params in claimed:
+        assert flash.not_supported_reasons(params) == [], params
     declined = {
-        "backward": gpu_params(requires_grad=True),
         "sm80 (not run on one)": gpu_params(compute_capability=(8, 0)),
-        "head dim 96": gpu_params(head_dim_qk=96, head_dim_v=96),
+        "head dim 100": gpu_params(head_dim_qk=100, head_dim_v=100),
+        "head dim 264": gpu_params(head_dim_qk=264, head_dim_v=264),
         "dqk != dv": gpu_params(head_dim_v=64),
+        "dqk != dv, both claimed alone": gpu_params(head_dim_qk=192, head_dim_v=128),
         "float32": gpu_params(dtype=torch.float32),
-        "dropout": gpu_params(attention_dropout=0.1),
-        "alibi": gpu_params(core_attention_bias_type="alibi", alibi_slopes_shape=(4,)),
         "arbitrary": gpu_params(attn_mask_type="arbitrary", window_size=(-1, -1)),
+        "post_scale_bias": gpu_params(core_attention_bias_type="post_scale_bias",
+                                      core_attention_bias_shape="1hss"),
+        "pre_scale_bias": gpu_params(core_attention_bias_type="pre_scale_bias",
+                                     core_attention_bias_shape="1hss"),
+        "dropout 1": gpu_params(attention_dropout=1.0),
+        "cpu": gpu_params(device_type="cpu", compute_capability=None),
     }
     for name, params in declined.items():
         assert flash.not_supported_reasons(params), name
+
+
+def test_declines_what_the_build_lacks(monkeypatch):
+    built_extension(monkeypatch, HEAD_DIMS=(64, 128))
+    assert flash.not_supported_reasons(gpu_params(head_dim_qk=128, head_dim_v=128)) == []
+    reasons = flash.not_supported_reasons(gpu_params(head_dim_qk=160, head_dim_v=160))
+    assert reasons and "built" in reasons[0], reasons
+    old = built_extension(monkeypatch)
+    del old.bwd  # a build from before the backward
+    reasons = flash.not_supported_reasons(gpu_params())
+    assert reasons and "older" in reasons[0], reasons
 
 
 def test_a_failing_check_is_a_reason_not_an_exception(monkeypatch):

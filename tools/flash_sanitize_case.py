@@ -1,6 +1,12 @@
-"""A small varlen forward for compute-sanitizer (racecheck / memcheck): thd, ragged lengths
-that are not multiples of the tiles, GQA, causal bottom-right, both head dims, every tile
-variant. See tests/gpu/README.md for the commands."""
+"""A small varlen case for compute-sanitizer (racecheck / memcheck): thd, ragged lengths
+that are not multiples of the tiles, GQA, masks of both alignments and a sliding window, every
+built kernel head dim and one that is padded up, dropout and ALiBi on some calls.
+With --backward, the backward runs after each forward (and once deterministic).
+See tests/gpu/README.md for the commands.
+
+    python tools/flash_sanitize_case.py [--backward] [--dims 64,128]
+"""
+import argparse
 import math
 import sys
 from pathlib import Path
@@ -10,21 +16,36 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from transformer_fa.attention.backends import flash  # noqa: E402
 
+parser = argparse.ArgumentParser()
+parser.add_argument("--backward", action="store_true", help="run the backward too")
+parser.add_argument("--dims", default="40,64,128,192,256", help="head dims, comma separated")
+args = parser.parse_args()
+
 assert flash._extension() is not None, flash._ext_error
 lens_q, lens_k = [37, 130, 1, 70], [50, 129, 9, 200]
 cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32,
                     device="cuda")
 cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32,
                     device="cuda")
-for d in (64, 128):
+rng = torch.tensor([1234567, 89], dtype=torch.int64, device="cuda")
+slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], device="cuda")
+# (window_left, window_right, bottom_right, dropout_p, alibi)
+masks = ((-1, -1, False, 0.0, False), (-1, 0, True, 0.1, False), (16, 0, False, 0.0, True),
+         (24, 8, True, 0.2, True))
+for d in (int(x) for x in args.dims.split(",")):
     for dtype in (torch.bfloat16, torch.float16):
         q = torch.randn(sum(lens_q), 4, d, device="cuda", dtype=dtype)
         k = torch.randn(sum(lens_k), 2, d, device="cuda", dtype=dtype)
         v = torch.randn(sum(lens_k), 2, d, device="cuda", dtype=dtype)
-        for variant in range(5):
-            for left, right, br in ((-1, -1, False), (-1, 0, True), (16, 0, False)):
-                out, lse = flash._fwd_impl(q, k, v, cu_q, cu_k, "thd", "thd", max(lens_q),
-                                           max(lens_k), 1 / math.sqrt(d), left, right, br,
-                                           True, variant)
+        for left, right, br, p, alibi in masks:
+            mask = ("thd", "thd", max(lens_q), max(lens_k), 1 / math.sqrt(d), left, right, br)
+            extra = (p, rng if p > 0 else None, slopes if alibi else None)
+            out, lse = flash._fwd_impl(q, k, v, cu_q, cu_k, *mask, True, *extra)
+            if args.backward:
+                dout = torch.randn_like(out)
+                for deterministic in ((False, True) if left == -1 and right == 0 else (False,)):
+                    dq, dk, dv = flash._bwd_impl(dout, q, k, v, out, lse, cu_q, cu_k, *mask,
+                                                 *extra, deterministic)
 torch.cuda.synchronize()
-print("sanitize case done", out.float().abs().sum().item())
+print("sanitize case done", out.float().abs().sum().item(),
+      dq.float().abs().sum().item() if args.backward else "")

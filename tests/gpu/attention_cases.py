@@ -186,9 +186,11 @@ def alibi_bias(c: Case, slopes, mask_type):
     return -s * (i + off - j).abs().float()
 
 
-def reference(qp, kp, vp, keep, scale, bias=None, upcast=True):
+def reference(qp, kp, vp, keep, scale, bias=None, upcast=True, dropout=None, float_bias=False):
     """(out [b, sq, hq, dv], lse [b, hq, sq] float32). upcast: float32 math; else the same
-    math in the input dtype (scores and P rounded to it)."""
+    math in the input dtype (scores and P rounded to it). dropout: Z [b, hq, sq, skv]
+    (keep / (1 - p)) multiplied into P after the softmax; the LSE is of the softmax before.
+    float_bias: add the bias to float32 scores (a kernel that makes the bias itself, ALiBi)."""
     dtype = qp.dtype
     if upcast:
         qp, kp, vp = qp.float(), kp.float(), vp.float()
@@ -198,12 +200,24 @@ def reference(qp, kp, vp, keep, scale, bias=None, upcast=True):
     vp = vp.repeat_interleave(g, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", qp, kp) * scale
     if bias is not None:
-        s = s + bias.to(s.dtype)
+        s = s.float() + bias.float() if float_bias else s + bias.to(s.dtype)
     s = s.float().masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    if dropout is not None:
+        p = p * dropout
     p = p if upcast else p.to(dtype)
     return torch.einsum("bhqk,bkhd->bqhd", p, vp), lse
+
+
+def reference_grads(qp, kp, vp, dout_p, keep, scale, upcast=True, **kw):
+    """reference() with its gradients for dout_p: (out, lse, (dq, dk, dv)), padded bshd.
+    upcast: float32 leaves (so the gradients are not rounded to the input dtype)."""
+    leaves = [(x.detach().float() if upcast else x.detach().clone()).requires_grad_()
+              for x in (qp, kp, vp)]
+    out, lse = reference(*leaves, keep, scale, upcast=upcast, **kw)
+    grads = torch.autograd.grad(out, leaves, dout_p.to(out.dtype))
+    return out.detach(), lse.detach(), grads
 
 
 def check(name, ours, ref32, refdt, atol):

@@ -1,16 +1,21 @@
 """FlashAttention: this repo's own CUDA flash kernels (csrc/), bound as ``transformer_fa_flash``.
 
-What exists (issue 3, first step): the sm80-class forward (mma.sync, ldmatrix, cp.async;
-FlashAttention-2 work partitioning, online softmax) for fp16/bf16 and head dims 64 and 128,
-with no mask, causal top-left and bottom-right masks, sliding windows, GQA/MQA without K/V
-copies, sq != skv, varlen through cu_seqlens (thd, and padding masks on sbhd/bshd), every
-layout's strides (packed sb3hd-style views and GQA split views without a copy) and the
-log-sum-exp output.
-No backward yet: calls that need gradients go to another backend.
+What the kernels do: forward and backward (FlashAttention-2 work partitioning, online softmax)
+for fp16/bf16 and every head dim that is a multiple of 8 up to 256 (kernels are built for
+``transformer_fa_flash.HEAD_DIMS`` = 64, 128, 192, 256; a smaller d runs on the next one up),
+with no mask, causal top-left and bottom-right masks, sliding windows, ALiBi, dropout,
+GQA/MQA without K/V copies, sq != skv, varlen through cu_seqlens (thd, and padding masks on
+sbhd/bshd), every layout's strides (packed sb3hd-style views and GQA split views without a
+copy), and a deterministic backward on request.
+
+Dropout: the kernels draw a Philox mask from a (seed, offset) pair that this module draws from
+torch's generator and saves; the backward regenerates the same mask from it. The mask is
+specified in csrc/flash/flash.h, and written in torch in tests/gpu/philox.py.
 
 ``not_supported_reasons`` claims only what ``tests/gpu/test_flash.py`` covers and passed on
-a GPU. The op is registered with torch.library (``transformer_fa::flash_attn_fwd``) so that
-torch.compile traces through it; eager calls go to the extension directly.
+a GPU. Eager calls go to the extension directly (through an autograd.Function when gradients
+are needed); under torch.compile the torch.library ops ``transformer_fa::flash_attn_fwd`` and
+``transformer_fa::flash_attn_bwd`` (fake and autograd registrations) run instead.
 """
 from __future__ import annotations
 
@@ -20,23 +25,17 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from .. import masks
 from ..params import AttentionInputs, AttentionParams
-from .support import never_raises
+from .support import aligned, dropout_rng_state, fresh, never_raises
 
 NAME = "FlashAttention"
 EXTENSION = "transformer_fa_flash"
 
 # What the GPU tests (tests/gpu/test_flash.py) cover, and so what is claimed.
-SUPPORTED_HEAD_DIMS = (64, 128)
+MAX_HEAD_DIM = 256  # head dims: multiples of 8 up to this, one for q, k and v
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-SUPPORTED_ARCH_MAJORS = (9,)  # sm80-class kernels built for sm_80 and sm_90a; only sm_90 (H100) tested
-# Sliding windows (left, right), TE semantics with both alignments: tested on an H100.
-WINDOW_SUPPORTED = True
-
-# Tile shape per head dim (csrc/flash/fwd_launch_sm80.cuh lists the variants), from
-# benchmarks/bench_flash.py on an H100 (benchmarks/results/flash_fwd_H100_2026-11-22.*): d=64 128x128, d=128 128x64, 4 warps
-# with 32 query rows each, as FlashAttention-2.
-TILE_VARIANT = {64: 3, 128: 2}
+SUPPORTED_ARCH_MAJORS = (9,)  # kernels built for sm_80 and sm_90a; only sm_90 (H100) tested
 
 _FORMATS = {"bshd": 0, "sbhd": 1, "thd": 2}
 _ext = None
@@ -63,29 +62,33 @@ def _reasons(p: AttentionParams) -> List[str]:
         return [f"as it requires CUDA tensors, got device {p.device_type}"]
     if not is_built():
         return ["as the transformer_fa CUDA kernels (csrc/) are not built in this install"]
-    if _extension() is None:
+    ext = _extension()
+    if ext is None:
         return [f"as the transformer_fa CUDA kernels failed to load ({_ext_error})"]
+    if not hasattr(ext, "bwd"):
+        # A build from before the backward: its fwd takes other arguments too.
+        return ["as the built transformer_fa CUDA kernels are older than this Python code "
+                "(no backward); rebuild them"]
     cc = p.compute_capability
     if cc is None or cc[0] not in SUPPORTED_ARCH_MAJORS:
         return [f"as it does not support compute capability {cc} (tested and supported: sm90)"]
     reasons = []
-    if p.requires_grad:
-        reasons.append("as the FlashAttention backward is not implemented yet")
     if p.dtype not in SUPPORTED_DTYPES:
         reasons.append(f"as it does not support dtype {p.dtype} (fp16 and bf16 only)")
-    if p.head_dim_qk != p.head_dim_v or p.head_dim_qk not in SUPPORTED_HEAD_DIMS:
-        reasons.append(f"as it does not support head_dim_qk = {p.head_dim_qk}, head_dim_v = "
-                       f"{p.head_dim_v} (supported: {SUPPORTED_HEAD_DIMS}, equal)")
+    d = p.head_dim_qk
+    built = getattr(ext, "HEAD_DIMS", (MAX_HEAD_DIM,))
+    if p.head_dim_v != d or d % 8 or not 0 < d <= MAX_HEAD_DIM:
+        reasons.append(f"as it does not support head_dim_qk = {d}, head_dim_v = {p.head_dim_v} "
+                       f"(supported: equal, a multiple of 8, at most {MAX_HEAD_DIM})")
+    elif d > max(built):
+        reasons.append(f"as no kernel for head dim {d} is built (built: {tuple(built)})")
     if p.attn_mask_type == "arbitrary":
         reasons.append("as it does not support attn_mask_type = arbitrary")
-    if p.has_window and not WINDOW_SUPPORTED:
-        reasons.append(f"as it does not support sliding windows yet (window_size = "
-                       f"{p.window_size})")
-    if p.core_attention_bias_type != "no_bias":
+    if p.core_attention_bias_type not in ("no_bias", "alibi"):
         reasons.append(f"as it does not support core_attention_bias_type = "
                        f"{p.core_attention_bias_type}")
-    if p.attention_dropout > 0.0:
-        reasons.append("as it does not support dropout yet")
+    if not 0.0 <= p.attention_dropout < 1.0:
+        reasons.append(f"as it does not support attention_dropout = {p.attention_dropout}")
     return reasons
 
 # Why this backend cannot serve params (each reads after "Disabling <NAME> ").
@@ -93,38 +96,79 @@ not_supported_reasons = never_raises(_reasons)
 
 
 # --------------------------------------------------------------------------------------------
-# The op
+# Forward / backward: the binding's calls with format names
 # --------------------------------------------------------------------------------------------
-def _kernel_ready(t: torch.Tensor) -> bool:
-    """16-byte aligned data and strides, unit stride in d (what cp.async needs)."""
-    if t.stride(-1) != 1 or t.data_ptr() % 16:
-        return False
-    return all(n == 1 or s % 8 == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]))
+def _ready(t: torch.Tensor) -> torch.Tensor:
+    """t, or a contiguous copy where the kernels cannot read t as it is (the binding raises)."""
+    return t if aligned(t) else fresh(t)
 
 
-def _fresh(t: torch.Tensor) -> torch.Tensor:
-    return t.clone(memory_format=torch.contiguous_format)
+def _fwd_ext(q, k, v, cu_q, cu_kv, q_format: str, kv_format: str, max_seqlen_q: int,
+             max_seqlen_kv: int, softmax_scale: float, window_left: int, window_right: int,
+             bottom_right: bool, return_lse: bool, dropout_p: float = 0.0,
+             rng_state: Optional[torch.Tensor] = None,
+             alibi_slopes: Optional[torch.Tensor] = None):
+    """The binding's fwd on kernel-ready q, k, v: (out in q's format, contiguous; lse float32,
+    ``[h, t]`` for thd q, else ``[b, h, sq]``, or an empty tensor unless return_lse)."""
+    out, lse = _ext.fwd(q, k, v, cu_q, cu_kv, _FORMATS[q_format], _FORMATS[kv_format],
+                        max_seqlen_q, max_seqlen_kv, softmax_scale, window_left, window_right,
+                        bottom_right, return_lse, dropout_p, rng_state, alibi_slopes)
+    return out, lse
 
 
-def _fwd_impl(q, k, v, cu_q, cu_kv, q_format: str, kv_format: str, max_seqlen_q: int,
-              max_seqlen_kv: int, softmax_scale: float, window_left: int, window_right: int,
-              bottom_right: bool, return_lse: bool, tile_variant: Optional[int] = None):
-    """(out in q's format [..., h, d], lse float32 ([h, t] for thd q, else [b, h, sq]) or an
-    empty tensor)."""
-    if tile_variant is None:
-        tile_variant = TILE_VARIANT.get(q.shape[-1], 0)
-    if not _kernel_ready(q):
-        q = _fresh(q)
-    if not _kernel_ready(k):
-        k = _fresh(k)
-    if not _kernel_ready(v):
-        v = _fresh(v)
-    return tuple(_ext.fwd(q, k, v, cu_q, cu_kv, _FORMATS[q_format], _FORMATS[kv_format],
-                          max_seqlen_q, max_seqlen_kv, softmax_scale, window_left,
-                          window_right, bottom_right, return_lse, tile_variant))
+def _fwd_impl(q, k, v, *args, **kwargs):
+    """_fwd_ext on any q, k, v (copies of those the kernels cannot read)."""
+    return _fwd_ext(_ready(q), _ready(k), _ready(v), *args, **kwargs)
 
 
-def _lse_shape(q_format: str, q: torch.Tensor, cu_q: Optional[torch.Tensor], max_seqlen_q: int):
+def _bwd_ext(dout, q, k, v, out, lse, cu_q, cu_kv, q_format: str, kv_format: str,
+             max_seqlen_q: int, max_seqlen_kv: int, softmax_scale: float, window_left: int,
+             window_right: int, bottom_right: bool, dropout_p: float,
+             rng_state: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
+             deterministic: bool):
+    """The binding's bwd on kernel-ready tensors: (dq, dk, dv), each contiguous with the
+    shape of q, k, v."""
+    dq, dk, dv = _ext.bwd(dout, q, k, v, out, lse, cu_q, cu_kv, _FORMATS[q_format],
+                          _FORMATS[kv_format], max_seqlen_q, max_seqlen_kv, softmax_scale,
+                          window_left, window_right, bottom_right, dropout_p, rng_state,
+                          alibi_slopes, deterministic)
+    return dq, dk, dv
+
+
+def _bwd_impl(dout, q, k, v, out, *args):
+    """_bwd_ext on any dout, q, k, v, out."""
+    return _bwd_ext(_ready(dout), _ready(q), _ready(k), _ready(v), _ready(out), *args)
+
+
+def _require_extension() -> None:
+    if _ext is None and _extension() is None:
+        raise RuntimeError(f"transformer_fa_flash is not available ({_ext_error})")
+
+
+# --------------------------------------------------------------------------------------------
+# Autograd: eager (autograd.Function) and torch.library custom ops (torch.compile)
+# --------------------------------------------------------------------------------------------
+# mask: (q_format, kv_format, max_seqlen_q, max_seqlen_kv, softmax_scale, window_left,
+#        window_right, bottom_right), the arguments forward and backward share.
+class _FlashAttnFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_kv, rng, slopes, mask, dropout_p, deterministic):
+        q, k, v = _ready(q), _ready(k), _ready(v)  # saved as read: no copy in the backward
+        out, lse = _fwd_ext(q, k, v, cu_q, cu_kv, *mask, True, dropout_p, rng, slopes)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_kv, rng, slopes)
+        ctx.args = (mask, dropout_p, deterministic)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu_q, cu_kv, rng, slopes = ctx.saved_tensors
+        mask, dropout_p, deterministic = ctx.args
+        dq, dk, dv = _bwd_ext(_ready(dout), q, k, v, out, lse, cu_q, cu_kv, *mask, dropout_p,
+                              rng, slopes, deterministic)
+        return (dq, dk, dv) + (None,) * 7
+
+
+def _lse_shape(q_format: str, q: torch.Tensor, cu_q: Optional[torch.Tensor]):
     h = q.shape[-2]
     if q_format == "thd":
         return (h, q.shape[0])
@@ -134,46 +178,110 @@ def _lse_shape(q_format: str, q: torch.Tensor, cu_q: Optional[torch.Tensor], max
     return (b, h, sq)
 
 
-Tensor = torch.Tensor
+Tensor = torch.Tensor  # for the op signatures (annotations are strings in this module)
 
 
 def _register_ops() -> None:
     try:
-        torch.ops.transformer_fa.flash_attn_fwd  # noqa: B018  (already registered: a reload)
+        torch.ops.transformer_fa.flash_attn_bwd  # noqa: B018  (already registered: a reload)
         return
     except (AttributeError, RuntimeError):
         pass
 
+    # The binding's arguments with format names; deterministic is for the backward only.
     @torch.library.custom_op("transformer_fa::flash_attn_fwd", mutates_args=(),
                              device_types="cuda")
     def flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
                        cu_seqlens_kv: Optional[Tensor], q_format: str, kv_format: str,
                        max_seqlen_q: int, max_seqlen_kv: int, softmax_scale: float,
                        window_left: int, window_right: int, bottom_right: bool,
-                       return_lse: bool) -> Tuple[Tensor, Tensor]:
-        if _extension() is None:
-            raise RuntimeError(f"transformer_fa_flash is not available ({_ext_error})")
+                       return_lse: bool, dropout_p: float, rng_state: Optional[Tensor],
+                       alibi_slopes: Optional[Tensor], deterministic: bool
+                       ) -> Tuple[Tensor, Tensor]:
+        _require_extension()
         return _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_kv, q_format, kv_format,
                          max_seqlen_q, max_seqlen_kv, softmax_scale, window_left,
-                         window_right, bottom_right, return_lse)
+                         window_right, bottom_right, return_lse, dropout_p, rng_state,
+                         alibi_slopes)
 
     @flash_attn_fwd.register_fake
     def _(q, k, v, cu_seqlens_q, cu_seqlens_kv, q_format, kv_format, max_seqlen_q,
-          max_seqlen_kv, softmax_scale, window_left, window_right, bottom_right, return_lse):
+          max_seqlen_kv, softmax_scale, window_left, window_right, bottom_right, return_lse,
+          dropout_p, rng_state, alibi_slopes, deterministic):
         out = q.new_empty((*q.shape[:-1], v.shape[-1]))
-        shape = _lse_shape(q_format, q, cu_seqlens_q, max_seqlen_q) if return_lse else (0,)
+        shape = _lse_shape(q_format, q, cu_seqlens_q) if return_lse else (0,)
         return out, q.new_empty(shape, dtype=torch.float32)
+
+    @torch.library.custom_op("transformer_fa::flash_attn_bwd", mutates_args=(),
+                             device_types="cuda")
+    def flash_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                       lse: Tensor, cu_seqlens_q: Optional[Tensor],
+                       cu_seqlens_kv: Optional[Tensor], q_format: str, kv_format: str,
+                       max_seqlen_q: int, max_seqlen_kv: int, softmax_scale: float,
+                       window_left: int, window_right: int, bottom_right: bool,
+                       dropout_p: float, rng_state: Optional[Tensor],
+                       alibi_slopes: Optional[Tensor], deterministic: bool
+                       ) -> Tuple[Tensor, Tensor, Tensor]:
+        _require_extension()
+        return _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, q_format,
+                         kv_format, max_seqlen_q, max_seqlen_kv, softmax_scale, window_left,
+                         window_right, bottom_right, dropout_p, rng_state, alibi_slopes,
+                         deterministic)
+
+    @flash_attn_bwd.register_fake
+    def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, q_format, kv_format,
+          max_seqlen_q, max_seqlen_kv, softmax_scale, window_left, window_right, bottom_right,
+          dropout_p, rng_state, alibi_slopes, deterministic):
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+    def setup_context(ctx, inputs, output):
+        (q, k, v, cu_q, cu_kv, q_format, kv_format, max_seqlen_q, max_seqlen_kv, scale,
+         left, right, bottom_right, return_lse, dropout_p, rng, slopes, deterministic) = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_kv, rng, slopes)
+        ctx.mask = (q_format, kv_format, max_seqlen_q, max_seqlen_kv, scale, left, right,
+                    bottom_right)
+        ctx.args = (return_lse, dropout_p, deterministic)
+        ctx.num_inputs = len(inputs)
+
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, cu_q, cu_kv, rng, slopes = ctx.saved_tensors
+        return_lse, dropout_p, deterministic = ctx.args
+        if not return_lse:
+            raise RuntimeError("transformer_fa::flash_attn_fwd: the backward needs the LSE; "
+                               "call the forward with return_lse=True")
+        dq, dk, dv = torch.ops.transformer_fa.flash_attn_bwd(
+            dout, q, k, v, out, lse, cu_q, cu_kv, *ctx.mask, dropout_p, rng, slopes,
+            deterministic)
+        return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
+
+    torch.library.register_autograd("transformer_fa::flash_attn_fwd", backward,
+                                    setup_context=setup_context)
 
 
 _register_ops()
 
 
+# --------------------------------------------------------------------------------------------
+# The backend entry point
+# --------------------------------------------------------------------------------------------
 def _mask_args(p: AttentionParams) -> Tuple[int, int, bool]:
-    """(window_left, window_right, bottom_right) for the kernel (masks.py semantics)."""
+    """(window_left, window_right, bottom_right) for the kernel (masks.py semantics; the
+    alignment also places ALiBi's diagonal)."""
     left, right = p.window_size
     if p.is_causal:
         right = 0
     return left, right, p.is_bottom_right
+
+
+def _alibi_slopes(inputs: AttentionInputs, p: AttentionParams, device) -> torch.Tensor:
+    """float32 contiguous ``[h]`` or ``[b, h]`` (the binding's form)."""
+    slopes = inputs.alibi_slopes
+    if slopes is None:
+        slopes = masks.default_alibi_slopes(p.num_heads).to(device)
+    if slopes.dtype != torch.float32 or not slopes.is_contiguous():
+        slopes = slopes.float().contiguous()
+    return slopes
 
 
 def run(inputs: AttentionInputs, params: AttentionParams) -> torch.Tensor:
@@ -183,13 +291,22 @@ def run(inputs: AttentionInputs, params: AttentionParams) -> torch.Tensor:
     if not p.is_varlen:
         cu_q = cu_kv = None
     left, right, bottom_right = _mask_args(p)
-    args = (q, k, v, cu_q, cu_kv, p.q_format, p.kv_format, int(p.max_seqlen_q),
-            int(p.max_seqlen_kv), float(p.softmax_scale), int(left), int(right),
-            bool(bottom_right), False)
+    mask = (p.q_format, p.kv_format, int(p.max_seqlen_q), int(p.max_seqlen_kv),
+            float(p.softmax_scale), int(left), int(right), bool(bottom_right))
+    dropout_p = float(p.attention_dropout)
+    rng = dropout_rng_state(q.device) if dropout_p > 0.0 else None
+    slopes = _alibi_slopes(inputs, p, q.device) if p.core_attention_bias_type == "alibi" else None
+    deterministic = bool(p.deterministic)
+    need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                             or v.requires_grad)
     if p.is_compiling or torch.compiler.is_compiling():
-        out = torch.ops.transformer_fa.flash_attn_fwd(*args)[0]
+        out = torch.ops.transformer_fa.flash_attn_fwd(q, k, v, cu_q, cu_kv, *mask, need_grad,
+                                                      dropout_p, rng, slopes, deterministic)[0]
     else:
-        if _ext is None and _extension() is None:
-            raise RuntimeError(f"transformer_fa_flash is not available ({_ext_error})")
-        out = _fwd_impl(*args)[0]
+        _require_extension()
+        if need_grad:
+            out = _FlashAttnFunction.apply(q, k, v, cu_q, cu_kv, rng, slopes, mask, dropout_p,
+                                           deterministic)
+        else:
+            out = _fwd_impl(q, k, v, cu_q, cu_kv, *mask, False, dropout_p, rng, slopes)[0]
     return out.view(*out.shape[:-2], out.shape[-2] * out.shape[-1])

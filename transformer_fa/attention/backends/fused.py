@@ -38,7 +38,7 @@ import torch
 
 from .. import masks, padding
 from ..params import AttentionInputs, AttentionParams
-from .support import never_raises
+from .support import aligned, dropout_rng_state, fresh, never_raises, strides_aligned
 
 NAME = "FusedAttention"
 logger = logging.getLogger("DotProductAttention")
@@ -626,18 +626,6 @@ def _release() -> None:
     gc.collect()
 
 
-def _strides_ok(t: torch.Tensor) -> bool:
-    """cuDNN wants a unit stride in d and 16-byte aligned strides elsewhere."""
-    st = t.stride()
-    if st[-1] != 1 and t.shape[-1] != 1:
-        return False
-    return all(n == 1 or (s > 0 and s % 8 == 0) for s, n in zip(st[:-1], t.shape[:-1]))
-
-
-def _fresh(t: torch.Tensor) -> torch.Tensor:
-    return t.clone(memory_format=torch.contiguous_format)
-
-
 # --------------------------------------------------------------------------------------------
 # Forward / backward implementations (shared by the eager path and the torch.library ops)
 # --------------------------------------------------------------------------------------------
@@ -672,8 +660,8 @@ def _prepare_bias(bias: Optional[torch.Tensor], dtype) -> Optional[torch.Tensor]
         return None
     if bias.dtype != dtype:
         bias = bias.to(dtype)
-    if not _strides_ok(bias) or bias.data_ptr() & 15:
-        bias = _fresh(bias)
+    if not aligned(bias):
+        bias = fresh(bias)
     return bias
 
 
@@ -699,7 +687,7 @@ def _fwd_core(q, k, v, bias, cu_q, cu_kv, rng, cfg):
         plan = _build_or_mark(_fwd_cache, key, lambda: _fwd_spec(cfg, q, k, v, bias, cu_q),
                               (q, k, v))
     if plan is _CONTIGUOUS or (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
-        out, stats = _fwd_impl(_fresh(q), _fresh(k), _fresh(v), bias, cu_q, cu_kv, rng, cfg)
+        out, stats = _fwd_impl(fresh(q), fresh(k), fresh(v), bias, cu_q, cu_kv, rng, cfg)
         return out, stats, None
 
     spec = plan.spec
@@ -726,7 +714,7 @@ def _build_or_mark(cache, key, make_spec, tensors):
     """Build the plan for key; on failure with non-contiguous strides, mark the key so its
     calls run on contiguous copies (the support check was made with contiguous strides)."""
     contiguous = all(t.is_contiguous() for t in tensors)
-    if not contiguous and not all(_strides_ok(t) for t in tensors):
+    if not contiguous and not all(strides_aligned(t) for t in tensors):
         _cache_put(cache, key, _CONTIGUOUS)
         return _CONTIGUOUS
     device_index = tensors[0].device.index
@@ -761,11 +749,11 @@ def _bwd_impl(dout, q, k, v, out, stats, bias, cu_q, cu_kv, rng, cfg, need_dbias
     shared_grads: dq, dk, dv may be views of one buffer (not for the torch.library op, whose
     outputs must not alias)."""
     dout_stride = dout.stride()
-    if (dout_stride != out.stride() and not _strides_ok(dout)) or dout.data_ptr() & 15:
-        dout = _fresh(dout)
+    if (dout_stride != out.stride() and not strides_aligned(dout)) or dout.data_ptr() & 15:
+        dout = fresh(dout)
         dout_stride = dout.stride()
     if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
-        q, k, v = _fresh(q), _fresh(k), _fresh(v)
+        q, k, v = fresh(q), fresh(k), fresh(v)
         fwd_key = None
     if bias is not None:
         bias = _prepare_bias(bias, q.dtype)
@@ -794,7 +782,7 @@ def _bwd_impl(dout, q, k, v, out, stats, bias, cu_q, cu_kv, rng, cfg, need_dbias
                 dbias=bool(need_dbias), deterministic=bool(cfg[9]))
         plan = _build_or_mark(_bwd_cache, key, make_spec, (q, k, v, dout))
     if plan is _CONTIGUOUS:
-        return _bwd_impl(_fresh(dout), _fresh(q), _fresh(k), _fresh(v), out, stats, bias,
+        return _bwd_impl(fresh(dout), fresh(q), fresh(k), fresh(v), out, stats, bias,
                          cu_q, cu_kv, rng, cfg, need_dbias, None, shared_grads)
     spec = plan.spec
     dq, dk, dv = _grads_like(q, k, v, plan.zero, shared_grads)
@@ -951,9 +939,8 @@ def run(inputs: AttentionInputs, params: AttentionParams) -> torch.Tensor:
         bias = _alibi_bias(inputs.alibi_slopes, p, cu_q, cu_kv)
     rng = None
     if p.attention_dropout > 0.0:
-        # Philox seed and offset for cuDNN's dropout, drawn from torch's generator (so
-        # torch.manual_seed reproduces a run); saved for the backward.
-        rng = torch.randint(0, 2 ** 62, (2,), dtype=torch.int64, device=q.device)
+        # Philox seed and offset for cuDNN's dropout; saved for the backward.
+        rng = dropout_rng_state(q.device)
     need_grad = torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad
         or (bias is not None and bias.requires_grad))

@@ -1,6 +1,9 @@
-"""What every backend's support check shares."""
+"""What the backends share: the never-raise support check wrapper, the memory rule their
+kernels need (copies for what breaks it), the dropout RNG draw."""
 import functools
 from typing import Callable, List
+
+import torch
 
 from ..params import AttentionParams
 
@@ -15,3 +18,30 @@ def never_raises(check: Callable[[AttentionParams], List[str]]):
         except Exception as exc:
             return [f"as its support check failed ({type(exc).__name__}: {exc})"]
     return not_supported_reasons
+
+
+def strides_aligned(t: torch.Tensor) -> bool:
+    """A unit stride in the last dim and 16-byte aligned strides in the others (dims of size
+    1 do not count): what both the flash kernels' vector loads and cuDNN need."""
+    st = t.stride()
+    if st[-1] != 1 and t.shape[-1] != 1:
+        return False
+    size = t.element_size()
+    return all(n == 1 or (s > 0 and s * size % 16 == 0) for s, n in zip(st[:-1], t.shape[:-1]))
+
+
+def aligned(t: torch.Tensor) -> bool:
+    """strides_aligned, and the data pointer on a 16-byte boundary."""
+    return not t.data_ptr() & 15 and strides_aligned(t)
+
+
+def fresh(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy (always a new buffer, so it is aligned)."""
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def dropout_rng_state(device: torch.device) -> torch.Tensor:
+    """int64 ``[2]`` = (Philox seed, offset) for a dropout kernel, drawn from torch's generator
+    on ``device`` so that ``torch.manual_seed`` reproduces a run; saved for the backward,
+    which regenerates the same mask from it."""
+    return torch.randint(0, 2 ** 62, (2,), dtype=torch.int64, device=device)
