@@ -5,10 +5,13 @@ TRANSFORMER_FA_BUILD_CUDA=1 forces it (=0 forces it off). Otherwise the pure-Pyt
 is installed; it runs everywhere with the unfused backend. To build the extension against
 the torch you already have, install without build isolation:
     pip install --no-build-isolation -e .
-Arch list for the kernels: TRANSFORMER_FA_CUDA_ARCHS (default "80;90a").
+Arch list for the kernels: TRANSFORMER_FA_CUDA_ARCHS (default "80;90a"); kernel set:
+TRANSFORMER_FA_FLASH_KERNELS (default all; e.g. "bf16_hdim128,fp16_hdim64" for a fast
+development build: calls the build lacks go to another backend, with the reason).
 """
 import glob
 import os
+import re
 import shutil
 
 from setuptools import find_packages, setup
@@ -17,10 +20,32 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 EXTENSION = "transformer_fa_flash"
 
 
+def flash_instantiations():
+    """(kernel .cu files, macros) of the instantiations to build.
+
+    An instantiation "<dtype>_hdim<d>" is a forward and a backward file written by
+    csrc/generate.py; its macro (generate.py's kernel_macro) enables its dispatch case in the
+    binding. TRANSFORMER_FA_FLASH_KERNELS keeps only the named ones.
+    """
+    wanted = {w.strip() for w in os.environ.get("TRANSFORMER_FA_FLASH_KERNELS", "").split(",")
+              if w.strip()}
+    files, names = [], set()
+    for path in sorted(glob.glob(os.path.join("csrc", "flash", "instantiations", "*.cu"))):
+        match = re.fullmatch(r"(?:fwd|bwd)_(\w+?)_hdim(\d+)_sm80\.cu", os.path.basename(path))
+        name = f"{match[1]}_hdim{match[2]}" if match else None
+        if name and (not wanted or name in wanted):
+            files.append(path)
+            names.add((match[1], match[2]))
+    unknown = wanted - {f"{dt}_hdim{d}" for dt, d in names}
+    if unknown:
+        raise SystemExit(f"TRANSFORMER_FA_FLASH_KERNELS names unknown kernels: {sorted(unknown)}")
+    macros = [f"-DTFA_FLASH_{dt.upper()}_HDIM{d}" for dt, d in sorted(names)]
+    return files, macros
+
+
 def cuda_sources():
-    sources = glob.glob(os.path.join("csrc", "*.cpp"))
-    sources += glob.glob(os.path.join("csrc", "flash", "**", "*.cu"), recursive=True)
-    return sorted(sources)
+    kernels, _ = flash_instantiations()
+    return sorted(glob.glob(os.path.join("csrc", "*.cpp"))) + kernels if kernels else []
 
 
 def want_cuda_build():
@@ -54,7 +79,7 @@ def extensions():
     ext = CUDAExtension(
         EXTENSION, cuda_sources(),
         include_dirs=[os.path.join(ROOT, "csrc")],
-        extra_compile_args={"cxx": ["-O3", "-std=c++17"],
+        extra_compile_args={"cxx": ["-O3", "-std=c++17"] + flash_instantiations()[1],
                             "nvcc": ["-O3", "-std=c++17", "--use_fast_math",
                                      "--expt-relaxed-constexpr"] + gencode})
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}

@@ -2,8 +2,8 @@
 # CI: compile one instantiation of every kernel family with nvcc (no torch, no GPU), so that
 # a change that breaks the kernels' build cannot land. Fails loudly on any error.
 #   csrc/ci_compile_check.sh            # from anywhere; needs nvcc (CUDA 12.x/13.x)
-# Families (csrc/flash/): sm80-class forward (fwd_kernel_sm80.cuh), every tile variant of
-# the instantiations compiled below. Also checks that the generated files are up to date.
+# Families (csrc/flash/): the sm80-class forward (fwd_kernel_sm80.cuh) and backward
+# (bwd_kernel_sm80.cuh). Also checks that the generated files are up to date.
 set -euo pipefail
 cd "$(dirname "$0")"
 NVCC=${NVCC:-nvcc}
@@ -17,7 +17,9 @@ FLAGS=(-O3 -std=c++17 --use_fast_math --expt-relaxed-constexpr -I. -Xptxas -v)
 # (file, arch): each family once, both dtypes and head dims between them, both default archs.
 JOBS=(
   "flash/instantiations/fwd_fp16_hdim64_sm80.cu 80"
-  "flash/instantiations/fwd_bf16_hdim128_sm80.cu 90a"
+  "flash/instantiations/fwd_bf16_hdim192_sm80.cu 90a"
+  "flash/instantiations/bwd_bf16_hdim128_sm80.cu 80"
+  "flash/instantiations/bwd_fp16_hdim192_sm80.cu 90a"
 )
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT

@@ -6,8 +6,12 @@
 #include <cuda_runtime.h>
 #include <torch/extension.h>
 
-#include <cmath>
+#include <pybind11/stl.h>
 
+#include <cmath>
+#include <string>
+
+#include "flash/dispatch.h"
 #include "flash/flash.h"
 
 namespace tf = transformer_fa::flash;
@@ -27,14 +31,14 @@ Strides strides_of(const at::Tensor& t, int64_t fmt) {
 }
 
 void check_tensor(const at::Tensor& t, const char* name, int64_t fmt) {
-  TORCH_CHECK(t.is_cuda(), "flash_attn_fwd: ", name, " must be a CUDA tensor");
-  TORCH_CHECK(t.dim() == (fmt == kTHD ? 3 : 4), "flash_attn_fwd: ", name, " must be ",
+  TORCH_CHECK(t.is_cuda(), "flash_attn: ", name, " must be a CUDA tensor");
+  TORCH_CHECK(t.dim() == (fmt == kTHD ? 3 : 4), "flash_attn: ", name, " must be ",
               fmt == kTHD ? "[t, h, d]" : "4-D (sbhd or bshd)", ", got ", t.sizes());
-  TORCH_CHECK(t.stride(-1) == 1, "flash_attn_fwd: ", name, " must have a unit stride in d");
+  TORCH_CHECK(t.stride(-1) == 1, "flash_attn: ", name, " must have a unit stride in d");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
-              "flash_attn_fwd: ", name, " must be 16-byte aligned");
+              "flash_attn: ", name, " must be 16-byte aligned");
   for (int i = 0; i < t.dim() - 1; ++i) {
-    TORCH_CHECK(t.size(i) == 1 || t.stride(i) % 8 == 0, "flash_attn_fwd: ", name,
+    TORCH_CHECK(t.size(i) == 1 || t.stride(i) % 8 == 0, "flash_attn: ", name,
                 " strides must be multiples of 8 elements (16 bytes), got ", t.strides());
   }
 }
@@ -42,107 +46,112 @@ void check_tensor(const at::Tensor& t, const char* name, int64_t fmt) {
 void check_cu(const c10::optional<at::Tensor>& cu, const char* name, int64_t b,
               const at::Tensor& q) {
   if (!cu.has_value()) return;
-  TORCH_CHECK(cu->is_cuda() && cu->device() == q.device(), "flash_attn_fwd: ", name,
+  TORCH_CHECK(cu->is_cuda() && cu->device() == q.device(), "flash_attn: ", name,
               " must be on ", q.device());
-  TORCH_CHECK(cu->scalar_type() == at::kInt, "flash_attn_fwd: ", name, " must be int32");
+  TORCH_CHECK(cu->scalar_type() == at::kInt, "flash_attn: ", name, " must be int32");
   TORCH_CHECK(cu->dim() == 1 && cu->is_contiguous() && cu->numel() == b + 1,
-              "flash_attn_fwd: ", name, " must be contiguous [b + 1] with b = ", b);
+              "flash_attn: ", name, " must be contiguous [b + 1] with b = ", b);
 }
 
-int compute_capability_major(int device) {
-  static int cached[64] = {0};
-  auto query = [](int dev) {
-    int major = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-    return major;
-  };
-  if (device < 0 || device >= 64) return query(device);
-  if (cached[device] == 0) cached[device] = query(device);
-  return cached[device];
+// Device attributes, cached per device (queried on every call otherwise).
+struct DeviceInfo {
+  int major = 0, sms = 0, smem_optin = 0;
+};
+
+const DeviceInfo& device_info(int device) {
+  static DeviceInfo cached[64];
+  static DeviceInfo other;
+  DeviceInfo& info = device >= 0 && device < 64 ? cached[device] : other;
+  if (info.major == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.smem_optin,
+                                          cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  }
+  return info;
 }
 
-}  // namespace
+// The kernel head dim a head dim d runs on (the first built-in one >= d), or 0.
+int kernel_head_dim(int64_t d) {
+  for (int hd : tf::kKernelHeadDims) {
+    if (d <= hd) return hd;
+  }
+  return 0;
+}
 
-// Forward. Formats: 0 = bshd, 1 = sbhd, 2 = thd (packed; needs cu_seqlens).
-// cu_seqlens for a bshd/sbhd side: sequence i occupies the first len_i rows of batch row i.
-// Returns (out in q's format with head dim of v, contiguous; lse float32: [h, t] for thd q,
-// else [b, h, sq]; an empty tensor unless return_lse). Output rows with no key to attend
-// (padding rows, fully masked rows) are zero and their lse is +inf.
-std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const c10::optional<at::Tensor>& cu_seqlens_q,
-                            const c10::optional<at::Tensor>& cu_seqlens_k, int64_t q_format,
-                            int64_t kv_format, int64_t max_seqlen_q, int64_t max_seqlen_k,
-                            double softmax_scale, int64_t window_left, int64_t window_right,
-                            bool bottom_right, bool return_lse, int64_t tile_variant) {
-  TORCH_CHECK(q_format >= 0 && q_format <= 2 && kv_format >= 0 && kv_format <= 2,
-              "flash_attn_fwd: formats are 0 (bshd), 1 (sbhd), 2 (thd)");
+// Checks q, k, v, the lengths and the mask arguments, and fills the parameters the forward
+// and the backward share. Returns the batch size.
+int64_t fill_common(tf::FwdParams& p, const char* op, const at::Tensor& q, const at::Tensor& k,
+                    const at::Tensor& v, const c10::optional<at::Tensor>& cu_seqlens_q,
+                    const c10::optional<at::Tensor>& cu_seqlens_k, int64_t q_format,
+                    int64_t kv_format, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                    double softmax_scale, int64_t window_left, int64_t window_right,
+                    bool bottom_right, double dropout_p,
+                    const c10::optional<at::Tensor>& rng_state,
+                    const c10::optional<at::Tensor>& alibi_slopes) {
+  TORCH_CHECK(q_format >= 0 && q_format <= 2 && kv_format >= 0 && kv_format <= 2, op,
+              ": formats are 0 (bshd), 1 (sbhd), 2 (thd)");
   check_tensor(q, "q", q_format);
   check_tensor(k, "k", kv_format);
   check_tensor(v, "v", kv_format);
-  TORCH_CHECK(k.device() == q.device() && v.device() == q.device(),
-              "flash_attn_fwd: q, k, v must be on one device");
+  TORCH_CHECK(k.device() == q.device() && v.device() == q.device(), op,
+              ": q, k, v must be on one device");
   const auto dtype = q.scalar_type();
-  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16,
-              "flash_attn_fwd: only float16 and bfloat16 are supported");
-  TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype,
-              "flash_attn_fwd: q, k, v must have one dtype");
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, op,
+              ": only float16 and bfloat16 are supported");
+  TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype, op,
+              ": q, k, v must have one dtype");
   const int64_t d = q.size(-1);
-  TORCH_CHECK(d == 64 || d == 128, "flash_attn_fwd: head dim ", d, " is not built (64, 128)");
-  TORCH_CHECK(k.size(-1) == d && v.size(-1) == d,
-              "flash_attn_fwd: q, k and v must have one head dim");
+  TORCH_CHECK(d % 8 == 0 && kernel_head_dim(d) > 0, op, ": head dim ", d,
+              " must be a multiple of 8 and at most 256");
+  TORCH_CHECK(k.size(-1) == d && v.size(-1) == d, op, ": q, k and v must have one head dim");
   const int64_t h = q.size(-2), h_k = k.size(-2);
-  TORCH_CHECK(v.size(-2) == h_k && h_k > 0 && h % h_k == 0,
-              "flash_attn_fwd: heads of q (", h, ") must be a multiple of those of k/v (", h_k,
-              ")");
-  TORCH_CHECK(k.sizes().slice(0, k.dim() - 1) == v.sizes().slice(0, v.dim() - 1),
-              "flash_attn_fwd: k and v must have the same shape up to d");
+  TORCH_CHECK(v.size(-2) == h_k && h_k > 0 && h % h_k == 0, op, ": heads of q (", h,
+              ") must be a multiple of those of k/v (", h_k, ")");
+  TORCH_CHECK(k.sizes().slice(0, k.dim() - 1) == v.sizes().slice(0, v.dim() - 1), op,
+              ": k and v must have the same shape up to d");
 
   const bool q_thd = q_format == kTHD, k_thd = kv_format == kTHD;
-  TORCH_CHECK(!q_thd || cu_seqlens_q.has_value(), "flash_attn_fwd: thd q needs cu_seqlens_q");
-  TORCH_CHECK(!k_thd || cu_seqlens_k.has_value(), "flash_attn_fwd: thd k/v needs cu_seqlens_k");
-  int64_t b;
-  if (cu_seqlens_q.has_value()) {
-    b = cu_seqlens_q->numel() - 1;
-  } else {
-    b = q_format == kSBHD ? q.size(1) : q.size(0);
-  }
+  TORCH_CHECK(!q_thd || cu_seqlens_q.has_value(), op, ": thd q needs cu_seqlens_q");
+  TORCH_CHECK(!k_thd || cu_seqlens_k.has_value(), op, ": thd k/v needs cu_seqlens_k");
+  TORCH_CHECK(cu_seqlens_q.has_value() == cu_seqlens_k.has_value(), op,
+              ": give both cu_seqlens or neither");
+  const int64_t b = cu_seqlens_q.has_value() ? cu_seqlens_q->numel() - 1
+                                             : (q_format == kSBHD ? q.size(1) : q.size(0));
   check_cu(cu_seqlens_q, "cu_seqlens_q", b, q);
   check_cu(cu_seqlens_k, "cu_seqlens_k", b, q);
-  TORCH_CHECK(cu_seqlens_q.has_value() == cu_seqlens_k.has_value(),
-              "flash_attn_fwd: give both cu_seqlens or neither");
-  if (!q_thd) TORCH_CHECK((q_format == kSBHD ? q.size(1) : q.size(0)) == b, "batch mismatch");
-  if (!k_thd) TORCH_CHECK((kv_format == kSBHD ? k.size(1) : k.size(0)) == b, "batch mismatch");
+  if (!q_thd) TORCH_CHECK((q_format == kSBHD ? q.size(1) : q.size(0)) == b, op, ": batch mismatch");
+  if (!k_thd) TORCH_CHECK((kv_format == kSBHD ? k.size(1) : k.size(0)) == b, op, ": batch mismatch");
   const int64_t seqlen_q = q_thd ? max_seqlen_q : (q_format == kSBHD ? q.size(0) : q.size(1));
   const int64_t seqlen_k = k_thd ? max_seqlen_k : (kv_format == kSBHD ? k.size(0) : k.size(1));
-  TORCH_CHECK(seqlen_q >= 0 && seqlen_k >= 0, "flash_attn_fwd: negative max_seqlen");
-
-  c10::cuda::CUDAGuard guard(q.device());
-  TORCH_CHECK(compute_capability_major(q.get_device()) >= 8,
-              "flash_attn_fwd: needs an sm80 or newer GPU");
-
-  // thd: tokens past cu_seqlens_q[-1] belong to no sequence and must read as zeros.
-  at::Tensor out = q_thd ? at::zeros(q.sizes(), q.options()) : at::empty(q.sizes(), q.options());
-  at::Tensor lse;
-  if (return_lse) {
-    lse = q_thd ? at::full({h, q.size(0)}, INFINITY, q.options().dtype(at::kFloat))
-                : at::empty({b, h, seqlen_q}, q.options().dtype(at::kFloat));
-  } else {
-    lse = at::empty({0}, q.options().dtype(at::kFloat));
+  TORCH_CHECK(seqlen_q >= 0 && seqlen_k >= 0, op, ": negative max_seqlen");
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, op, ": dropout_p must be in [0, 1)");
+  if (dropout_p > 0.0) {
+    TORCH_CHECK(rng_state.has_value() && rng_state->is_cuda() &&
+                    rng_state->device() == q.device() && rng_state->scalar_type() == at::kLong &&
+                    rng_state->numel() == 2 && rng_state->is_contiguous(),
+                op, ": dropout needs rng_state, a contiguous int64 [2] (seed, offset) on ",
+                q.device());
   }
-  if (out.numel() == 0) return {out, lse};
+  if (alibi_slopes.has_value()) {
+    const auto& a = *alibi_slopes;
+    TORCH_CHECK(a.is_cuda() && a.device() == q.device() && a.scalar_type() == at::kFloat &&
+                    a.is_contiguous() &&
+                    ((a.dim() == 1 && a.size(0) == h) ||
+                     (a.dim() == 2 && a.size(0) == b && a.size(1) == h)),
+                op, ": alibi_slopes must be contiguous float32 [h] or [b, h] on ", q.device());
+  }
+  TORCH_CHECK(device_info(q.get_device()).major >= 8, op, ": needs an sm80 or newer GPU");
 
-  tf::FwdParams p{};
   p.q = q.data_ptr();
   p.k = k.data_ptr();
   p.v = v.data_ptr();
-  p.o = out.data_ptr();
-  p.lse = return_lse ? lse.data_ptr<float>() : nullptr;
   const Strides sq_ = strides_of(q, q_format), sk = strides_of(k, kv_format),
-                sv = strides_of(v, kv_format), so = strides_of(out, q_format);
+                sv = strides_of(v, kv_format);
   p.q_batch_stride = sq_.batch; p.q_row_stride = sq_.row; p.q_head_stride = sq_.head;
   p.k_batch_stride = sk.batch;  p.k_row_stride = sk.row;  p.k_head_stride = sk.head;
   p.v_batch_stride = sv.batch;  p.v_row_stride = sv.row;  p.v_head_stride = sv.head;
-  p.o_batch_stride = so.batch;  p.o_row_stride = so.row;  p.o_head_stride = so.head;
+  // lse (and the backward's dsum): [h, t] for thd q, else [b, h, sq].
   if (q_thd) {
     p.lse_batch_stride = 0; p.lse_head_stride = q.size(0); p.lse_row_stride = 1;
   } else {
@@ -163,26 +172,173 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
   p.window_left = static_cast<int>(window_left < 0 ? -1 : window_left);
   p.window_right = static_cast<int>(window_right < 0 ? -1 : window_right);
   p.bottom_right = bottom_right;
-  p.tile_variant = static_cast<int>(tile_variant);
+  p.alibi_slopes = alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr;
+  p.alibi_batch_stride = alibi_slopes.has_value() && alibi_slopes->dim() == 2 ? h : 0;
+  p.rng_state = dropout_p > 0.0 ? rng_state->data_ptr<int64_t>() : nullptr;
+  const double keep = std::floor((1.0 - dropout_p) * 4294967296.0);
+  p.dropout_threshold = static_cast<uint32_t>(std::min(keep, 4294967295.0));
+  p.dropout_scale = static_cast<float>(1.0 / (1.0 - dropout_p));
+  return b;
+}
 
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  const bool bf16 = dtype == at::kBFloat16;
-  if (d == 64) {
-    bf16 ? tf::run_fwd<tf::DType::kBF16, 64>(p, stream) : tf::run_fwd<tf::DType::kFP16, 64>(p, stream);
+std::string kernel_name(at::ScalarType dtype, int hd) {
+  return std::string(dtype == at::kBFloat16 ? "bf16" : "fp16") + "_hdim" + std::to_string(hd);
+}
+
+}  // namespace
+
+// Forward. Formats: 0 = bshd, 1 = sbhd, 2 = thd (packed; needs cu_seqlens).
+// cu_seqlens for a bshd/sbhd side: sequence i occupies the first len_i rows of batch row i.
+// Returns (out in q's format, contiguous; lse float32: [h, t] for thd q, else [b, h, sq]; an
+// empty tensor unless return_lse). Output rows with no key to attend (padding rows, fully
+// masked rows) are zero and their lse is +inf. Dropout and ALiBi: see flash/flash.h.
+std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const c10::optional<at::Tensor>& cu_seqlens_q,
+                            const c10::optional<at::Tensor>& cu_seqlens_k, int64_t q_format,
+                            int64_t kv_format, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                            double softmax_scale, int64_t window_left, int64_t window_right,
+                            bool bottom_right, bool return_lse, double dropout_p,
+                            const c10::optional<at::Tensor>& rng_state,
+                            const c10::optional<at::Tensor>& alibi_slopes) {
+  c10::cuda::CUDAGuard guard(q.device());
+  tf::FwdParams p{};
+  const int64_t b = fill_common(p, "flash_attn_fwd", q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                q_format, kv_format, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                window_left, window_right, bottom_right, dropout_p, rng_state,
+                                alibi_slopes);
+  const bool q_thd = q_format == kTHD;
+  // thd: tokens past cu_seqlens_q[-1] belong to no sequence and must read as zeros.
+  at::Tensor out = q_thd ? at::zeros(q.sizes(), q.options()) : at::empty(q.sizes(), q.options());
+  at::Tensor lse;
+  if (return_lse) {
+    lse = q_thd ? at::full({p.h, q.size(0)}, INFINITY, q.options().dtype(at::kFloat))
+                : at::empty({b, p.h, p.seqlen_q}, q.options().dtype(at::kFloat));
   } else {
-    bf16 ? tf::run_fwd<tf::DType::kBF16, 128>(p, stream)
-         : tf::run_fwd<tf::DType::kFP16, 128>(p, stream);
+    lse = at::empty({0}, q.options().dtype(at::kFloat));
   }
+  if (out.numel() == 0) return {out, lse};
+
+  p.o = out.data_ptr();
+  p.lse = return_lse ? lse.data_ptr<float>() : nullptr;
+  const Strides so = strides_of(out, q_format);
+  p.o_batch_stride = so.batch; p.o_row_stride = so.row; p.o_head_stride = so.head;
+
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  const int hd = kernel_head_dim(p.d);
+  TORCH_CHECK(tf::dispatch_fwd(bf16, hd, p, c10::cuda::getCurrentCUDAStream().stream()),
+              "flash_attn_fwd: this build has no ", kernel_name(q.scalar_type(), hd),
+              " kernel (see TRANSFORMER_FA_FLASH_KERNELS in setup.py)");
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {out, lse};
 }
 
+// Backward of fwd (same arguments; out and lse are fwd's). Returns (dq, dk, dv), contiguous
+// with the shapes of q, k, v; thd tokens past cu_seqlens[-1] get zeros. deterministic: the
+// same inputs give bitwise the same gradients (dQ through per-CTA splits summed in order).
+std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                            const c10::optional<at::Tensor>& cu_seqlens_q,
+                            const c10::optional<at::Tensor>& cu_seqlens_k, int64_t q_format,
+                            int64_t kv_format, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                            double softmax_scale, int64_t window_left, int64_t window_right,
+                            bool bottom_right, double dropout_p,
+                            const c10::optional<at::Tensor>& rng_state,
+                            const c10::optional<at::Tensor>& alibi_slopes, bool deterministic) {
+  c10::cuda::CUDAGuard guard(q.device());
+  tf::BwdParams p{};
+  const int64_t b = fill_common(p, "flash_attn_bwd", q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                q_format, kv_format, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                window_left, window_right, bottom_right, dropout_p, rng_state,
+                                alibi_slopes);
+  check_tensor(dout, "dout", q_format);
+  check_tensor(out, "out", q_format);
+  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes() &&
+                  dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "flash_attn_bwd: dout and out must have q's shape and dtype");
+  const bool q_thd = q_format == kTHD, k_thd = kv_format == kTHD;
+  const std::vector<int64_t> lse_shape =
+      q_thd ? std::vector<int64_t>{p.h, q.size(0)} : std::vector<int64_t>{b, p.h, p.seqlen_q};
+  TORCH_CHECK(lse.is_cuda() && lse.scalar_type() == at::kFloat && lse.is_contiguous() &&
+                  lse.sizes() == at::IntArrayRef(lse_shape),
+              "flash_attn_bwd: lse must be the forward's float32 ", at::IntArrayRef(lse_shape));
+
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  const int hd = kernel_head_dim(p.d);
+  const int smem = tf::dispatch_bwd_smem(bf16, hd);
+  TORCH_CHECK(smem > 0, "flash_attn_bwd: this build has no ", kernel_name(q.scalar_type(), hd),
+              " kernel (see TRANSFORMER_FA_FLASH_KERNELS in setup.py)");
+  const DeviceInfo& dev = device_info(q.get_device());
+  TORCH_CHECK(smem <= dev.smem_optin, "flash_attn_bwd: head dim ", p.d, " needs ", smem,
+              " bytes of shared memory per block; this GPU has ", dev.smem_optin);
+
+  at::Tensor dq = at::empty(q.sizes(), q.options());  // every row written (from dq_accum)
+  at::Tensor dk = k_thd ? at::zeros(k.sizes(), k.options()) : at::empty(k.sizes(), k.options());
+  at::Tensor dv = k_thd ? at::zeros(v.sizes(), v.options()) : at::empty(v.sizes(), v.options());
+  if (q.numel() == 0 || k.numel() == 0) {
+    dq.zero_();
+    if (!k_thd) { dk.zero_(); dv.zero_(); }
+    return {dq, dk, dv};
+  }
+
+  // Deterministic: enough splits to fill the GPU twice over the (kv head, batch) grid.
+  const int num_n = (p.seqlen_k + 63) / 64;  // an upper bound of the kernel's key blocks
+  int splits = 1;
+  if (deterministic) {
+    const int64_t per_split = std::max<int64_t>(1, int64_t(p.h_k) * b);
+    splits = static_cast<int>(std::min<int64_t>(std::max<int64_t>(num_n, 1),
+                                                (2 * dev.sms + per_split - 1) / per_split));
+  }
+  std::vector<int64_t> acc_shape{splits};
+  for (int i = 0; i < q.dim() - 1; ++i) acc_shape.push_back(q.size(i));
+  acc_shape.push_back(hd);
+  at::Tensor dq_accum = at::zeros(acc_shape, q.options().dtype(at::kFloat));
+  at::Tensor dsum = at::empty(lse_shape, q.options().dtype(at::kFloat));
+
+  p.o = const_cast<void*>(out.data_ptr());
+  const Strides so = strides_of(out, q_format), sd = strides_of(dout, q_format),
+                sdk = strides_of(dk, kv_format), sdv = strides_of(dv, kv_format);
+  p.o_batch_stride = so.batch; p.o_row_stride = so.row; p.o_head_stride = so.head;
+  p.lse = lse.data_ptr<float>();
+  p.dout = dout.data_ptr();
+  p.do_batch_stride = sd.batch; p.do_row_stride = sd.row; p.do_head_stride = sd.head;
+  p.dk = dk.data_ptr();
+  p.dv = dv.data_ptr();
+  p.dk_batch_stride = sdk.batch; p.dk_row_stride = sdk.row; p.dk_head_stride = sdk.head;
+  p.dv_batch_stride = sdv.batch; p.dv_row_stride = sdv.row; p.dv_head_stride = sdv.head;
+  const at::Tensor acc_view = dq_accum[0];  // strides of one split, in q's format
+  const Strides sa = strides_of(acc_view, q_format);
+  p.dq_accum = dq_accum.data_ptr<float>();
+  p.dqa_batch_stride = sa.batch; p.dqa_row_stride = sa.row; p.dqa_head_stride = sa.head;
+  p.dqa_split_stride = dq_accum.stride(0);
+  p.dq = dq.data_ptr();
+  p.dq_rows = q.numel() / p.d;
+  p.head_dim_rounded = hd;
+  p.dsum = dsum.data_ptr<float>();
+  p.deterministic = deterministic;
+  p.num_splits = splits;
+
+  TORCH_CHECK(tf::dispatch_bwd(bf16, hd, p, c10::cuda::getCurrentCUDAStream().stream()),
+              "flash_attn_bwd: this build has no ", kernel_name(q.scalar_type(), hd), " kernel");
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {dq, dk, dv};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "transformer_fa flash attention kernels (sm80-class forward)";
+  m.doc() = "transformer_fa flash attention kernels (sm80-class forward and backward)";
   m.def("fwd", &fwd, "Flash attention forward", py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("q_format"),
         py::arg("kv_format"), py::arg("max_seqlen_q"), py::arg("max_seqlen_k"),
         py::arg("softmax_scale"), py::arg("window_left"), py::arg("window_right"),
-        py::arg("bottom_right"), py::arg("return_lse"), py::arg("tile_variant") = 0);
-  m.attr("HEAD_DIMS") = py::make_tuple(64, 128);
+        py::arg("bottom_right"), py::arg("return_lse"), py::arg("dropout_p") = 0.0,
+        py::arg("rng_state") = py::none(), py::arg("alibi_slopes") = py::none());
+  m.def("bwd", &bwd, "Flash attention backward", py::arg("dout"), py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("cu_seqlens_q"),
+        py::arg("cu_seqlens_k"), py::arg("q_format"), py::arg("kv_format"),
+        py::arg("max_seqlen_q"), py::arg("max_seqlen_k"), py::arg("softmax_scale"),
+        py::arg("window_left"), py::arg("window_right"), py::arg("bottom_right"),
+        py::arg("dropout_p") = 0.0, py::arg("rng_state") = py::none(),
+        py::arg("alibi_slopes") = py::none(), py::arg("deterministic") = false);
+  std::vector<int> dims(std::begin(tf::kKernelHeadDims), std::end(tf::kKernelHeadDims));
+  m.attr("HEAD_DIMS") = py::cast(dims);
+  m.attr("INSTANTIATIONS") = tf::built_instantiations();
 }

@@ -38,7 +38,8 @@ struct FwdParams {
   int h, h_k;     // query heads, key/value heads (h % h_k == 0)
   int seqlen_q;   // max (thd) or padded (sbhd/bshd) query length: the grid covers it
   int seqlen_k;
-  int d;          // head dim (q, k and v)
+  int d;          // head dim of q, k and v (a multiple of 8, at most the kernel's: the
+                  // columns past d are zero-filled in shared memory and never written)
 
   float scale_softmax;       // applied to q.k
   float scale_softmax_log2;  // scale_softmax * log2(e)
@@ -50,14 +51,62 @@ struct FwdParams {
   int window_left, window_right;
   bool bottom_right;
 
-  // Tile shape variant 0..4 (fwd_launch_sm80.cuh lists them; the Python side picks one
-  // per head dim).
-  int tile_variant;
+  // ALiBi: adds -slope[b, h] * |i + off - j| to softmax_scale * q.k (off as for the mask).
+  // nullptr: none. slope = alibi_slopes[b * alibi_batch_stride + h].
+  const float* __restrict__ alibi_slopes;
+  int64_t alibi_batch_stride;  // 0 for slopes [h]
+
+  // Dropout on the softmax probabilities P (the LSE is of the undropped softmax):
+  // O = (P * Z) V with Z = keep / (1 - p). rng_state (device, int64 [2]) = (seed, offset);
+  // nullptr: no dropout. The mask is a pure function of (seed, offset, b, h, i, j), so the
+  // backward regenerates it and any tile shape gives the same one:
+  //   Philox4x32-10 (Random123 constants) with key = (seed & 0xffffffff, seed >> 32) and
+  //   counter = (j >> 3, ((i >> 4) << 5) | ((i & 7) << 2) | ((j >> 1) & 3), b * h + head,
+  //              offset & 0xffffffff)
+  //   gives four words; word ((i >> 3) & 1) * 2 + (j & 1) < dropout_threshold keeps (i, j).
+  //   i, j: per-sequence query and key positions; b: sequence index; h: query heads.
+  //   dropout_threshold = min(floor((1 - p) * 2^32), 2^32 - 1).
+  // (tests/gpu/philox.py computes the same mask in PyTorch.)
+  const int64_t* __restrict__ rng_state;
+  uint32_t dropout_threshold;
+  float dropout_scale;  // 1 / (1 - p)
+};
+
+// Backward: the forward's tensors and mask, plus the gradients.
+struct BwdParams : FwdParams {
+  // o (from FwdParams) is the forward output, read here; lse is the forward's LSE.
+  const void* __restrict__ dout;
+  int64_t do_batch_stride, do_row_stride, do_head_stride;
+  // dK, dV: k/v-side layouts (strides in elements).
+  void* __restrict__ dk;
+  void* __restrict__ dv;
+  int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
+  int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
+  // dQ: float32 accumulator [splits][q rows][h][head_dim_rounded] with q's batch/row/head
+  // strides (dqa_*, elements), zeroed by the caller; dq (the T output, contiguous
+  // [q rows * h][d]) is written from it at the end. dq_rows = q rows * h.
+  float* __restrict__ dq_accum;
+  int64_t dqa_batch_stride, dqa_row_stride, dqa_head_stride, dqa_split_stride;
+  void* __restrict__ dq;
+  int64_t dq_rows;
+  int head_dim_rounded;
+  // rowsum(dO * O) per query row, float32, laid out as lse (written by the backward).
+  float* __restrict__ dsum;
+  // Deterministic: num_splits CTAs per (kv head, batch) each own a dq_accum split and add
+  // into it in program order; the splits are summed in order. Otherwise num_splits = 1 and
+  // every key block adds into split 0 with atomics.
+  bool deterministic;
+  int num_splits;
 };
 
 // One definition per (dtype, head dim), each in its own generated .cu file.
 template <DType kDType, int kHeadDim>
 void run_fwd(FwdParams& params, cudaStream_t stream);
+template <DType kDType, int kHeadDim>
+void run_bwd(BwdParams& params, cudaStream_t stream);
+// Dynamic shared memory the backward needs (the binding checks it against the device).
+template <DType kDType, int kHeadDim>
+int bwd_smem_bytes();
 
 }  // namespace flash
 }  // namespace transformer_fa

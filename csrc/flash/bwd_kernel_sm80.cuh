@@ -1,0 +1,316 @@
+// FlashAttention-2-style backward for sm80+ (Ampere and Hopper alike).
+//
+// Three kernels:
+//   1. dot_do_o: dsum[i] = rowsum(dO[i] * O[i]) (float32, laid out as the LSE).
+//   2. bwd_kernel: one CTA per (key block, kv head, batch). K and V of the block stay in
+//      shared memory; the CTA walks every query head of its GQA group and every query block
+//      that sees the key block, recomputes P = exp(S - LSE), and accumulates dK and dV in
+//      registers (so the GQA sum over the group needs no atomics and no expanded buffer).
+//      dQ of each (query block, key block) pair is added into a float32 accumulator.
+//   3. convert_dq: dq = dq_accum (summed over splits, in order) * softmax_scale, as T.
+//
+// Per query block of the main loop (S = Q K^T, rows = queries, columns = keys):
+//   S, dP = dO V^T   warps tile [BM x BN] (kWarpsMS x rest)
+//   P  = exp(S - LSE) (dropped: P * Z), dS = P * (dP * Z - dsum)   -> shared memory
+//   dV += P^T dO, dK += dS^T Q   warps tile [BN x D] (kWarpsNdKV x rest)
+//   dQ  = dS K                   warps tile [BM x D] (kWarpsMdQ x rest) -> dq_accum
+// Q and dO are double-buffered: block i+1 loads while block i computes.
+#pragma once
+
+#include "sm80_common.cuh"
+
+namespace transformer_fa {
+namespace flash {
+namespace sm80 {
+
+template <typename T, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kWarpsMS,
+          int kWarpsNdKV, int kWarpsMdQ>
+struct BwdTraits {
+  using Element = T;
+  static constexpr int D = kHeadDim_;
+  static constexpr int BM = kBlockM_;
+  static constexpr int BN = kBlockN_;
+  static constexpr int kNWarps = kNWarps_;
+  static constexpr int kNThreads = kNWarps * 32;
+  // S / dP warp tile
+  static constexpr int S_M = BM / kWarpsMS, S_N = BN / (kNWarps / kWarpsMS);
+  static constexpr int S_MF = S_M / 16, S_NF = S_N / 8;
+  // dK / dV warp tile
+  static constexpr int KV_M = BN / kWarpsNdKV, KV_N = D / (kNWarps / kWarpsNdKV);
+  static constexpr int KV_MF = KV_M / 16, KV_NF = KV_N / 8;
+  // dQ warp tile
+  static constexpr int Q_M = BM / kWarpsMdQ, Q_N = D / (kNWarps / kWarpsMdQ);
+  static constexpr int Q_MF = Q_M / 16, Q_NF = Q_N / 8;
+  static_assert(S_M % 16 == 0 && S_N % 16 == 0 && KV_M % 16 == 0 && KV_N % 16 == 0 &&
+                    Q_M % 16 == 0 && Q_N % 16 == 0,
+                "warp tiles are whole 16 x 16 MMA tiles");
+  static_assert(D % 64 == 0 && BN % 64 == 0, "tile rows are multiples of 64 (swizzle)");
+  // Shared memory (elements): Q and dO double-buffered, K, V, P and dS.
+  static constexpr int kSmemQ = BM * D, kSmemKV = BN * D, kSmemP = BM * BN;
+  static constexpr int kSmemBytes = (4 * kSmemQ + 2 * kSmemKV + 2 * kSmemP) * int(sizeof(T));
+};
+
+// ---------------------------------------------------------------------------------------
+// 1. dsum = rowsum(dO * O): one warp per (query row, head); lanes over 8-element chunks.
+// ---------------------------------------------------------------------------------------
+template <typename T>
+__global__ void __launch_bounds__(256) dot_do_o_kernel(const BwdParams p) {
+  constexpr int kRowsPerCta = 8;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int bidh = blockIdx.y, bidb = blockIdx.z;
+  const SeqInfo si = seq_info(p, bidb);
+  const int row = blockIdx.x * kRowsPerCta + warp;
+  if (row >= si.rows_q) return;
+  float acc = 0.f;
+  if (row < si.len_q) {
+    const T* o = reinterpret_cast<const T*>(p.o) + si.q_off(p.o_batch_stride, p.o_row_stride) +
+                 int64_t(row) * p.o_row_stride + int64_t(bidh) * p.o_head_stride;
+    const T* dout = reinterpret_cast<const T*>(p.dout) +
+                    si.q_off(p.do_batch_stride, p.do_row_stride) +
+                    int64_t(row) * p.do_row_stride + int64_t(bidh) * p.do_head_stride;
+    for (int c = lane * 8; c < p.d; c += 32 * 8) {
+      const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
+      const uint4 dv = *reinterpret_cast<const uint4*>(dout + c);
+      const T* oe = reinterpret_cast<const T*>(&ov);
+      const T* de = reinterpret_cast<const T*>(&dv);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc = fmaf(float(oe[e]), float(de[e]), acc);
+    }
+  }
+#pragma unroll
+  for (int s = 16; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
+  if (lane == 0) {
+    p.dsum[si.q_off(p.lse_batch_stride, p.lse_row_stride) + int64_t(row) * p.lse_row_stride +
+           int64_t(bidh) * p.lse_head_stride] = acc;
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// 3. dq = sum over splits of dq_accum, times softmax_scale. One thread per 8 elements.
+// ---------------------------------------------------------------------------------------
+template <typename T>
+__global__ void __launch_bounds__(256) convert_dq_kernel(const BwdParams p) {
+  const int chunks = p.d / 8;
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= p.dq_rows * chunks) return;
+  const int64_t row = idx / chunks;
+  const int col = int(idx % chunks) * 8;
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  const float* src = p.dq_accum + row * p.head_dim_rounded + col;
+  for (int s = 0; s < p.num_splits; ++s) {
+    const float4 a = *reinterpret_cast<const float4*>(src);
+    const float4 b = *reinterpret_cast<const float4*>(src + 4);
+    acc[0] += a.x; acc[1] += a.y; acc[2] += a.z; acc[3] += a.w;
+    acc[4] += b.x; acc[5] += b.y; acc[6] += b.z; acc[7] += b.w;
+    src += p.dqa_split_stride;
+  }
+  uint4 out;
+  uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+#pragma unroll
+  for (int e = 0; e < 4; ++e)
+    o[e] = pack2<T>(acc[2 * e] * p.scale_softmax, acc[2 * e + 1] * p.scale_softmax);
+  *reinterpret_cast<uint4*>(reinterpret_cast<T*>(p.dq) + row * p.d + col) = out;
+}
+
+// ---------------------------------------------------------------------------------------
+// 2. The main kernel
+// ---------------------------------------------------------------------------------------
+template <typename Tr>
+__device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo& si,
+                                              int n_block, int bidh_k, int split,
+                                              unsigned char* smem_raw) {
+  using T = typename Tr::Element;
+  constexpr int D = Tr::D, BM = Tr::BM, BN = Tr::BN, NT = Tr::kNThreads;
+  T* sQ = reinterpret_cast<T*>(smem_raw);  // [2][BM][D]
+  T* sdO = sQ + 2 * Tr::kSmemQ;            // [2][BM][D]
+  T* sK = sdO + 2 * Tr::kSmemQ;            // [BN][D]
+  T* sV = sK + Tr::kSmemKV;                // [BN][D]
+  T* sP = sV + Tr::kSmemKV;                // [BM][BN]
+  T* sdS = sP + Tr::kSmemP;                // [BM][BN]
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+  // Warp positions in the three warp tilings.
+  const int s_m = (warp % (BM / Tr::S_M)) * Tr::S_M, s_n = (warp / (BM / Tr::S_M)) * Tr::S_N;
+  const int kv_m = (warp % (BN / Tr::KV_M)) * Tr::KV_M,
+            kv_n = (warp / (BN / Tr::KV_M)) * Tr::KV_N;
+  const int q_m = (warp % (BM / Tr::Q_M)) * Tr::Q_M, q_n = (warp / (BM / Tr::Q_M)) * Tr::Q_N;
+
+  const int n0 = n_block * BN;
+  const int valid_k = min(BN, si.len_k - n0);
+  const Band band = band_of(p, si);
+  // Query rows that see a key of this block: [i_lo, i_hi).
+  int i_lo = 0, i_hi = si.len_q;
+  if (band.right >= 0) i_lo = max(0, n0 - band.off - band.right);
+  if (band.left >= 0) i_hi = min(i_hi, n0 + BN - 1 - band.off + band.left + 1);
+  const int m_block_min = i_lo / BM;
+  const int num_m = valid_k > 0 && i_hi > i_lo ? (i_hi + BM - 1) / BM - m_block_min : 0;
+  const int group = p.h / p.h_k;
+  const int total = num_m * group;  // (query head, query block) steps
+
+  float acc_dk[Tr::KV_MF][Tr::KV_NF][4], acc_dv[Tr::KV_MF][Tr::KV_NF][4];
+  zero(acc_dk);
+  zero(acc_dv);
+
+  __syncthreads();  // a previous key block of this CTA (deterministic mode) is done with smem
+  if (total > 0) {
+    const T* k_base = reinterpret_cast<const T*>(p.k) +
+                      si.k_off(p.k_batch_stride, p.k_row_stride) +
+                      int64_t(bidh_k) * p.k_head_stride + int64_t(n0) * p.k_row_stride;
+    const T* v_base = reinterpret_cast<const T*>(p.v) +
+                      si.k_off(p.v_batch_stride, p.v_row_stride) +
+                      int64_t(bidh_k) * p.v_head_stride + int64_t(n0) * p.v_row_stride;
+    load_tile<T, D, BN, NT>(sK, k_base, p.k_row_stride, valid_k, p.d, tid);
+    load_tile<T, D, BN, NT>(sV, v_base, p.v_row_stride, valid_k, p.d, tid);
+
+    const int64_t q_seq = si.q_off(p.q_batch_stride, p.q_row_stride);
+    const int64_t do_seq = si.q_off(p.do_batch_stride, p.do_row_stride);
+    const int64_t lse_seq = si.q_off(p.lse_batch_stride, p.lse_row_stride);
+    const int64_t dqa_seq = si.q_off(p.dqa_batch_stride, p.dqa_row_stride) +
+                            int64_t(split) * p.dqa_split_stride;
+    // Issues the loads of step `it` (query head, query block) into buffer `stage`.
+    auto load_q_do = [&](int it, int stage) {
+      const int bidh = bidh_k * group + it / num_m;
+      const int m0 = (m_block_min + it % num_m) * BM;
+      const int valid_q = min(BM, si.len_q - m0);
+      load_tile<T, D, BM, NT>(sQ + stage * Tr::kSmemQ,
+                              reinterpret_cast<const T*>(p.q) + q_seq +
+                                  int64_t(bidh) * p.q_head_stride + int64_t(m0) * p.q_row_stride,
+                              p.q_row_stride, valid_q, p.d, tid);
+      load_tile<T, D, BM, NT>(sdO + stage * Tr::kSmemQ,
+                              reinterpret_cast<const T*>(p.dout) + do_seq +
+                                  int64_t(bidh) * p.do_head_stride +
+                                  int64_t(m0) * p.do_row_stride,
+                              p.do_row_stride, valid_q, p.d, tid);
+    };
+    load_q_do(0, 0);
+    cp_async_commit();
+
+    const float sl2 = p.scale_softmax_log2;
+    for (int it = 0; it < total; ++it) {
+      const int stage = it & 1;
+      const int bidh = bidh_k * group + it / num_m;
+      const int m0 = (m_block_min + it % num_m) * BM;
+      const T* sQs = sQ + stage * Tr::kSmemQ;
+      const T* sdOs = sdO + stage * Tr::kSmemQ;
+
+      cp_async_wait_all();
+      __syncthreads();  // Q/dO[it] (and K, V) visible; every warp is done with step it - 1
+      if (it + 1 < total) {
+        load_q_do(it + 1, stage ^ 1);
+        cp_async_commit();
+      }
+
+      // LSE (log2 units) and dsum of this thread's S rows; rows past len_q get P = 0.
+      float lse2[Tr::S_MF][2], dsum[Tr::S_MF][2];
+#pragma unroll
+      for (int mf = 0; mf < Tr::S_MF; ++mf)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int i = m0 + s_m + mf * 16 + g + 8 * r;
+          const int64_t at = lse_seq + int64_t(bidh) * p.lse_head_stride +
+                             int64_t(i) * p.lse_row_stride;
+          lse2[mf][r] = i < si.len_q ? p.lse[at] * float(M_LOG2E) : INFINITY;
+          dsum[mf][r] = i < si.len_q ? p.dsum[at] : 0.f;
+        }
+
+      float acc_s[Tr::S_MF][Tr::S_NF][4], acc_dp[Tr::S_MF][Tr::S_NF][4];
+      zero(acc_s);
+      zero(acc_dp);
+      warp_gemm<T, Tr::S_MF, Tr::S_NF, D / 16, false, false, D, D>(acc_s, sQs, s_m, 0, sK, s_n,
+                                                                   0, lane);
+      warp_gemm<T, Tr::S_MF, Tr::S_NF, D / 16, false, false, D, D>(acc_dp, sdOs, s_m, 0, sV,
+                                                                   s_n, 0, lane);
+
+      const float alibi_coef =
+          p.alibi_slopes == nullptr
+              ? 0.f
+              : -p.alibi_slopes[si.bidb * p.alibi_batch_stride + bidh] / p.scale_softmax;
+      const bool need_mask = band_cuts(band, m0 + s_m, m0 + s_m + Tr::S_M - 1, n0 + s_n,
+                                       n0 + s_n + Tr::S_N - 1);
+      if (need_mask || alibi_coef != 0.f) {
+        bias_and_mask(acc_s, m0 + s_m, n0 + s_n, lane, band, need_mask, alibi_coef);
+      }
+      uint32_t keep[Tr::S_MF][Tr::S_NF];
+      float drop_scale = 1.f;
+      if (p.rng_state != nullptr) {
+        const Dropout drop = dropout_of(p, si.bidb, bidh);
+        dropout_keep(keep, drop, m0 + s_m, n0 + s_n, lane);
+        drop_scale = drop.scale;
+      }
+      // P (dropped, for dV) and dS = P * (dP * Z - dsum), as T in shared memory.
+#pragma unroll
+      for (int mf = 0; mf < Tr::S_MF; ++mf)
+#pragma unroll
+        for (int nf = 0; nf < Tr::S_NF; ++nf)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = e / 2;
+            const float pe = exp2f(fmaf(acc_s[mf][nf][e], sl2, -lse2[mf][r]));
+            float z = 1.f;
+            if (p.rng_state != nullptr) z = (keep[mf][nf] >> e) & 1 ? drop_scale : 0.f;
+            acc_s[mf][nf][e] = pe * z;
+            acc_dp[mf][nf][e] = pe * fmaf(acc_dp[mf][nf][e], z, -dsum[mf][r]);
+          }
+      store_acc<T, BN>(sP, acc_s, s_m, s_n, lane);
+      store_acc<T, BN>(sdS, acc_dp, s_m, s_n, lane);
+      __syncthreads();  // P and dS visible
+
+      // dV += P^T dO, dK += dS^T Q (A = P^T / dS^T: k-major in shared memory).
+      warp_gemm<T, Tr::KV_MF, Tr::KV_NF, BM / 16, true, true, BN, D>(acc_dv, sP, kv_m, 0, sdOs,
+                                                                    kv_n, 0, lane);
+      warp_gemm<T, Tr::KV_MF, Tr::KV_NF, BM / 16, true, true, BN, D>(acc_dk, sdS, kv_m, 0, sQs,
+                                                                    kv_n, 0, lane);
+      // dQ (this key block's part) = dS K, added into the accumulator.
+      float acc_dq[Tr::Q_MF][Tr::Q_NF][4];
+      zero(acc_dq);
+      warp_gemm<T, Tr::Q_MF, Tr::Q_NF, BN / 16, false, true, BN, D>(acc_dq, sdS, q_m, 0, sK,
+                                                                   q_n, 0, lane);
+      float* dqa = p.dq_accum + dqa_seq + int64_t(bidh) * p.dqa_head_stride;
+#pragma unroll
+      for (int mf = 0; mf < Tr::Q_MF; ++mf)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int i = m0 + q_m + mf * 16 + g + 8 * r;
+          if (i >= si.len_q) continue;
+          float* row = dqa + int64_t(i) * p.dqa_row_stride + q_n + 2 * t;
+#pragma unroll
+          for (int nf = 0; nf < Tr::Q_NF; ++nf) {
+            atomic_add2(row + nf * 8, acc_dq[mf][nf][2 * r], acc_dq[mf][nf][2 * r + 1]);
+          }
+        }
+    }
+  }
+
+  // Epilogue: dK * softmax_scale and dV through shared memory (sK / sV) to global.
+  const int rows_out = min(BN, si.rows_k - n0);
+  if (rows_out <= 0) return;
+  __syncthreads();  // every warp is done reading sK / sV
+  store_acc<T, D>(sK, acc_dk, kv_m, kv_n, lane, p.scale_softmax);
+  store_acc<T, D>(sV, acc_dv, kv_m, kv_n, lane);
+  __syncthreads();  // the shared -> global copy reads rows other threads wrote
+  T* dk = reinterpret_cast<T*>(p.dk) + si.k_off(p.dk_batch_stride, p.dk_row_stride) +
+          int64_t(bidh_k) * p.dk_head_stride + int64_t(n0) * p.dk_row_stride;
+  T* dv = reinterpret_cast<T*>(p.dv) + si.k_off(p.dv_batch_stride, p.dv_row_stride) +
+          int64_t(bidh_k) * p.dv_head_stride + int64_t(n0) * p.dv_row_stride;
+  store_tile<T, D, BN, NT>(dk, p.dk_row_stride, sK, rows_out, p.d, tid);
+  store_tile<T, D, BN, NT>(dv, p.dv_row_stride, sV, rows_out, p.d, tid);
+}
+
+// Grid (key blocks, or num_splits in deterministic mode; kv heads; batch).
+template <typename Tr>
+__global__ void __launch_bounds__(Tr::kNThreads, 1) bwd_kernel(const BwdParams p) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const int bidh_k = blockIdx.y, bidb = blockIdx.z;
+  const SeqInfo si = seq_info(p, bidb);
+  const int num_n = (p.seqlen_k + Tr::BN - 1) / Tr::BN;
+  const int split = p.deterministic ? blockIdx.x : 0;
+  for (int n_block = blockIdx.x; n_block < num_n; n_block += gridDim.x) {
+    if (n_block * Tr::BN >= si.rows_k) break;  // past this (packed) sequence
+    bwd_key_block<Tr>(p, si, n_block, bidh_k, split, smem_raw);
+  }
+}
+
+}  // namespace sm80
+}  // namespace flash
+}  // namespace transformer_fa

@@ -1,0 +1,50 @@
+// Launch template of the sm80-class backward: the tile shapes per head dim and the three
+// launches (dsum, main, dq conversion).
+#pragma once
+
+#include "bwd_kernel_sm80.cuh"
+#include "flash.h"
+
+namespace transformer_fa {
+namespace flash {
+namespace sm80 {
+
+// BwdTraits<T, head dim, query rows, key rows, warps, warps along M of S, warps along N of
+// dK/dV, warps along M of dQ>: FlashAttention-2's sm80 shapes. The dK/dV accumulators live
+// in registers for the whole CTA (2 * 128 * D / threads per thread).
+template <typename T, int kHeadDim>
+struct BwdConfig;
+template <typename T> struct BwdConfig<T, 64> { using Traits = BwdTraits<T, 64, 128, 128, 8, 2, 4, 4>; };
+template <typename T> struct BwdConfig<T, 128> { using Traits = BwdTraits<T, 128, 64, 128, 8, 2, 4, 2>; };
+template <typename T> struct BwdConfig<T, 192> { using Traits = BwdTraits<T, 192, 64, 64, 8, 4, 2, 2>; };
+template <typename T> struct BwdConfig<T, 256> { using Traits = BwdTraits<T, 256, 64, 64, 8, 4, 2, 2>; };
+
+template <typename T, int kHeadDim>
+constexpr int bwd_smem() {
+  return BwdConfig<T, kHeadDim>::Traits::kSmemBytes;
+}
+
+template <typename T, int kHeadDim>
+void launch_bwd(BwdParams& params, cudaStream_t stream) {
+  using Tr = typename BwdConfig<T, kHeadDim>::Traits;
+  if (params.b == 0 || params.h == 0) return;
+  if (params.seqlen_q > 0) {
+    dim3 grid((params.seqlen_q + 7) / 8, params.h, params.b);
+    dot_do_o_kernel<T><<<grid, 256, 0, stream>>>(params);
+  }
+  const int num_n = (params.seqlen_k + Tr::BN - 1) / Tr::BN;
+  if (num_n > 0) {
+    dim3 grid(params.deterministic ? params.num_splits : num_n, params.h_k, params.b);
+    constexpr int smem = Tr::kSmemBytes;
+    allow_dynamic_smem<&bwd_kernel<Tr>>(smem);
+    bwd_kernel<Tr><<<grid, Tr::kNThreads, smem, stream>>>(params);
+  }
+  const int64_t chunks = params.dq_rows * (params.d / 8);
+  if (chunks > 0) {
+    convert_dq_kernel<T><<<unsigned((chunks + 255) / 256), 256, 0, stream>>>(params);
+  }
+}
+
+}  // namespace sm80
+}  // namespace flash
+}  // namespace transformer_fa

@@ -1,0 +1,389 @@
+// Building blocks shared by the sm80-class forward and backward kernels: PTX wrappers
+// (mma.sync, ldmatrix, cp.async), the swizzled shared-memory tile, tile loads with zero-fill,
+// the per-sequence offsets, the mask / ALiBi / dropout of one S tile, and a warp-level GEMM
+// over shared-memory operands.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+
+#include "flash.h"
+
+namespace transformer_fa {
+namespace flash {
+namespace sm80 {
+
+// ---------------------------------------------------------------------------------------
+// PTX wrappers
+// ---------------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global -> shared copy; valid = false fills the destination with zeros (no read).
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                          uint32_t b1);
+template <>
+__device__ __forceinline__ void mma_16816<__half>(float (&c)[4], const uint32_t (&a)[4],
+                                                  uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4],
+                                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// Adds (a, b) to two adjacent floats in global memory (8-byte aligned). Hopper has a vector
+// reduction; older GPUs take two.
+__device__ __forceinline__ void atomic_add2(float* ptr, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(ptr), "f"(a), "f"(b)
+               : "memory");
+#else
+  atomicAdd(ptr, a);
+  atomicAdd(ptr + 1, b);
+#endif
+}
+
+// ---------------------------------------------------------------------------------------
+// Shared-memory tiles
+// ---------------------------------------------------------------------------------------
+// Element offset of (row, col) in a [rows][kRowLen] shared tile whose 16-byte chunks are
+// XOR-swizzled by row % 8 (conflict-free ldmatrix, cp.async and 4-byte stores). kRowLen is a
+// multiple of 64; col is a multiple of 8 for 16-byte accesses.
+template <int kRowLen>
+__device__ __forceinline__ int swz(int row, int col) {
+  static_assert(kRowLen % 64 == 0, "the swizzle permutes 8 chunks of 8 elements");
+  return row * kRowLen + ((((col >> 3) ^ (row & 7))) << 3) + (col & 7);
+}
+
+// Copies rows [0, kRows) x columns [0, kRowLen) of a global tile into swizzled shared memory;
+// rows >= valid_rows and columns >= valid_cols (a multiple of 8) are zero-filled.
+template <typename T, int kRowLen, int kRows, int kThreads>
+__device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64_t row_stride,
+                                          int valid_rows, int valid_cols, int tid) {
+  constexpr int kChunks = kRowLen / 8;
+  constexpr int kRowStep = kThreads / kChunks;
+  if constexpr (kThreads % kChunks == 0 && kRowStep % 8 == 0 && kRows % kRowStep == 0) {
+    // Thread tid copies chunk tid % kChunks of rows tid / kChunks + i * kRowStep: one running
+    // pointer (per-chunk addresses are not kept in registers across a main loop), and every
+    // row of the thread has the same swizzle (kRowStep % 8 == 0).
+    const int row0 = tid / kChunks;
+    const int col = (tid % kChunks) * 8;
+    const bool col_ok = col < valid_cols;
+    const T* src = gmem + row0 * row_stride + col;
+    const int64_t step = kRowStep * row_stride;
+    const uint32_t dst0 = smem_u32(smem + swz<kRowLen>(row0, col));
+#pragma unroll
+    for (int i = 0; i < kRows / kRowStep; ++i) {
+      const bool ok = col_ok && row0 + i * kRowStep < valid_rows;
+      cp_async_16(dst0 + i * kRowStep * kRowLen * int(sizeof(T)), ok ? src : gmem, ok);
+      src += step;
+    }
+  } else {  // rows whose chunks do not divide over the threads (d = 192)
+    static_assert(kRows * kChunks % kThreads == 0, "tile chunks divide over the threads");
+#pragma unroll
+    for (int i = 0; i < kRows * kChunks / kThreads; ++i) {
+      const int idx = tid + i * kThreads;
+      const int row = idx / kChunks, col = (idx % kChunks) * 8;
+      const bool ok = row < valid_rows && col < valid_cols;
+      cp_async_16(smem_u32(smem + swz<kRowLen>(row, col)), ok ? gmem + row * row_stride + col : gmem,
+                  ok);
+    }
+  }
+}
+
+// Stores an accumulator tile (mma C layout, rows row0 + 16 mf + g (+8), columns
+// col0 + 8 nf + 2t) into a swizzled shared tile as T.
+template <typename T, int kRowLen, int MF, int NF>
+__device__ __forceinline__ void store_acc(T* smem, const float (&acc)[MF][NF][4], int row0,
+                                          int col0, int lane, float scale = 1.f) {
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+    for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = row0 + mf * 16 + g + 8 * r;
+        const int col = col0 + nf * 8 + 2 * t;
+        *reinterpret_cast<uint32_t*>(smem + swz<kRowLen>(row, col)) =
+            pack2<T>(acc[mf][nf][2 * r] * scale, acc[mf][nf][2 * r + 1] * scale);
+      }
+}
+
+// Copies rows [0, min(kRows, valid_rows)) x columns [0, valid_cols) of a swizzled shared
+// tile to global memory (16-byte chunks). The caller has synchronized after writing it.
+template <typename T, int kRowLen, int kRows, int kThreads>
+__device__ __forceinline__ void store_tile(T* gmem, int64_t row_stride, const T* smem,
+                                           int valid_rows, int valid_cols, int tid) {
+  constexpr int kChunks = kRowLen / 8;
+  constexpr int kTotal = kRows * kChunks;
+  static_assert(kTotal % kThreads == 0, "tile chunks divide over the threads");
+#pragma unroll
+  for (int i = 0; i < kTotal / kThreads; ++i) {
+    const int idx = tid + i * kThreads;
+    const int row = idx / kChunks;
+    const int col = (idx % kChunks) * 8;
+    if (row < valid_rows && col < valid_cols) {
+      *reinterpret_cast<uint4*>(gmem + int64_t(row) * row_stride + col) =
+          *reinterpret_cast<const uint4*>(smem + swz<kRowLen>(row, col));
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Warp GEMM: acc[MF][NF] (a 16 MF x 8 NF tile) += A[m0.., k0..] * B[k0.., n0..] over
+// kSteps steps of 16, operands in swizzled shared tiles.
+//   A is m-major ([m][k], kATrans = false) or k-major ([k][m], kATrans = true);
+//   B is n-major ([n][k], kBTrans = false) or k-major ([k][n], kBTrans = true).
+// ---------------------------------------------------------------------------------------
+template <typename T, int MF, int NF, int kSteps, bool kATrans, bool kBTrans, int kLdA, int kLdB>
+__device__ __forceinline__ void warp_gemm(float (&acc)[MF][NF][4], const T* sA, int m0,
+                                          int ka0, const T* sB, int n0, int kb0, int lane) {
+  static_assert(NF % 2 == 0, "B fragments come in pairs of n8 tiles");
+  // ldmatrix lane addressing (mma.m16n8k16 fragment layouts).
+  const int a_r = kATrans ? (lane & 7) + ((lane >> 4) << 3) : (lane & 15);     // k | m
+  const int a_c = kATrans ? ((lane >> 3) & 1) << 3 : (lane >> 4) << 3;         // m | k
+  const int b_r = kBTrans ? (lane & 7) + (((lane >> 3) & 1) << 3)              // k
+                          : (lane & 7) + ((lane >> 4) << 3);                   // n
+  const int b_c = kBTrans ? (lane >> 4) << 3 : ((lane >> 3) & 1) << 3;         // n | k
+  const uint32_t a_base = smem_u32(sA), b_base = smem_u32(sB);
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk) {
+    const int ka = ka0 + kk * 16, kb = kb0 + kk * 16;
+    uint32_t a[MF][4];
+#pragma unroll
+    for (int mf = 0; mf < MF; ++mf) {
+      if constexpr (kATrans) {
+        ldmatrix_x4_trans(a[mf], a_base + swz<kLdA>(ka + a_r, m0 + mf * 16 + a_c) * 2);
+      } else {
+        ldmatrix_x4(a[mf], a_base + swz<kLdA>(m0 + mf * 16 + a_r, ka + a_c) * 2);
+      }
+    }
+#pragma unroll
+    for (int nn = 0; nn < NF / 2; ++nn) {
+      uint32_t b[4];
+      if constexpr (kBTrans) {
+        ldmatrix_x4_trans(b, b_base + swz<kLdB>(kb + b_r, n0 + nn * 16 + b_c) * 2);
+      } else {
+        ldmatrix_x4(b, b_base + swz<kLdB>(n0 + nn * 16 + b_r, kb + b_c) * 2);
+      }
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf) {
+        mma_16816<T>(acc[mf][2 * nn], a[mf], b[0], b[1]);
+        mma_16816<T>(acc[mf][2 * nn + 1], a[mf], b[2], b[3]);
+      }
+    }
+  }
+}
+
+template <int MF, int NF>
+__device__ __forceinline__ void zero(float (&acc)[MF][NF][4]) {
+#pragma unroll
+  for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+    for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mf][nf][e] = 0.f;
+}
+
+// ---------------------------------------------------------------------------------------
+// Sequences
+// ---------------------------------------------------------------------------------------
+struct SeqInfo {
+  int bidb;
+  int len_q, len_k;      // actual lengths
+  int rows_q, rows_k;    // rows of the tensors this sequence owns (len, or padded length)
+  int start_q, start_k;  // first token of a packed (thd) sequence
+  bool q_packed, k_packed;
+  // Element offset of row 0 (head 0) of this sequence in a q-side / k-side tensor.
+  __device__ __forceinline__ int64_t q_off(int64_t batch_stride, int64_t row_stride) const {
+    return q_packed ? int64_t(start_q) * row_stride : int64_t(bidb) * batch_stride;
+  }
+  __device__ __forceinline__ int64_t k_off(int64_t batch_stride, int64_t row_stride) const {
+    return k_packed ? int64_t(start_k) * row_stride : int64_t(bidb) * batch_stride;
+  }
+};
+
+__device__ __forceinline__ SeqInfo seq_info(const FwdParams& p, int bidb) {
+  SeqInfo s;
+  s.bidb = bidb;
+  s.start_q = p.cu_seqlens_q != nullptr ? p.cu_seqlens_q[bidb] : 0;
+  s.start_k = p.cu_seqlens_k != nullptr ? p.cu_seqlens_k[bidb] : 0;
+  s.len_q = p.cu_seqlens_q != nullptr ? p.cu_seqlens_q[bidb + 1] - s.start_q : p.seqlen_q;
+  s.len_k = p.cu_seqlens_k != nullptr ? p.cu_seqlens_k[bidb + 1] - s.start_k : p.seqlen_k;
+  s.q_packed = p.q_packed;
+  s.k_packed = p.k_packed;
+  s.rows_q = p.q_packed ? s.len_q : p.seqlen_q;
+  s.rows_k = p.k_packed ? s.len_k : p.seqlen_k;
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------
+// The mask, ALiBi and dropout of one S tile (mma C layout: element e of acc[mf][nf] is
+// row i0 + 16 mf + g + 8 (e / 2), column j0 + 8 nf + 2 t + e % 2; i0 is a multiple of 16
+// and j0 of 8, both per-sequence positions).
+// ---------------------------------------------------------------------------------------
+struct Band {
+  int len_k;       // keys j >= len_k are masked
+  int off;         // diagonal offset: len_k - len_q (bottom-right) or 0
+  int left, right; // window (-1: unbounded)
+};
+
+__device__ __forceinline__ Band band_of(const FwdParams& p, const SeqInfo& si) {
+  return Band{si.len_k, p.bottom_right ? si.len_k - si.len_q : 0, p.window_left,
+              p.window_right};
+}
+
+// True if some element of rows [i_lo, i_hi] x columns [j_lo, j_hi] is masked.
+__device__ __forceinline__ bool band_cuts(const Band& b, int i_lo, int i_hi, int j_lo, int j_hi) {
+  return j_hi >= b.len_k || (b.right >= 0 && j_hi > i_lo + b.off + b.right) ||
+         (b.left >= 0 && j_lo < i_hi + b.off - b.left);
+}
+
+// ALiBi (when alibi_coef != 0: -slope / softmax_scale, added to the raw q.k) and the band
+// mask (-inf), on the raw scores.
+template <int MF, int NF>
+__device__ __forceinline__ void bias_and_mask(float (&acc)[MF][NF][4], int i0, int j0, int lane,
+                                              const Band& b, bool need_mask, float alibi_coef) {
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int diag = i0 + mf * 16 + g + 8 * r + b.off;
+      int j_hi = b.len_k - 1;
+      if (b.right >= 0) j_hi = min(j_hi, diag + b.right);
+      const int j_lo = b.left >= 0 ? diag - b.left : INT32_MIN;
+#pragma unroll
+      for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int j = j0 + nf * 8 + 2 * t + e;
+          float& s = acc[mf][nf][2 * r + e];
+          if (alibi_coef != 0.f) s = fmaf(alibi_coef, float(abs(diag - j)), s);
+          if (need_mask && (j > j_hi || j < j_lo)) s = -INFINITY;
+        }
+    }
+}
+
+// Philox4x32-10 (Salmon et al., Random123 constants).
+__device__ __forceinline__ uint4 philox(uint32_t k0, uint32_t k1, uint4 c) {
+#pragma unroll
+  for (int round = 0; round < 10; ++round) {
+    const uint32_t lo0 = 0xD2511F53u * c.x, hi0 = __umulhi(0xD2511F53u, c.x);
+    const uint32_t lo1 = 0xCD9E8D57u * c.z, hi1 = __umulhi(0xCD9E8D57u, c.z);
+    c = make_uint4(hi1 ^ c.y ^ k0, lo1, hi0 ^ c.w ^ k1, lo0);
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  return c;
+}
+
+struct Dropout {
+  uint32_t k0, k1, offset, bh, threshold;
+  float scale;  // 1 / (1 - p)
+};
+
+__device__ __forceinline__ Dropout dropout_of(const FwdParams& p, int bidb, int bidh) {
+  Dropout d;
+  const uint64_t seed = static_cast<uint64_t>(p.rng_state[0]);
+  d.k0 = static_cast<uint32_t>(seed);
+  d.k1 = static_cast<uint32_t>(seed >> 32);
+  d.offset = static_cast<uint32_t>(p.rng_state[1]);
+  d.bh = static_cast<uint32_t>(bidb * p.h + bidh);
+  d.threshold = p.dropout_threshold;
+  d.scale = p.dropout_scale;
+  return d;
+}
+
+// keep[mf][nf] bit e: element e of acc[mf][nf] is kept (flash.h defines the mask).
+template <int MF, int NF>
+__device__ __forceinline__ void dropout_keep(uint32_t (&keep)[MF][NF], const Dropout& d, int i0,
+                                             int j0, int lane) {
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+    for (int nf = 0; nf < NF; ++nf) {
+      const uint32_t i = i0 + mf * 16, j = j0 + nf * 8;
+      const uint4 w = philox(d.k0, d.k1,
+                             make_uint4(j >> 3, ((i >> 4) << 5) | (g << 2) | t, d.bh, d.offset));
+      keep[mf][nf] = uint32_t(w.x < d.threshold) | (uint32_t(w.y < d.threshold) << 1) |
+                     (uint32_t(w.z < d.threshold) << 2) | (uint32_t(w.w < d.threshold) << 3);
+    }
+}
+
+// Lets kKernel use `smem` bytes of dynamic shared memory (above the 48 KB default), once per
+// device and kernel (the attribute is per device and kernel).
+template <auto kKernel>
+void allow_dynamic_smem(int smem) {
+  if (smem < 48 * 1024) return;
+  static unsigned long long configured = 0;  // one per kernel (template argument)
+  int device = 0;
+  cudaGetDevice(&device);
+  const unsigned long long bit = 1ull << (device & 63);
+  if (!(configured & bit)) {
+    cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    configured |= bit;
+  }
+}
+
+}  // namespace sm80
+}  // namespace flash
+}  // namespace transformer_fa
