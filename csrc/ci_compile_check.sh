@@ -13,7 +13,11 @@ if ! command -v "$NVCC" >/dev/null 2>&1; then
 fi
 python3 generate.py --check || { echo "ci_compile_check: FAILED: stale generated files" >&2; exit 1; }
 
-FLAGS=(-O3 -std=c++17 --use_fast_math --expt-relaxed-constexpr -I. -Xptxas -v)
+# The no-conversion macros are the ones torch's cpp_extension passes: the CI build must refuse
+# what the real build refuses.
+FLAGS=(-O3 -std=c++17 --use_fast_math --expt-relaxed-constexpr -I. -Xptxas -v
+       -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__
+       -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__)
 # (file, arch): each family once, both dtypes and head dims between them, both default archs.
 JOBS=(
   "flash/instantiations/fwd_fp16_hdim64_sm80.cu 80"

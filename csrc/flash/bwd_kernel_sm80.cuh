@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(256) dot_do_o_kernel(const BwdParams p) {
       const T* oe = reinterpret_cast<const T*>(&ov);
       const T* de = reinterpret_cast<const T*>(&dv);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) acc = fmaf(float(oe[e]), float(de[e]), acc);
+      for (int e = 0; e < 8; ++e) acc = fmaf(to_float(oe[e]), to_float(de[e]), acc);
     }
   }
 #pragma unroll
