@@ -45,9 +45,12 @@ struct BwdTraits {
                     Q_M % 16 == 0 && Q_N % 16 == 0,
                 "warp tiles are whole 16 x 16 MMA tiles");
   static_assert(D % 64 == 0 && BN % 64 == 0, "tile rows are multiples of 64 (swizzle)");
-  // Shared memory (elements): Q and dO double-buffered, K, V, P and dS.
+  // Shared memory (elements): Q and dO double-buffered, K, V, P and dS; then the LSE and dsum
+  // of the query block, double-buffered with Q (float).
   static constexpr int kSmemQ = BM * D, kSmemKV = BN * D, kSmemP = BM * BN;
-  static constexpr int kSmemBytes = (4 * kSmemQ + 2 * kSmemKV + 2 * kSmemP) * int(sizeof(T));
+  static constexpr int kSmemBytes =
+      (4 * kSmemQ + 2 * kSmemKV + 2 * kSmemP) * int(sizeof(T)) + 4 * BM * int(sizeof(float));
+  static_assert(2 * BM <= kNThreads, "one thread per LSE / dsum row");
 };
 
 // ---------------------------------------------------------------------------------------
@@ -127,6 +130,8 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
   T* sV = sK + Tr::kSmemKV;                // [BN][D]
   T* sP = sV + Tr::kSmemKV;                // [BM][BN]
   T* sdS = sP + Tr::kSmemP;                // [BM][BN]
+  float* sLse = reinterpret_cast<float*>(sdS + Tr::kSmemP);  // [2][BM]
+  float* sDsum = sLse + 2 * BM;                              // [2][BM]
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
@@ -182,6 +187,15 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
                                   int64_t(bidh) * p.do_head_stride +
                                   int64_t(m0) * p.do_row_stride,
                               p.do_row_stride, valid_q, p.d, tid);
+      // LSE and dsum rows (threads [0, BM) and [BM, 2 BM)); rows past len_q are zero here
+      // and masked where they are read.
+      if (tid < 2 * BM) {
+        const int r = tid % BM;
+        const float* src = (tid < BM ? p.lse : p.dsum) + lse_seq +
+                           int64_t(bidh) * p.lse_head_stride + int64_t(m0 + r) * p.lse_row_stride;
+        float* dst = (tid < BM ? sLse : sDsum) + stage * BM + r;
+        cp_async_4(smem_u32(dst), r < valid_q ? src : p.lse, r < valid_q);
+      }
     };
     load_q_do(0, 0);
     cp_async_commit();
@@ -207,20 +221,16 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
       for (int mf = 0; mf < Tr::S_MF; ++mf)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const int i = m0 + s_m + mf * 16 + g + 8 * r;
-          const int64_t at = lse_seq + int64_t(bidh) * p.lse_head_stride +
-                             int64_t(i) * p.lse_row_stride;
-          lse2[mf][r] = i < si.len_q ? p.lse[at] * float(M_LOG2E) : INFINITY;
-          dsum[mf][r] = i < si.len_q ? p.dsum[at] : 0.f;
+          const int row = s_m + mf * 16 + g + 8 * r;
+          lse2[mf][r] = m0 + row < si.len_q ? sLse[stage * BM + row] * float(M_LOG2E) : INFINITY;
+          dsum[mf][r] = sDsum[stage * BM + row];
         }
 
       float acc_s[Tr::S_MF][Tr::S_NF][4], acc_dp[Tr::S_MF][Tr::S_NF][4];
       zero(acc_s);
       zero(acc_dp);
-      warp_gemm<T, Tr::S_MF, Tr::S_NF, D / 16, false, false, D, D>(acc_s, sQs, s_m, 0, sK, s_n,
-                                                                   0, lane);
-      warp_gemm<T, Tr::S_MF, Tr::S_NF, D / 16, false, false, D, D>(acc_dp, sdOs, s_m, 0, sV,
-                                                                   s_n, 0, lane);
+      warp_gemm<T, Tr::S_MF, Tr::S_NF, D / 16, false, false, D, D>(acc_s, sQs, s_m, sK, s_n, lane);
+      warp_gemm<T, Tr::S_MF, Tr::S_NF, D / 16, false, false, D, D>(acc_dp, sdOs, s_m, sV, s_n, lane);
 
       const float alibi_coef =
           p.alibi_slopes == nullptr
@@ -257,15 +267,12 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
       __syncthreads();  // P and dS visible
 
       // dV += P^T dO, dK += dS^T Q (A = P^T / dS^T: k-major in shared memory).
-      warp_gemm<T, Tr::KV_MF, Tr::KV_NF, BM / 16, true, true, BN, D>(acc_dv, sP, kv_m, 0, sdOs,
-                                                                    kv_n, 0, lane);
-      warp_gemm<T, Tr::KV_MF, Tr::KV_NF, BM / 16, true, true, BN, D>(acc_dk, sdS, kv_m, 0, sQs,
-                                                                    kv_n, 0, lane);
+      warp_gemm<T, Tr::KV_MF, Tr::KV_NF, BM / 16, true, true, BN, D>(acc_dv, sP, kv_m, sdOs, kv_n, lane);
+      warp_gemm<T, Tr::KV_MF, Tr::KV_NF, BM / 16, true, true, BN, D>(acc_dk, sdS, kv_m, sQs, kv_n, lane);
       // dQ (this key block's part) = dS K, added into the accumulator.
       float acc_dq[Tr::Q_MF][Tr::Q_NF][4];
       zero(acc_dq);
-      warp_gemm<T, Tr::Q_MF, Tr::Q_NF, BN / 16, false, true, BN, D>(acc_dq, sdS, q_m, 0, sK,
-                                                                   q_n, 0, lane);
+      warp_gemm<T, Tr::Q_MF, Tr::Q_NF, BN / 16, false, true, BN, D>(acc_dq, sdS, q_m, sK, q_n, lane);
       float* dqa = p.dq_accum + dqa_seq + int64_t(bidh) * p.dqa_head_stride;
 #pragma unroll
       for (int mf = 0; mf < Tr::Q_MF; ++mf)

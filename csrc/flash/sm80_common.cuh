@@ -27,6 +27,12 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool 
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(src_bytes));
 }
+// 4-byte global -> shared copy (zero-filled when not valid), for per-row floats.
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
@@ -197,36 +203,77 @@ __device__ __forceinline__ void store_tile(T* gmem, int64_t row_stride, const T*
 //   A is m-major ([m][k], kATrans = false) or k-major ([k][m], kATrans = true);
 //   B is n-major ([n][k], kBTrans = false) or k-major ([k][n], kBTrans = true).
 // ---------------------------------------------------------------------------------------
+template <int kLd>
+constexpr bool kPow2 = (kLd & (kLd - 1)) == 0;
+
+// A value the compiler must not hoist out of the loop it is computed in.
+__device__ __forceinline__ int opaque(int x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+
+// ldmatrix addresses of one lane in a swizzled [rows][kLd] shared tile: the lane's own
+// position (row, col), then fragments at (row + dr, col + dc), dr a multiple of 8 and dc a
+// multiple of 16. swz() XORs only the low 3 chunk bits, so when dc's low chunk bits are clear
+// in col (kSplit), a fragment's address is one of 4 per-lane values (by dc % 64) plus a
+// constant. The lane values are made opaque so that the main loops recompute them per GEMM
+// instead of hoisting one register per fragment (which spills).
+template <int kLd, bool kSplit>
+struct LaneTile {
+  uint32_t base;
+  int row, col, row_off, chunk;
+  __device__ __forceinline__ LaneTile(const void* tile, int row_, int col_)
+      : base(smem_u32(tile)), row(row_), col(col_) {
+    if constexpr (kSplit) {
+      row_off = opaque(row * kLd + (col & ~63));
+      chunk = opaque(((col >> 3) & 7) ^ (row & 7));
+    }
+  }
+  __device__ __forceinline__ uint32_t at(int dr, int dc) const {
+    if constexpr (kSplit) {
+      return base + 2 * (row_off + dr * kLd + (dc & ~63) + ((chunk ^ ((dc >> 3) & 7)) << 3));
+    } else {
+      return base + 2 * swz<kLd>(row + dr, col + dc);
+    }
+  }
+};
+
 template <typename T, int MF, int NF, int kSteps, bool kATrans, bool kBTrans, int kLdA, int kLdB>
 __device__ __forceinline__ void warp_gemm(float (&acc)[MF][NF][4], const T* sA, int m0,
-                                          int ka0, const T* sB, int n0, int kb0, int lane) {
+                                          const T* sB, int n0, int lane) {
   static_assert(NF % 2 == 0, "B fragments come in pairs of n8 tiles");
+  static_assert(sizeof(T) == 2, "16-bit elements");
+  // The fragment steps along a row are k (from 0: clear of the lane's chunk bit) or, for a
+  // transposed operand, m / n inside the warp tile: clear of the warp offset's bits when the
+  // warp tile width is a power of two.
+  constexpr bool kSplitA = !kATrans || kPow2<MF * 16>;
+  constexpr bool kSplitB = !kBTrans || kPow2<NF * 8>;
   // ldmatrix lane addressing (mma.m16n8k16 fragment layouts).
   const int a_r = kATrans ? (lane & 7) + ((lane >> 4) << 3) : (lane & 15);     // k | m
   const int a_c = kATrans ? ((lane >> 3) & 1) << 3 : (lane >> 4) << 3;         // m | k
   const int b_r = kBTrans ? (lane & 7) + (((lane >> 3) & 1) << 3)              // k
                           : (lane & 7) + ((lane >> 4) << 3);                   // n
   const int b_c = kBTrans ? (lane >> 4) << 3 : ((lane >> 3) & 1) << 3;         // n | k
-  const uint32_t a_base = smem_u32(sA), b_base = smem_u32(sB);
+  const LaneTile<kLdA, kSplitA> ta(sA, kATrans ? a_r : m0 + a_r, kATrans ? m0 + a_c : a_c);
+  const LaneTile<kLdB, kSplitB> tb(sB, kBTrans ? b_r : n0 + b_r, kBTrans ? n0 + b_c : b_c);
 #pragma unroll
   for (int kk = 0; kk < kSteps; ++kk) {
-    const int ka = ka0 + kk * 16, kb = kb0 + kk * 16;
     uint32_t a[MF][4];
 #pragma unroll
     for (int mf = 0; mf < MF; ++mf) {
       if constexpr (kATrans) {
-        ldmatrix_x4_trans(a[mf], a_base + swz<kLdA>(ka + a_r, m0 + mf * 16 + a_c) * 2);
+        ldmatrix_x4_trans(a[mf], ta.at(kk * 16, mf * 16));
       } else {
-        ldmatrix_x4(a[mf], a_base + swz<kLdA>(m0 + mf * 16 + a_r, ka + a_c) * 2);
+        ldmatrix_x4(a[mf], ta.at(mf * 16, kk * 16));
       }
     }
 #pragma unroll
     for (int nn = 0; nn < NF / 2; ++nn) {
       uint32_t b[4];
       if constexpr (kBTrans) {
-        ldmatrix_x4_trans(b, b_base + swz<kLdB>(kb + b_r, n0 + nn * 16 + b_c) * 2);
+        ldmatrix_x4_trans(b, tb.at(kk * 16, nn * 16));
       } else {
-        ldmatrix_x4(b, b_base + swz<kLdB>(n0 + nn * 16 + b_r, kb + b_c) * 2);
+        ldmatrix_x4(b, tb.at(nn * 16, kk * 16));
       }
 #pragma unroll
       for (int mf = 0; mf < MF; ++mf) {
