@@ -122,6 +122,40 @@ __device__ __forceinline__ int swz(int row, int col) {
   return row * kRowLen + ((((col >> 3) ^ (row & 7))) << 3) + (col & 7);
 }
 
+template <int kLd>
+constexpr bool kPow2 = (kLd & (kLd - 1)) == 0;
+
+// A value the compiler must not hoist out of the loop it is computed in.
+__device__ __forceinline__ int opaque(int x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+
+// ldmatrix addresses of one lane in a swizzled [rows][kLd] shared tile: the lane's own
+// position (row, col), then fragments at (row + dr, col + dc), dr and dc multiples of 8.
+// swz() XORs only the low 3 chunk bits, so when dc's low chunk bits are clear in col (kSplit),
+// a fragment's address is one of a few per-lane values (by dc % 64) plus a constant. The lane values are made opaque so that the main loops recompute them per GEMM
+// instead of hoisting one register per fragment (which spills).
+template <int kLd, bool kSplit>
+struct LaneTile {
+  uint32_t base;
+  int row, col, row_off, chunk;
+  __device__ __forceinline__ LaneTile(const void* tile, int row_, int col_)
+      : base(smem_u32(tile)), row(row_), col(col_) {
+    if constexpr (kSplit) {
+      row_off = opaque(row * kLd + (col & ~63) + (col & 7));
+      chunk = opaque(((col >> 3) & 7) ^ (row & 7));
+    }
+  }
+  __device__ __forceinline__ uint32_t at(int dr, int dc) const {
+    if constexpr (kSplit) {
+      return base + 2 * (row_off + dr * kLd + (dc & ~63) + ((chunk ^ ((dc >> 3) & 7)) << 3));
+    } else {
+      return base + 2 * swz<kLd>(row + dr, col + dc);
+    }
+  }
+};
+
 // Copies rows [0, kRows) x columns [0, kRowLen) of a global tile into swizzled shared memory;
 // rows >= valid_rows and columns >= valid_cols (a multiple of 8) are zero-filled.
 template <typename T, int kRowLen, int kRows, int kThreads>
@@ -159,21 +193,21 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64_t row_st
 }
 
 // Stores an accumulator tile (mma C layout, rows row0 + 16 mf + g (+8), columns
-// col0 + 8 nf + 2t) into a swizzled shared tile as T.
+// col0 + 8 nf + 2t) into a swizzled shared tile as T. row0 / col0 are multiples of the tile.
 template <typename T, int kRowLen, int MF, int NF>
 __device__ __forceinline__ void store_acc(T* smem, const float (&acc)[MF][NF][4], int row0,
                                           int col0, int lane, float scale = 1.f) {
   const int g = lane / 4, t = lane % 4;
+  const LaneTile<kRowLen, kPow2<NF * 8>> tile(smem, row0 + g, col0 + 2 * t);
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
     for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int row = row0 + mf * 16 + g + 8 * r;
-        const int col = col0 + nf * 8 + 2 * t;
-        *reinterpret_cast<uint32_t*>(smem + swz<kRowLen>(row, col)) =
-            pack2<T>(acc[mf][nf][2 * r] * scale, acc[mf][nf][2 * r + 1] * scale);
+        const uint32_t addr = tile.at(mf * 16 + 8 * r, nf * 8);
+        const uint32_t v = pack2<T>(acc[mf][nf][2 * r] * scale, acc[mf][nf][2 * r + 1] * scale);
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
       }
 }
 
@@ -203,41 +237,6 @@ __device__ __forceinline__ void store_tile(T* gmem, int64_t row_stride, const T*
 //   A is m-major ([m][k], kATrans = false) or k-major ([k][m], kATrans = true);
 //   B is n-major ([n][k], kBTrans = false) or k-major ([k][n], kBTrans = true).
 // ---------------------------------------------------------------------------------------
-template <int kLd>
-constexpr bool kPow2 = (kLd & (kLd - 1)) == 0;
-
-// A value the compiler must not hoist out of the loop it is computed in.
-__device__ __forceinline__ int opaque(int x) {
-  asm volatile("" : "+r"(x));
-  return x;
-}
-
-// ldmatrix addresses of one lane in a swizzled [rows][kLd] shared tile: the lane's own
-// position (row, col), then fragments at (row + dr, col + dc), dr a multiple of 8 and dc a
-// multiple of 16. swz() XORs only the low 3 chunk bits, so when dc's low chunk bits are clear
-// in col (kSplit), a fragment's address is one of 4 per-lane values (by dc % 64) plus a
-// constant. The lane values are made opaque so that the main loops recompute them per GEMM
-// instead of hoisting one register per fragment (which spills).
-template <int kLd, bool kSplit>
-struct LaneTile {
-  uint32_t base;
-  int row, col, row_off, chunk;
-  __device__ __forceinline__ LaneTile(const void* tile, int row_, int col_)
-      : base(smem_u32(tile)), row(row_), col(col_) {
-    if constexpr (kSplit) {
-      row_off = opaque(row * kLd + (col & ~63));
-      chunk = opaque(((col >> 3) & 7) ^ (row & 7));
-    }
-  }
-  __device__ __forceinline__ uint32_t at(int dr, int dc) const {
-    if constexpr (kSplit) {
-      return base + 2 * (row_off + dr * kLd + (dc & ~63) + ((chunk ^ ((dc >> 3) & 7)) << 3));
-    } else {
-      return base + 2 * swz<kLd>(row + dr, col + dc);
-    }
-  }
-};
-
 template <typename T, int MF, int NF, int kSteps, bool kATrans, bool kBTrans, int kLdA, int kLdB>
 __device__ __forceinline__ void warp_gemm(float (&acc)[MF][NF][4], const T* sA, int m0,
                                           const T* sB, int n0, int lane) {
