@@ -174,8 +174,9 @@ def attention_fn(name, q, k, v, causal, mask_type=None, **ours_kwargs):
 
 
 class Bench:
-    def __init__(self, preset, device, out_base):
+    def __init__(self, preset, device, out_base, backends=BACKENDS):
         self.p, self.device, self.out_base = preset, device, out_base
+        self.backends = backends  # the ones measured; the others are left out of the records
         self.deadline = time.monotonic() + preset.budget_s
         self.data = {"gpu": gpu_name(device), "date": datetime.date.today().isoformat(),
                      "torch": torch.__version__, "cudnn": cudnn_version(),
@@ -250,7 +251,7 @@ class Bench:
 
     def attention_rows(self, base, names, q, k, v, causal, flops, **ours_kwargs):
         """Measure each backend on (q, k, v); append one record each."""
-        for name in names:
+        for name in (n for n in names if n in self.backends):
             rec = dict.fromkeys(RECORD_KEYS)
             rec.update(base, backend=name)
             try:
@@ -493,7 +494,14 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--budget-s", type=int, help="stop starting rows after this many seconds")
+    ap.add_argument("--backends", default=",".join(BACKENDS),
+                    help="comma list of the backends to measure (default: all)")
+    ap.add_argument("--tag", default="", help="suffix of the result files' name")
     args = ap.parse_args(argv)
+    backends = tuple(args.backends.split(","))
+    unknown = sorted(set(backends) - set(BACKENDS))
+    if unknown:
+        ap.error(f"--backends: unknown {unknown}; expected names from {', '.join(BACKENDS)}")
 
     preset = PRESETS["quick" if args.quick else "tiny" if args.tiny else "full"]
     if args.budget_s:
@@ -503,7 +511,9 @@ def main(argv=None):
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     name = re.sub(r"[^A-Za-z0-9]+", "-", gpu_name(args.device)).strip("-")
-    bench = Bench(preset, args.device, out_dir / f"{name}-{datetime.date.today().isoformat()}")
+    tag = f"-{args.tag}" if args.tag else ""
+    bench = Bench(preset, args.device,
+                  out_dir / f"{name}-{datetime.date.today().isoformat()}{tag}", backends)
     print(f"{bench.data['gpu']}  torch {bench.data['torch']}  cuDNN {bench.data['cudnn']}",
           flush=True)
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call: build the flash extension, run its GPU tests, the sanitizers, the benchmark.
+# One device call: build the flash extension (timed), run its GPU tests, the sanitizers and,
+# unless SKIP_BENCH=1, the standard grid of FlashAttention against torch's FLASH_ATTENTION.
 #   bash tools/flash_device_run.sh            (OUT=... collects logs and the built .so)
 set -uo pipefail
 OUT=${OUT:-/tmp/flash_out}; mkdir -p "$OUT"
@@ -25,6 +26,8 @@ for tool in racecheck memcheck; do
     > "$OUT/sanitizer_$tool.log" 2>&1
   echo "compute-sanitizer $tool rc=$?: $(grep -E 'SUMMARY' "$OUT/sanitizer_$tool.log" | tr '\n' ' ')"
 done
-timeout ${BENCH_TIMEOUT:-110} python3 benchmarks/bench_flash.py --json "$OUT/bench.json" ${BENCH_ARGS:-} \
-  2>&1 | tee "$OUT/bench.txt"
+if [ -z "${SKIP_BENCH:-}" ]; then
+  timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_attention.py --parts grid \
+    --backends FlashAttention,torch:FLASH_ATTENTION --tag flash --out-dir "$OUT" 2>&1 | tail -5
+fi
 date -u

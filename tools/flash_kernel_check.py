@@ -93,7 +93,7 @@ def run_case(dt, d, b, sq, sk, h, hk, causal=False, bottom_right=False, window=(
     return ok
 
 
-def bench(dims, dt):
+def bench(dims, dt, peers=True, fwd=True):
     from triton.testing import do_bench
     from torch.nn.attention import SDPBackend, sdpa_kernel
     print("d causal s | ours fwd/bwd TFLOPS | FA2 fwd/bwd")
@@ -109,8 +109,11 @@ def bench(dims, dt):
                 out, lse = f()
                 g = lambda: ext.bwd(do, q, k, v, out, lse, None, None, 0, 0, s, s, scale, -1, wr,
                                     False)
-                tf = flops / do_bench(f, return_mode="median") / 1e9
+                tf = flops / do_bench(f, return_mode="median") / 1e9 if fwd else 0.0
                 tb = 2.5 * flops / do_bench(g, return_mode="median") / 1e9
+                if not peers:
+                    print(f"{d} {int(causal)} {s} | {tf:.0f} / {tb:.0f}", flush=True)
+                    continue
                 qt, kt, vt = (x.transpose(1, 2).requires_grad_() for x in (q, k, v))
                 with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                     ff = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
@@ -128,10 +131,13 @@ def main():
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--dtypes", default="bf16,fp16")
     ap.add_argument("--bench", action="store_true")
+    ap.add_argument("--no-peers", action="store_true", help="time ours only")
+    ap.add_argument("--bwd-only", action="store_true", help="time the backward only")
+    ap.add_argument("--no-check", action="store_true", help="skip the correctness cases")
     args = ap.parse_args()
     dims = [int(x) for x in args.dims.split(",")]
     ok = True
-    for name in args.dtypes.split(","):
+    for name in ([] if args.no_check else args.dtypes.split(",")):
         dt = DT[name]
         for d in dims:
             ok &= run_case(dt, d, 2, 128, 128, 4, 4)
@@ -143,7 +149,7 @@ def main():
             ok &= run_case(dt, d, 2, 1024, 1024, 8, 2, causal=True, deterministic=True)
     print("ALL OK" if ok else "SOME FAILED")
     if args.bench:
-        bench(dims, torch.bfloat16)
+        bench(dims, torch.bfloat16, peers=not args.no_peers, fwd=not args.bwd_only)
 
 
 if __name__ == "__main__":

@@ -255,31 +255,38 @@ __device__ __forceinline__ void warp_gemm(float (&acc)[MF][NF][4], const T* sA, 
   const int b_c = kBTrans ? (lane >> 4) << 3 : ((lane >> 3) & 1) << 3;         // n | k
   const LaneTile<kLdA, kSplitA> ta(sA, kATrans ? a_r : m0 + a_r, kATrans ? m0 + a_c : a_c);
   const LaneTile<kLdB, kSplitB> tb(sB, kBTrans ? b_r : n0 + b_r, kBTrans ? n0 + b_c : b_c);
-#pragma unroll
-  for (int kk = 0; kk < kSteps; ++kk) {
-    uint32_t a[MF][4];
+  // Fragments of step kk + 1 load while step kk multiplies (two register buffers).
+  uint32_t a[2][MF][4], b[2][NF / 2][4];
+  auto load = [&](int kk, int buf) {
 #pragma unroll
     for (int mf = 0; mf < MF; ++mf) {
       if constexpr (kATrans) {
-        ldmatrix_x4_trans(a[mf], ta.at(kk * 16, mf * 16));
+        ldmatrix_x4_trans(a[buf][mf], ta.at(kk * 16, mf * 16));
       } else {
-        ldmatrix_x4(a[mf], ta.at(mf * 16, kk * 16));
+        ldmatrix_x4(a[buf][mf], ta.at(mf * 16, kk * 16));
       }
     }
 #pragma unroll
     for (int nn = 0; nn < NF / 2; ++nn) {
-      uint32_t b[4];
       if constexpr (kBTrans) {
-        ldmatrix_x4_trans(b, tb.at(kk * 16, nn * 16));
+        ldmatrix_x4_trans(b[buf][nn], tb.at(kk * 16, nn * 16));
       } else {
-        ldmatrix_x4(b, tb.at(nn * 16, kk * 16));
-      }
-#pragma unroll
-      for (int mf = 0; mf < MF; ++mf) {
-        mma_16816<T>(acc[mf][2 * nn], a[mf], b[0], b[1]);
-        mma_16816<T>(acc[mf][2 * nn + 1], a[mf], b[2], b[3]);
+        ldmatrix_x4(b[buf][nn], tb.at(nn * 16, kk * 16));
       }
     }
+  };
+  load(0, 0);
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk) {
+    if (kk + 1 < kSteps) load(kk + 1, (kk + 1) & 1);
+    const int buf = kk & 1;
+#pragma unroll
+    for (int nn = 0; nn < NF / 2; ++nn)
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf) {
+        mma_16816<T>(acc[mf][2 * nn], a[buf][mf], b[buf][nn][0], b[buf][nn][1]);
+        mma_16816<T>(acc[mf][2 * nn + 1], a[buf][mf], b[buf][nn][2], b[buf][nn][3]);
+      }
   }
 }
 
