@@ -126,11 +126,35 @@ def bench(dims, dt, peers=True, fwd=True):
                       f" | bwd x{tb / pb:.2f}")
 
 
+def long_sequence(s=131072, h=8, d=128):
+    """Forward + backward at b=1, h=8, d=128, s=131072: peak memory above the inputs and time."""
+    for causal in (False, True):
+        q, k, v, do = (torch.randn(1, s, h, d, device="cuda", dtype=torch.bfloat16)
+                       for _ in range(4))
+        scale, wr = 1 / math.sqrt(d), (0 if causal else -1)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out, lse = ext.fwd(q, k, v, None, None, 0, 0, s, s, scale, -1, wr, False, True)
+        dq, dk, dv = ext.bwd(do, q, k, v, out, lse, None, None, 0, 0, s, s, scale, -1, wr, False)
+        end.record()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        finite = all(torch.isfinite(t).all().item() for t in (out, dq, dk, dv))
+        print(f"s={s} b=1 h={h} d={d} causal={causal}: fwd+bwd {start.elapsed_time(end):.0f} ms, "
+              f"peak memory above the inputs {peak:.2f} GiB (inputs {4 * q.numel() * 2 / 2**30:.2f}"
+              f" GiB), finite={finite}")
+        del q, k, v, do, out, lse, dq, dk, dv
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--dims", default="64,128")
+    ap.add_argument("--dims", default="64,128,192,256")
     ap.add_argument("--dtypes", default="bf16,fp16")
     ap.add_argument("--bench", action="store_true")
+    ap.add_argument("--long", action="store_true", help="s = 131072 forward + backward memory")
     ap.add_argument("--no-peers", action="store_true", help="time ours only")
     ap.add_argument("--bwd-only", action="store_true", help="time the backward only")
     ap.add_argument("--no-check", action="store_true", help="skip the correctness cases")
@@ -148,6 +172,8 @@ def main():
             ok &= run_case(dt, d - 24 if d > 32 else d, 2, 150, 170, 4, 4)  # rounded-up head dim
             ok &= run_case(dt, d, 2, 1024, 1024, 8, 2, causal=True, deterministic=True)
     print("ALL OK" if ok else "SOME FAILED")
+    if args.long:
+        long_sequence()
     if args.bench:
         bench(dims, torch.bfloat16, peers=not args.no_peers, fwd=not args.bwd_only)
 

@@ -144,6 +144,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
     const uint32_t q_off0 = swz<D>(warp_row0 + a_row, a_col) * int(sizeof(T));
     const uint32_t k_off0 = swz<D>(b_row, b_col) * int(sizeof(T));
     const uint32_t v_off0 = swz<D>(v_row, v_col) * int(sizeof(T));
+    // The XOR step above needs a power-of-two row length (bytes of the row index clear of
+    // the chunk bits); d = 192 goes through the general per-lane tile addresses (only built
+    // then: LaneTile's opaque lane values would otherwise cost registers).
+    const LaneTile<D, !kPow2<D>> tq(sQ, warp_row0 + a_row, a_col), tk(sK, b_row, b_col),
+        tv(sV, v_row, v_col);
     constexpr int QR = Tr::kQInRegs ? KF_QK : 1;
     uint32_t q_frag[QR][MF][4];
     if constexpr (Tr::kQInRegs) {
@@ -182,14 +187,17 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
 #pragma unroll
             for (int e = 0; e < 4; ++e) a[mf][e] = q_frag[kk][mf][e];
           } else {
-            ldmatrix_x4(a[mf], sQ_u32 + ((q_off0 ^ (kk * 32)) + mf * 16 * D * int(sizeof(T))));
+            ldmatrix_x4(a[mf], kPow2<D> ? sQ_u32 + ((q_off0 ^ (kk * 32)) +
+                                                    mf * 16 * D * int(sizeof(T)))
+                                        : tq.at(mf * 16, kk * 16));
           }
         }
 #pragma unroll
         for (int nn = 0; nn < NF_S / 2; ++nn) {
           uint32_t b[4];
           // swz(row, 16 kk + c) = swz(row, c) ^ (2 kk chunks): one base offset per thread.
-          ldmatrix_x4(b, sK_u32 + ((k_off0 ^ (kk * 32)) + nn * 16 * D * int(sizeof(T))));
+          ldmatrix_x4(b, kPow2<D> ? sK_u32 + ((k_off0 ^ (kk * 32)) + nn * 16 * D * int(sizeof(T)))
+                                  : tk.at(nn * 16, kk * 16));
 #pragma unroll
           for (int mf = 0; mf < MF; ++mf) {
             mma_16816<T>(acc_s[mf][2 * nn], a[mf], b[0], b[1]);
@@ -271,7 +279,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
 #pragma unroll
         for (int nn = 0; nn < NF_O / 2; ++nn) {
           uint32_t b[4];
-          ldmatrix_x4_trans(b, sV_u32 + ((v_off0 ^ (nn * 32)) + kk * 16 * D * int(sizeof(T))));
+          ldmatrix_x4_trans(b, kPow2<D> ? sV_u32 + ((v_off0 ^ (nn * 32)) +
+                                                    kk * 16 * D * int(sizeof(T)))
+                                        : tv.at(kk * 16, nn * 16));
 #pragma unroll
           for (int mf = 0; mf < MF; ++mf) {
             mma_16816<T>(acc_o[mf][2 * nn], a[mf], b[0], b[1]);
