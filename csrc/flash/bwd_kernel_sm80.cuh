@@ -24,7 +24,7 @@ namespace flash {
 namespace sm80 {
 
 template <typename T, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kWarpsMS,
-          int kWarpsNdKV, int kWarpsMdQ>
+          int kWarpsNdKV, int kWarpsMdQ, int kSSlices_ = 1, int kQSlices_ = 1>
 struct BwdTraits {
   using Element = T;
   static constexpr int D = kHeadDim_;
@@ -35,12 +35,17 @@ struct BwdTraits {
   // S / dP warp tile
   static constexpr int S_M = BM / kWarpsMS, S_N = BN / (kNWarps / kWarpsMS);
   static constexpr int S_MF = S_M / 16, S_NF = S_N / 8;
+  // S / dP are computed in this many column slices of the warp tile (register pressure)
+  static constexpr int kSSlices = kSSlices_;
+  static_assert(S_NF % (2 * kSSlices) == 0, "slices of whole n16 fragment pairs");
   // dK / dV warp tile
   static constexpr int KV_M = BN / kWarpsNdKV, KV_N = D / (kNWarps / kWarpsNdKV);
   static constexpr int KV_MF = KV_M / 16, KV_NF = KV_N / 8;
   // dQ warp tile
   static constexpr int Q_M = BM / kWarpsMdQ, Q_N = D / (kNWarps / kWarpsMdQ);
   static constexpr int Q_MF = Q_M / 16, Q_NF = Q_N / 8;
+  static constexpr int kQSlices = kQSlices_;  // dQ column slices, as kSSlices
+  static_assert(Q_NF % (2 * kQSlices) == 0, "slices of whole n16 fragment pairs");
   static_assert(S_M % 16 == 0 && S_N % 16 == 0 && KV_M % 16 == 0 && KV_N % 16 == 0 &&
                     Q_M % 16 == 0 && Q_N % 16 == 0,
                 "warp tiles are whole 16 x 16 MMA tiles");
@@ -226,66 +231,80 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
           dsum[mf][r] = sDsum[stage * BM + row];
         }
 
-      float acc_s[Tr::S_MF][Tr::S_NF][4], acc_dp[Tr::S_MF][Tr::S_NF][4];
-      zero(acc_s);
-      zero(acc_dp);
-      warp_gemm<T, Tr::S_MF, Tr::S_NF, D / 16, false, false, D, D>(acc_s, sQs, s_m, sK, s_n, lane);
-      warp_gemm<T, Tr::S_MF, Tr::S_NF, D / 16, false, false, D, D>(acc_dp, sdOs, s_m, sV, s_n, lane);
-
       const float alibi_coef =
           p.alibi_slopes == nullptr
               ? 0.f
               : -p.alibi_slopes[si.bidb * p.alibi_batch_stride + bidh] / p.scale_softmax;
-      const bool need_mask = band_cuts(band, m0 + s_m, m0 + s_m + Tr::S_M - 1, n0 + s_n,
-                                       n0 + s_n + Tr::S_N - 1);
-      if (need_mask || alibi_coef != 0.f) {
-        bias_and_mask(acc_s, m0 + s_m, n0 + s_n, lane, band, need_mask, alibi_coef);
+      // S and dP in column slices of the warp tile: fewer live accumulators (no spills) for
+      // a second load of the Q / dO fragments.
+      constexpr int NFS = Tr::S_NF / Tr::kSSlices, kSliceCols = Tr::S_N / Tr::kSSlices;
+#pragma unroll
+      for (int slice = 0; slice < Tr::kSSlices; ++slice) {
+        const int col0 = s_n + slice * kSliceCols;
+        float acc_s[Tr::S_MF][NFS][4], acc_dp[Tr::S_MF][NFS][4];
+        zero(acc_s);
+        zero(acc_dp);
+        warp_gemm<T, Tr::S_MF, NFS, D / 16, false, false, D, D>(acc_s, sQs, s_m, sK, col0, lane);
+        warp_gemm<T, Tr::S_MF, NFS, D / 16, false, false, D, D>(acc_dp, sdOs, s_m, sV, col0,
+                                                               lane);
+        const bool need_mask = band_cuts(band, m0 + s_m, m0 + s_m + Tr::S_M - 1, n0 + col0,
+                                         n0 + col0 + kSliceCols - 1);
+        if (need_mask || alibi_coef != 0.f) {
+          bias_and_mask(acc_s, m0 + s_m, n0 + col0, lane, band, need_mask, alibi_coef);
+        }
+        uint32_t keep[Tr::S_MF][NFS];
+        float drop_scale = 1.f;
+        if (p.rng_state != nullptr) {
+          const Dropout drop = dropout_of(p, si.bidb, bidh);
+          dropout_keep(keep, drop, m0 + s_m, n0 + col0, lane);
+          drop_scale = drop.scale;
+        }
+        // P (dropped, for dV) and dS = P * (dP * Z - dsum), as T in shared memory.
+#pragma unroll
+        for (int mf = 0; mf < Tr::S_MF; ++mf)
+#pragma unroll
+          for (int nf = 0; nf < NFS; ++nf)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int r = e / 2;
+              const float pe = exp2f(fmaf(acc_s[mf][nf][e], sl2, -lse2[mf][r]));
+              float z = 1.f;
+              if (p.rng_state != nullptr) z = (keep[mf][nf] >> e) & 1 ? drop_scale : 0.f;
+              acc_s[mf][nf][e] = pe * z;
+              acc_dp[mf][nf][e] = pe * fmaf(acc_dp[mf][nf][e], z, -dsum[mf][r]);
+            }
+        store_acc<T, BN>(sP, acc_s, s_m, col0, lane);
+        store_acc<T, BN>(sdS, acc_dp, s_m, col0, lane);
       }
-      uint32_t keep[Tr::S_MF][Tr::S_NF];
-      float drop_scale = 1.f;
-      if (p.rng_state != nullptr) {
-        const Dropout drop = dropout_of(p, si.bidb, bidh);
-        dropout_keep(keep, drop, m0 + s_m, n0 + s_n, lane);
-        drop_scale = drop.scale;
-      }
-      // P (dropped, for dV) and dS = P * (dP * Z - dsum), as T in shared memory.
-#pragma unroll
-      for (int mf = 0; mf < Tr::S_MF; ++mf)
-#pragma unroll
-        for (int nf = 0; nf < Tr::S_NF; ++nf)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int r = e / 2;
-            const float pe = exp2f(fmaf(acc_s[mf][nf][e], sl2, -lse2[mf][r]));
-            float z = 1.f;
-            if (p.rng_state != nullptr) z = (keep[mf][nf] >> e) & 1 ? drop_scale : 0.f;
-            acc_s[mf][nf][e] = pe * z;
-            acc_dp[mf][nf][e] = pe * fmaf(acc_dp[mf][nf][e], z, -dsum[mf][r]);
-          }
-      store_acc<T, BN>(sP, acc_s, s_m, s_n, lane);
-      store_acc<T, BN>(sdS, acc_dp, s_m, s_n, lane);
       __syncthreads();  // P and dS visible
 
       // dV += P^T dO, dK += dS^T Q (A = P^T / dS^T: k-major in shared memory).
       warp_gemm<T, Tr::KV_MF, Tr::KV_NF, BM / 16, true, true, BN, D>(acc_dv, sP, kv_m, sdOs, kv_n, lane);
       warp_gemm<T, Tr::KV_MF, Tr::KV_NF, BM / 16, true, true, BN, D>(acc_dk, sdS, kv_m, sQs, kv_n, lane);
-      // dQ (this key block's part) = dS K, added into the accumulator.
-      float acc_dq[Tr::Q_MF][Tr::Q_NF][4];
-      zero(acc_dq);
-      warp_gemm<T, Tr::Q_MF, Tr::Q_NF, BN / 16, false, true, BN, D>(acc_dq, sdS, q_m, sK, q_n, lane);
+      // dQ (this key block's part) = dS K, added into the accumulator; in column slices of
+      // the warp tile where the accumulator would not fit beside dK / dV.
+      constexpr int NFQ = Tr::Q_NF / Tr::kQSlices, kQSliceCols = Tr::Q_N / Tr::kQSlices;
       float* dqa = p.dq_accum + dqa_seq + int64_t(bidh) * p.dqa_head_stride;
 #pragma unroll
-      for (int mf = 0; mf < Tr::Q_MF; ++mf)
+      for (int slice = 0; slice < Tr::kQSlices; ++slice) {
+        const int col0 = q_n + slice * kQSliceCols;
+        float acc_dq[Tr::Q_MF][NFQ][4];
+        zero(acc_dq);
+        warp_gemm<T, Tr::Q_MF, NFQ, BN / 16, false, true, BN, D>(acc_dq, sdS, q_m, sK, col0,
+                                                                 lane);
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int i = m0 + q_m + mf * 16 + g + 8 * r;
-          if (i >= si.len_q) continue;
-          float* row = dqa + int64_t(i) * p.dqa_row_stride + q_n + 2 * t;
+        for (int mf = 0; mf < Tr::Q_MF; ++mf)
 #pragma unroll
-          for (int nf = 0; nf < Tr::Q_NF; ++nf) {
-            atomic_add2(row + nf * 8, acc_dq[mf][nf][2 * r], acc_dq[mf][nf][2 * r + 1]);
+          for (int r = 0; r < 2; ++r) {
+            const int i = m0 + q_m + mf * 16 + g + 8 * r;
+            if (i >= si.len_q) continue;
+            float* row = dqa + int64_t(i) * p.dqa_row_stride + col0 + 2 * t;
+#pragma unroll
+            for (int nf = 0; nf < NFQ; ++nf) {
+              atomic_add2(row + nf * 8, acc_dq[mf][nf][2 * r], acc_dq[mf][nf][2 * r + 1]);
+            }
           }
-        }
+      }
     }
   }
 
