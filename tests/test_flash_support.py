@@ -22,7 +22,9 @@ def gpu_params(**changes):
 
 def built_extension(monkeypatch, **attrs):
     """A stand-in for the built extension: what the support check looks at."""
-    ext = types.SimpleNamespace(fwd=None, bwd=None, HEAD_DIMS=(64, 128, 192, 256))
+    ext = types.SimpleNamespace(
+        fwd=None, bwd=None, HEAD_DIMS=(64, 128, 192, 256),
+        INSTANTIATIONS=[f"{t}_hdim{d}" for t in ("fp16", "bf16") for d in (64, 128, 192, 256)])
     for name, value in attrs.items():
         setattr(ext, name, value)
     monkeypatch.setattr(flash, "is_built", lambda: True)
@@ -73,10 +75,14 @@ def test_claims_exactly_what_the_gpu_tests_cover(monkeypatch):
 
 
 def test_declines_what_the_build_lacks(monkeypatch):
-    built_extension(monkeypatch, HEAD_DIMS=(64, 128))
+    built_extension(monkeypatch, INSTANTIATIONS=["bf16_hdim64", "bf16_hdim128"])
     assert flash.not_supported_reasons(gpu_params(head_dim_qk=128, head_dim_v=128)) == []
+    assert flash.not_supported_reasons(gpu_params(head_dim_qk=96, head_dim_v=96)) == []
     reasons = flash.not_supported_reasons(gpu_params(head_dim_qk=160, head_dim_v=160))
-    assert reasons and "built" in reasons[0], reasons
+    assert reasons == ["as this build has no bf16_hdim192 kernel for head dim 160 (built: "
+                       "bf16_hdim64, bf16_hdim128; see TRANSFORMER_FA_FLASH_KERNELS)"], reasons
+    reasons = flash.not_supported_reasons(gpu_params(dtype=torch.float16))
+    assert reasons and "no fp16_hdim128 kernel" in reasons[0], reasons
     old = built_extension(monkeypatch)
     del old.bwd  # a build from before the backward
     reasons = flash.not_supported_reasons(gpu_params())

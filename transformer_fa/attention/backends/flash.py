@@ -38,6 +38,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_ARCH_MAJORS = (9,)  # kernels built for sm_80 and sm_90a; only sm_90 (H100) tested
 
 _FORMATS = {"bshd": 0, "sbhd": 1, "thd": 2}
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}  # as in the kernels' names
 _ext = None
 _ext_error: Optional[str] = None
 
@@ -65,7 +66,7 @@ def _reasons(p: AttentionParams) -> List[str]:
     ext = _extension()
     if ext is None:
         return [f"as the transformer_fa CUDA kernels failed to load ({_ext_error})"]
-    if not hasattr(ext, "bwd"):
+    if not hasattr(ext, "bwd") or not hasattr(ext, "INSTANTIATIONS"):
         # A build from before the backward: its fwd takes other arguments too.
         return ["as the built transformer_fa CUDA kernels are older than this Python code "
                 "(no backward); rebuild them"]
@@ -76,12 +77,17 @@ def _reasons(p: AttentionParams) -> List[str]:
     if p.dtype not in SUPPORTED_DTYPES:
         reasons.append(f"as it does not support dtype {p.dtype} (fp16 and bf16 only)")
     d = p.head_dim_qk
-    built = getattr(ext, "HEAD_DIMS", (MAX_HEAD_DIM,))
     if p.head_dim_v != d or d % 8 or not 0 < d <= MAX_HEAD_DIM:
         reasons.append(f"as it does not support head_dim_qk = {d}, head_dim_v = {p.head_dim_v} "
                        f"(supported: equal, a multiple of 8, at most {MAX_HEAD_DIM})")
-    elif d > max(built):
-        reasons.append(f"as no kernel for head dim {d} is built (built: {tuple(built)})")
+    elif p.dtype in SUPPORTED_DTYPES:
+        # A build may hold a subset of the kernels (TRANSFORMER_FA_FLASH_KERNELS); d runs on
+        # the kernel of the next head dim up.
+        kernel = f"{_DTYPE_NAMES[p.dtype]}_hdim{min(hd for hd in ext.HEAD_DIMS if hd >= d)}"
+        if kernel not in ext.INSTANTIATIONS:
+            reasons.append(f"as this build has no {kernel} kernel for head dim {d} (built: "
+                           f"{', '.join(ext.INSTANTIATIONS) or 'none'}; see "
+                           f"TRANSFORMER_FA_FLASH_KERNELS)")
     if p.attn_mask_type == "arbitrary":
         reasons.append("as it does not support attn_mask_type = arbitrary")
     if p.core_attention_bias_type not in ("no_bias", "alibi"):
