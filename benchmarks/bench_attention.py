@@ -249,9 +249,13 @@ class Bench:
             self.free()
         return res
 
+    def chosen(self, names):
+        """names, less the backends this run leaves out (--backends)."""
+        return [n for n in names if n in self.backends]
+
     def attention_rows(self, base, names, q, k, v, causal, flops, **ours_kwargs):
         """Measure each backend on (q, k, v); append one record each."""
-        for name in (n for n in names if n in self.backends):
+        for name in self.chosen(names):
             rec = dict.fromkeys(RECORD_KEYS)
             rec.update(base, backend=name)
             try:
@@ -327,7 +331,7 @@ class Bench:
                 q = self.randn(b, 1, hq, d, dtype=torch.bfloat16)
                 k, v = (self.randn(b, sk, hkv, d, dtype=torch.bfloat16) for _ in range(2))
                 kv_bytes = 2 * k.numel() * k.element_size()
-                for name in BACKENDS:
+                for name in self.chosen(BACKENDS):
                     res = self.measure(name, lambda: attention_fn(name, q, k, v, False),
                                        [q, k, v], backward=False)
                     ms = res.pop("fwd_ms")
@@ -345,7 +349,7 @@ class Bench:
         b, s, h, d = self.p.overhead
         q, k, v = (self.randn(b, s, h, d, dtype=torch.bfloat16 if self.device == "cuda"
                               else torch.float32, grad=True) for _ in range(3))
-        for name in OURS:
+        for name in self.chosen(OURS):
             rec = dict.fromkeys(RECORD_KEYS)
             rec.update(case="overhead", backend=name, dtype=str(q.dtype).split(".")[-1],
                        d=d, causal=True, s=s, b=b, h=h, call_us=None, bare_us=None,

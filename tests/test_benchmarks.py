@@ -38,6 +38,20 @@ def test_tiny_run_on_cpu(tmp_path):
     assert path.with_suffix(".md").read_text().startswith("## Attention benchmarks")
 
 
+def test_backends_and_tag_pick_what_is_measured(tmp_path):
+    only = "UnfusedDotProductAttention"
+    path = bench_attention.main(["--tiny", "--device", "cpu", "--out-dir", str(tmp_path),
+                                 "--parts", "grid,decode,overhead", "--backends", only,
+                                 "--tag", "unfused"])
+    data = json.loads(path.read_text())
+    assert path.name.endswith(f"-{data['date']}-unfused.json")
+    rows = data["records"] + data["decode"]
+    assert rows and {r["backend"] for r in rows} == {only}
+    assert {r["case"] for r in data["records"]} == {"grid", "overhead"}
+    with pytest.raises(SystemExit):
+        bench_attention.main(["--tiny", "--device", "cpu", "--backends", "Flash"])
+
+
 def record(backend, fwd, bwd, **kw):
     base = dict(case="grid", backend=backend, dtype="bf16", d=128, causal=True, s=4096, b=4,
                 h=16, fwd_tflops=fwd, bwd_tflops=bwd, fwd_ms=1.0, bwd_ms=2.0, peak_mem_gb=1.0,
