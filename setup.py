@@ -10,8 +10,8 @@ TRANSFORMER_FA_FLASH_KERNELS (default all; e.g. "bf16_hdim128,fp16_hdim64" for a
 development build: calls the build lacks go to another backend, with the reason).
 """
 import glob
+import importlib.util
 import os
-import re
 import shutil
 
 from setuptools import find_packages, setup
@@ -21,31 +21,17 @@ EXTENSION = "transformer_fa_flash"
 
 
 def flash_instantiations():
-    """(kernel .cu files, macros) of the instantiations to build.
-
-    An instantiation "<dtype>_hdim<d>" is a forward and a backward file written by
-    csrc/generate.py; its macro (generate.py's kernel_macro) enables its dispatch case in the
-    binding. TRANSFORMER_FA_FLASH_KERNELS keeps only the named ones.
-    """
-    wanted = {w.strip() for w in os.environ.get("TRANSFORMER_FA_FLASH_KERNELS", "").split(",")
-              if w.strip()}
-    files, names = [], set()
-    for path in sorted(glob.glob(os.path.join("csrc", "flash", "instantiations", "*.cu"))):
-        match = re.fullmatch(r"(?:fwd|bwd)_(\w+?)_hdim(\d+)_sm80\.cu", os.path.basename(path))
-        name = f"{match[1]}_hdim{match[2]}" if match else None
-        if name and (not wanted or name in wanted):
-            files.append(path)
-            names.add((match[1], match[2]))
-    unknown = wanted - {f"{dt}_hdim{d}" for dt, d in names}
-    if unknown:
-        raise SystemExit(f"TRANSFORMER_FA_FLASH_KERNELS names unknown kernels: {sorted(unknown)}")
-    macros = [f"-DTFA_FLASH_{dt.upper()}_HDIM{d}" for dt, d in sorted(names)]
-    return files, macros
-
-
-def cuda_sources():
-    kernels, _ = flash_instantiations()
-    return sorted(glob.glob(os.path.join("csrc", "*.cpp"))) + kernels if kernels else []
+    """(kernel .cu files, macros) to build: csrc/generate.py knows the instantiations, their
+    files and the macros that enable their dispatch cases; TRANSFORMER_FA_FLASH_KERNELS picks."""
+    spec = importlib.util.spec_from_file_location("tfa_generate",
+                                                  os.path.join(ROOT, "csrc", "generate.py"))
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+    try:
+        files, macros = generate.selected(os.environ.get("TRANSFORMER_FA_FLASH_KERNELS", ""))
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    return [os.path.join("csrc", f) for f in files], macros
 
 
 def want_cuda_build():
@@ -62,8 +48,6 @@ def want_cuda_build():
                                                 "bin", "nvcc")
     if not os.path.exists(nvcc):
         return False, "nvcc was not found"
-    if not cuda_sources():
-        return False, "csrc/ has no kernel sources yet"
     return True, "torch has CUDA and nvcc was found"
 
 
@@ -76,10 +60,11 @@ def extensions():
 
     archs = os.environ.get("TRANSFORMER_FA_CUDA_ARCHS", "80;90a").split(";")
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs if a]
+    kernels, macros = flash_instantiations()
     ext = CUDAExtension(
-        EXTENSION, cuda_sources(),
+        EXTENSION, sorted(glob.glob(os.path.join("csrc", "*.cpp"))) + kernels,
         include_dirs=[os.path.join(ROOT, "csrc")],
-        extra_compile_args={"cxx": ["-O3", "-std=c++17"] + flash_instantiations()[1],
+        extra_compile_args={"cxx": ["-O3", "-std=c++17"] + macros,
                             "nvcc": ["-O3", "-std=c++17", "--use_fast_math",
                                      "--expt-relaxed-constexpr"] + gencode})
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}

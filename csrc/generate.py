@@ -105,6 +105,32 @@ def kernel_macro(dtype: str, d: int) -> str:
     return f"TFA_FLASH_{dtype.upper()}_HDIM{d}"
 
 
+def kernel_file_name(direction: str, dtype: str, d: int) -> str:
+    return f"{direction}_{dtype}_hdim{d}_sm80.cu"
+
+
+def instantiations():
+    """{instantiation name: (its macro, its kernel files relative to csrc/)}."""
+    return {instantiation_name(dtype, d):
+            (kernel_macro(dtype, d),
+             [f"flash/instantiations/{kernel_file_name(direction, dtype, d)}"
+              for direction in DIRECTIONS])
+            for dtype in DTYPES for d in HEAD_DIMS}
+
+
+def selected(names: str):
+    """(kernel files relative to csrc/, macros) of the instantiations setup.py builds: those in
+    the comma list `names` (TRANSFORMER_FA_FLASH_KERNELS), or all when it is empty."""
+    known = instantiations()
+    wanted = [w.strip() for w in names.split(",") if w.strip()] or list(known)
+    unknown = sorted(set(wanted) - set(known))
+    if unknown:
+        raise ValueError(f"TRANSFORMER_FA_FLASH_KERNELS names unknown kernels: {unknown}; "
+                         f"known: {', '.join(known)}")
+    files = sorted(f for name in wanted for f in known[name][1])
+    return files, [f"-D{known[name][0]}" for name in wanted]
+
+
 def kernel_files():
     """(file name, text, instantiation name) of every kernel file."""
     for dtype, (enum, ctype) in DTYPES.items():
@@ -114,7 +140,7 @@ def kernel_files():
                 params = "FwdParams" if direction == "fwd" else "BwdParams"
                 text = KERNEL_FILE.format(direction=direction, enum=enum, ctype=ctype, d=d,
                                           params=params, extra=extra)
-                yield f"{direction}_{dtype}_hdim{d}_sm80.cu", text, instantiation_name(dtype, d)
+                yield kernel_file_name(direction, dtype, d), text, instantiation_name(dtype, d)
 
 
 def dispatch_header() -> str:
