@@ -1,96 +1,72 @@
-"""Quick check of the flash extension's fwd/bwd against float32 torch math, and a timing of the
-standard-grid rows against torch's FLASH_ATTENTION, calling the extension directly (no
-transformer_fa backend code). For kernel development on the GPU machine:
+"""Quick check of the flash extension's fwd/bwd (called directly, no backend code) against the
+GPU tests' float32 reference and error rule (tests/gpu/attention_cases.py, masks from
+transformer_fa.attention.masks), and a timing of the standard-grid rows against torch's
+FLASH_ATTENTION. For kernel development on the GPU machine:
 
-    python tools/flash_kernel_check.py [--dims 64,128] [--dtypes bf16] [--bench]
+    python tools/flash_kernel_check.py [--dims 64,128] [--dtypes bf16] [--bench] [--long]
 
 The full test suite is tests/gpu/test_flash.py; this is the short loop.
 """
 import argparse
 import math
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import transformer_fa_flash as ext
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "gpu")]
+from attention_cases import check, reference_grads  # noqa: E402  (the GPU tests' reference)
+from transformer_fa.attention import masks  # noqa: E402
+
 DT = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DEV = "cuda"
 
 
-def reference(q, k, v, causal, bottom_right, window, slopes, upcast):
-    """[b, s, h, d] math; GQA by repeat; windows as flash.h defines them."""
-    if upcast:
-        q, k, v = q.float(), k.float(), v.float()
-    b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    k = k.repeat_interleave(h // hk, dim=2)
-    v = v.repeat_interleave(h // hk, dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q, k).float() / math.sqrt(d)
-    i = torch.arange(sq, device=q.device).view(-1, 1)
-    j = torch.arange(sk, device=q.device).view(1, -1)
-    off = sk - sq if bottom_right else 0
-    left, right = window
-    if causal:
-        right = 0
-    keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
-    if right >= 0:
-        keep &= j <= i + off + right
-    if left >= 0:
-        keep &= j >= i + off - left
-    if slopes is not None:
-        s = s - slopes.view(1, -1, 1, 1) * (i + off - j).abs().float()
-    s = s.masked_fill(~keep, float("-inf"))
-    mx = s.amax(-1, keepdim=True).detach()
-    e = torch.exp(s - torch.where(torch.isinf(mx), torch.zeros_like(mx), mx))
-    p = e / e.sum(-1, keepdim=True).clamp_min(1e-30)  # rows with no key: 0
-    o = torch.einsum("bhqk,bkhd->bqhd", p.to(v.dtype), v)
-    return o
-
-
-def run_case(dt, d, b, sq, sk, h, hk, causal=False, bottom_right=False, window=(-1, -1),
-             alibi=False, deterministic=False):
+def run_case(dt, d, b, sq, sk, h, hk, mask="no_mask", window=(-1, -1), alibi=False,
+             deterministic=False):
+    """One bshd case through the extension, against the GPU tests' reference and error rule.
+    mask: no_mask, causal or causal_bottom_right; the diagonal as transformer_fa.masks puts it
+    (top-left for causal only)."""
     torch.manual_seed(0)
-    dev = "cuda"
-    q = torch.randn(b, sq, h, d, device=dev, dtype=dt, requires_grad=True)
-    k = torch.randn(b, sk, hk, d, device=dev, dtype=dt, requires_grad=True)
-    v = torch.randn(b, sk, hk, d, device=dev, dtype=dt, requires_grad=True)
-    do = torch.randn(b, sq, h, d, device=dev, dtype=dt)
-    slopes = torch.rand(h, device=dev) if alibi else None
+    q = torch.randn(b, sq, h, d, device=DEV, dtype=dt)
+    k, v = (torch.randn(b, sk, hk, d, device=DEV, dtype=dt) for _ in range(2))
+    do = torch.randn(b, sq, h, d, device=DEV, dtype=dt)
+    slopes = torch.rand(h, device=DEV) if alibi else None
     scale = 1 / math.sqrt(d)
+    bottom_right = mask != "causal"
     left, right = window
-    if causal:
-        right = 0
-    out, lse = ext.fwd(q.detach(), k.detach(), v.detach(), None, None, 0, 0, sq, sk, scale,
-                       left, right, bottom_right, True, 0.0, None, slopes)
-    dq, dk, dv = ext.bwd(do, q.detach(), k.detach(), v.detach(), out, lse, None, None, 0, 0,
-                         sq, sk, scale, left, right, bottom_right, 0.0, None, slopes,
-                         deterministic)
-    errs = {}
-    grads = {}
-    for upcast in (True, False):
-        for t in (q, k, v):
-            t.grad = None
-        o = reference(q, k, v, causal, bottom_right, window, slopes, upcast)
-        o.backward(do)
-        grads[upcast] = (o.detach().float(), q.grad.float(), k.grad.float(), v.grad.float())
-    ok = True
-    for name, got, ref, low in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), grads[True],
-                                   grads[False]):
-        err = (got.float() - ref).abs().max().item()
-        base = (low - ref).abs().max().item()
-        atol = 2e-3 if dt == torch.float16 else 8e-3
-        errs[name] = (err, base)
-        if not err <= 2 * base + atol or not math.isfinite(err):
-            ok = False
-    if deterministic:
-        again = ext.bwd(do, q.detach(), k.detach(), v.detach(), out, lse, None, None, 0, 0, sq,
-                        sk, scale, left, right, bottom_right, 0.0, None, slopes, True)
-        ok = ok and all(torch.equal(a, b2) for a, b2 in zip((dq, dk, dv), again))
-    tag = (f"{str(dt)[6:]} d{d} b{b} sq{sq} sk{sk} h{h}/{hk} causal={causal} br={bottom_right} "
-           f"win={window} alibi={alibi} det={deterministic}")
-    print(("ok  " if ok else "FAIL"), tag, " ".join(f"{n}={e:.2e}/{b_:.2e}"
-                                                    for n, (e, b_) in errs.items()))
-    return ok
+    right = 0 if "causal" in mask else right
+    lens_q = torch.full((b,), sq, device=DEV)
+    lens_k = torch.full((b,), sk, device=DEV)
+    keep = masks.keep_mask(mask, (left, right), lens_q, lens_k, sq, sk)
+    bias = None if slopes is None else masks.alibi_bias(slopes, mask, lens_q, lens_k, sq, sk)
+
+    out, lse = ext.fwd(q, k, v, None, None, 0, 0, sq, sk, scale, left, right, bottom_right,
+                       True, 0.0, None, slopes)
+    grads = ext.bwd(do, q, k, v, out, lse, None, None, 0, 0, sq, sk, scale, left, right,
+                    bottom_right, 0.0, None, slopes, deterministic)
+    refs = [reference_grads(q, k, v, do, keep, scale, upcast=up, bias=bias, float_bias=True)
+            for up in (True, False)]
+    tag = (f"{str(dt)[6:]} d{d} b{b} sq{sq} sk{sk} h{h}/{hk} {mask} win={window} alibi={alibi} "
+           f"det={deterministic}")
+    atol = 2e-3 if dt == torch.float16 else 8e-3
+    try:
+        check("out", out, refs[0][0], refs[1][0], atol)
+        for name, got, r32, rdt in zip(("dq", "dk", "dv"), grads, refs[0][2], refs[1][2]):
+            check(name, got, r32, rdt, atol)
+        if deterministic:
+            again = ext.bwd(do, q, k, v, out, lse, None, None, 0, 0, sq, sk, scale, left, right,
+                            bottom_right, 0.0, None, slopes, True)
+            assert all(torch.equal(x, y) for x, y in zip(grads, again)), "not bitwise equal"
+    except AssertionError as exc:
+        print("FAIL", tag, exc)
+        return False
+    print("ok  ", tag)
+    return True
 
 
 def bench(dims, dt, peers=True, fwd=True):
@@ -101,7 +77,7 @@ def bench(dims, dt, peers=True, fwd=True):
         for causal in (False, True):
             for s in (1024, 4096, 16384):
                 b, h = 16384 // s, 2048 // d
-                q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=dt) for _ in range(4))
+                q, k, v, do = (torch.randn(b, s, h, d, device=DEV, dtype=dt) for _ in range(4))
                 scale = 1 / math.sqrt(d)
                 flops = 4 * b * h * s * s * d / (2 if causal else 1)
                 wr = 0 if causal else -1
@@ -129,7 +105,7 @@ def bench(dims, dt, peers=True, fwd=True):
 def long_sequence(s=131072, h=8, d=128):
     """Forward + backward at b=1, h=8, d=128, s=131072: peak memory above the inputs and time."""
     for causal in (False, True):
-        q, k, v, do = (torch.randn(1, s, h, d, device="cuda", dtype=torch.bfloat16)
+        q, k, v, do = (torch.randn(1, s, h, d, device=DEV, dtype=torch.bfloat16)
                        for _ in range(4))
         scale, wr = 1 / math.sqrt(d), (0 if causal else -1)
         torch.cuda.synchronize()
@@ -165,12 +141,12 @@ def main():
         dt = DT[name]
         for d in dims:
             ok &= run_case(dt, d, 2, 128, 128, 4, 4)
-            ok &= run_case(dt, d, 2, 200, 333, 4, 2, causal=True)
-            ok &= run_case(dt, d, 2, 333, 200, 4, 2, causal=True, bottom_right=True)
+            ok &= run_case(dt, d, 2, 200, 333, 4, 2, mask="causal")
+            ok &= run_case(dt, d, 2, 333, 200, 4, 2, mask="causal_bottom_right")
             ok &= run_case(dt, d, 1, 257, 513, 8, 1, window=(100, 30))
-            ok &= run_case(dt, d, 2, 300, 300, 4, 4, causal=True, alibi=True)
+            ok &= run_case(dt, d, 2, 300, 300, 4, 4, mask="causal", alibi=True)
             ok &= run_case(dt, d - 24 if d > 32 else d, 2, 150, 170, 4, 4)  # rounded-up head dim
-            ok &= run_case(dt, d, 2, 1024, 1024, 8, 2, causal=True, deterministic=True)
+            ok &= run_case(dt, d, 2, 1024, 1024, 8, 2, mask="causal", deterministic=True)
     print("ALL OK" if ok else "SOME FAILED")
     if args.long:
         long_sequence()
