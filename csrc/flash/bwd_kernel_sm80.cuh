@@ -173,22 +173,20 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
     load_tile<T, D, BN, NT>(sK, k_base, p.k_row_stride, valid_k, p.d, tid);
     load_tile<T, D, BN, NT>(sV, v_base, p.v_row_stride, valid_k, p.d, tid);
 
-    const int64_t q_seq = si.q_off(p.q_batch_stride, p.q_row_stride);
-    const int64_t do_seq = si.q_off(p.do_batch_stride, p.do_row_stride);
-    const int64_t lse_seq = si.q_off(p.lse_batch_stride, p.lse_row_stride);
-    const int64_t dqa_seq = si.q_off(p.dqa_batch_stride, p.dqa_row_stride) +
-                            int64_t(split) * p.dqa_split_stride;
     // Issues the loads of step `it` (query head, query block) into buffer `stage`.
     auto load_q_do = [&](int it, int stage) {
       const int bidh = bidh_k * group + it / num_m;
       const int m0 = (m_block_min + it % num_m) * BM;
       const int valid_q = min(BM, si.len_q - m0);
+      const SeqInfo at = si.in_loop_q();
       load_tile<T, D, BM, NT>(sQ + stage * Tr::kSmemQ,
-                              reinterpret_cast<const T*>(p.q) + q_seq +
+                              reinterpret_cast<const T*>(p.q) +
+                                  at.q_off(p.q_batch_stride, p.q_row_stride) +
                                   int64_t(bidh) * p.q_head_stride + int64_t(m0) * p.q_row_stride,
                               p.q_row_stride, valid_q, p.d, tid);
       load_tile<T, D, BM, NT>(sdO + stage * Tr::kSmemQ,
-                              reinterpret_cast<const T*>(p.dout) + do_seq +
+                              reinterpret_cast<const T*>(p.dout) +
+                                  at.q_off(p.do_batch_stride, p.do_row_stride) +
                                   int64_t(bidh) * p.do_head_stride +
                                   int64_t(m0) * p.do_row_stride,
                               p.do_row_stride, valid_q, p.d, tid);
@@ -196,7 +194,8 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
       // and masked where they are read.
       if (tid < 2 * BM) {
         const int r = tid % BM;
-        const float* src = (tid < BM ? p.lse : p.dsum) + lse_seq +
+        const float* src = (tid < BM ? p.lse : p.dsum) +
+                           at.q_off(p.lse_batch_stride, p.lse_row_stride) +
                            int64_t(bidh) * p.lse_head_stride + int64_t(m0 + r) * p.lse_row_stride;
         float* dst = (tid < BM ? sLse : sDsum) + stage * BM + r;
         cp_async_4(smem_u32(dst), r < valid_q ? src : p.lse, r < valid_q);
@@ -220,21 +219,6 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
         cp_async_commit();
       }
 
-      // LSE (log2 units) and dsum of this thread's S rows; rows past len_q get P = 0.
-      float lse2[Tr::S_MF][2], dsum[Tr::S_MF][2];
-#pragma unroll
-      for (int mf = 0; mf < Tr::S_MF; ++mf)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int row = s_m + mf * 16 + g + 8 * r;
-          lse2[mf][r] = m0 + row < si.len_q ? sLse[stage * BM + row] * float(M_LOG2E) : INFINITY;
-          dsum[mf][r] = sDsum[stage * BM + row];
-        }
-
-      const float alibi_coef =
-          p.alibi_slopes == nullptr
-              ? 0.f
-              : -p.alibi_slopes[si.bidb * p.alibi_batch_stride + bidh] / p.scale_softmax;
       // S and dP in column slices of the warp tile: fewer live accumulators (no spills) for
       // a second load of the Q / dO fragments.
       constexpr int NFS = Tr::S_NF / Tr::kSSlices, kSliceCols = Tr::S_N / Tr::kSSlices;
@@ -247,44 +231,69 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
         warp_gemm<T, Tr::S_MF, NFS, D / 16, false, false, D, D>(acc_s, sQs, s_m, sK, col0, lane);
         warp_gemm<T, Tr::S_MF, NFS, D / 16, false, false, D, D>(acc_dp, sdOs, s_m, sV, col0,
                                                                lane);
+        // LSE (log2 units) and dsum of this thread's S rows (rows past len_q get P = 0), read
+        // after the GEMMs so that they take no registers during them.
+        float lse2[Tr::S_MF][2], dsum[Tr::S_MF][2];
+#pragma unroll
+        for (int mf = 0; mf < Tr::S_MF; ++mf)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int row = s_m + mf * 16 + g + 8 * r;
+            lse2[mf][r] = m0 + row < si.len_q ? sLse[stage * BM + row] * float(M_LOG2E) : INFINITY;
+            dsum[mf][r] = sDsum[stage * BM + row];
+          }
+
+        const float alibi_coef =
+            p.alibi_slopes == nullptr
+                ? 0.f
+                : -p.alibi_slopes[si.bidb * p.alibi_batch_stride + bidh] / p.scale_softmax;
         const bool need_mask = band_cuts(band, m0 + s_m, m0 + s_m + Tr::S_M - 1, n0 + col0,
                                          n0 + col0 + kSliceCols - 1);
         if (need_mask || alibi_coef != 0.f) {
           bias_and_mask(acc_s, m0 + s_m, n0 + col0, lane, band, need_mask, alibi_coef);
         }
-        uint32_t keep[Tr::S_MF][NFS];
-        float drop_scale = 1.f;
+        // P (dropped, for dV) and dS = P * (dP * Z - dsum), as T in shared memory. Z(mf, nf,
+        // e) is the dropout factor; without dropout the constant 1 folds away (a uniform branch,
+        // so that the mask bits take no registers and no selects when dropout is off).
+        auto p_and_ds = [&](auto z_of) {
+#pragma unroll
+          for (int mf = 0; mf < Tr::S_MF; ++mf)
+#pragma unroll
+            for (int nf = 0; nf < NFS; ++nf)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const int r = e / 2;
+                const float pe = exp2f(fmaf(acc_s[mf][nf][e], sl2, -lse2[mf][r]));
+                const float z = z_of(mf, nf, e);
+                acc_s[mf][nf][e] = pe * z;
+                acc_dp[mf][nf][e] = pe * fmaf(acc_dp[mf][nf][e], z, -dsum[mf][r]);
+              }
+        };
         if (p.rng_state != nullptr) {
           const Dropout drop = dropout_of(p, si.bidb, bidh);
+          uint32_t keep[Tr::S_MF][NFS];
           dropout_keep(keep, drop, m0 + s_m, n0 + col0, lane);
-          drop_scale = drop.scale;
+          p_and_ds([&](int mf, int nf, int e) {
+            return (keep[mf][nf] >> e) & 1 ? drop.scale : 0.f;
+          });
+        } else {
+          p_and_ds([](int, int, int) { return 1.f; });
         }
-        // P (dropped, for dV) and dS = P * (dP * Z - dsum), as T in shared memory.
-#pragma unroll
-        for (int mf = 0; mf < Tr::S_MF; ++mf)
-#pragma unroll
-          for (int nf = 0; nf < NFS; ++nf)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int r = e / 2;
-              const float pe = exp2f(fmaf(acc_s[mf][nf][e], sl2, -lse2[mf][r]));
-              float z = 1.f;
-              if (p.rng_state != nullptr) z = (keep[mf][nf] >> e) & 1 ? drop_scale : 0.f;
-              acc_s[mf][nf][e] = pe * z;
-              acc_dp[mf][nf][e] = pe * fmaf(acc_dp[mf][nf][e], z, -dsum[mf][r]);
-            }
         store_acc<T, BN>(sP, acc_s, s_m, col0, lane);
         store_acc<T, BN>(sdS, acc_dp, s_m, col0, lane);
       }
       __syncthreads();  // P and dS visible
 
       // dV += P^T dO, dK += dS^T Q (A = P^T / dS^T: k-major in shared memory).
-      warp_gemm<T, Tr::KV_MF, Tr::KV_NF, BM / 16, true, true, BN, D>(acc_dv, sP, kv_m, sdOs, kv_n, lane);
-      warp_gemm<T, Tr::KV_MF, Tr::KV_NF, BM / 16, true, true, BN, D>(acc_dk, sdS, kv_m, sQs, kv_n, lane);
+      warp_gemm<T, Tr::KV_MF, Tr::KV_NF, BM / 16, true, true, BN, D>(acc_dv, sP, kv_m, sdOs,
+                                                                    kv_n, lane);
+      warp_gemm<T, Tr::KV_MF, Tr::KV_NF, BM / 16, true, true, BN, D>(acc_dk, sdS, kv_m, sQs,
+                                                                    kv_n, lane);
       // dQ (this key block's part) = dS K, added into the accumulator; in column slices of
       // the warp tile where the accumulator would not fit beside dK / dV.
       constexpr int NFQ = Tr::Q_NF / Tr::kQSlices, kQSliceCols = Tr::Q_N / Tr::kQSlices;
-      float* dqa = p.dq_accum + dqa_seq + int64_t(bidh) * p.dqa_head_stride;
+      float* dqa = p.dq_accum + si.in_loop_q().q_off(p.dqa_batch_stride, p.dqa_row_stride) +
+                   int64_t(split) * p.dqa_split_stride + int64_t(bidh) * p.dqa_head_stride;
 #pragma unroll
       for (int slice = 0; slice < Tr::kQSlices; ++slice) {
         const int col0 = q_n + slice * kQSliceCols;

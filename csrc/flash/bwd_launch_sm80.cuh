@@ -11,16 +11,17 @@ namespace sm80 {
 
 // BwdTraits<T, head dim, query rows, key rows, warps, warps along M of S, warps along N of
 // dK/dV, warps along M of dQ, S/dP column slices, dQ column slices>. The dK/dV accumulators
-// live in registers for the whole CTA. Measured on H100 (2026-11-23, bwd TFLOPS): d64 with 64
-// query rows (no spills) beats 128 rows by 0-8%; d128 with 128 key rows beats 64 by 15-20%
-// (half the dQ reductions); slicing S/dP at d128 removes most spills but costs 8% (Q/dO
-// fragments loaded twice: shared-memory bound); slicing dQ at d256 gains 11-13%.
+// live in registers for the whole CTA. Measured on H100 (2026-11-23, bwd TFLOPS, details in
+// NOTES.md): once the loop no longer spilled its sequence offsets, d64 with FlashAttention-2's
+// 128 x 128 tile beats 64 x 128 by 8-11% and d256 without dQ slices beats two slices by 1-3%
+// (both were the other way round before); d128 with 128 key rows beats 64 by 15-20% (half
+// the dQ reductions); slicing S/dP at d128 costs 8% (Q/dO fragments loaded twice).
 template <typename T, int kHeadDim>
 struct BwdConfig;
-template <typename T> struct BwdConfig<T, 64> { using Traits = BwdTraits<T, 64, 64, 128, 8, 2, 4, 2>; };
+template <typename T> struct BwdConfig<T, 64> { using Traits = BwdTraits<T, 64, 128, 128, 8, 4, 4, 4>; };
 template <typename T> struct BwdConfig<T, 128> { using Traits = BwdTraits<T, 128, 64, 128, 8, 2, 4, 2>; };
 template <typename T> struct BwdConfig<T, 192> { using Traits = BwdTraits<T, 192, 64, 64, 8, 4, 2, 2>; };
-template <typename T> struct BwdConfig<T, 256> { using Traits = BwdTraits<T, 256, 64, 64, 8, 4, 2, 2, 1, 2>; };
+template <typename T> struct BwdConfig<T, 256> { using Traits = BwdTraits<T, 256, 64, 64, 8, 4, 2, 2>; };
 
 template <typename T, int kHeadDim>
 constexpr int bwd_smem() {

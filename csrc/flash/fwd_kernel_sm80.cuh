@@ -77,12 +77,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
   if (m0 >= si.rows_q) return;  // past this (packed) sequence: nothing to write
   const int bidh_k = bidh / (p.h / p.h_k);
 
-  T* o_base = reinterpret_cast<T*>(p.o) + si.q_off(p.o_batch_stride, p.o_row_stride) +
-              int64_t(bidh) * p.o_head_stride;
-  float* lse_base = p.lse == nullptr ? nullptr
-                                     : p.lse + si.q_off(p.lse_batch_stride, p.lse_row_stride) +
-                                           int64_t(bidh) * p.lse_head_stride;
-
   // Key range of this tile: [n_lo, n_hi) clipped by the band.
   const Band band = band_of(p, si);
   const int off = band.off;
@@ -120,15 +114,20 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
   if (any_work) {
     const T* q_base = reinterpret_cast<const T*>(p.q) + si.q_off(p.q_batch_stride, p.q_row_stride) +
                       int64_t(bidh) * p.q_head_stride + int64_t(m0) * p.q_row_stride;
-    const T* k_base = reinterpret_cast<const T*>(p.k) + si.k_off(p.k_batch_stride, p.k_row_stride) +
-                      int64_t(bidh_k) * p.k_head_stride;
-    const T* v_base = reinterpret_cast<const T*>(p.v) + si.k_off(p.v_batch_stride, p.v_row_stride) +
-                      int64_t(bidh_k) * p.v_head_stride;
+    // K / V of this sequence and head (from si.in_loop_k() inside the loop: not kept live).
+    auto k_base = [&](const SeqInfo& at) {
+      return reinterpret_cast<const T*>(p.k) + at.k_off(p.k_batch_stride, p.k_row_stride) +
+             int64_t(bidh_k) * p.k_head_stride;
+    };
+    auto v_base = [&](const SeqInfo& at) {
+      return reinterpret_cast<const T*>(p.v) + at.k_off(p.v_batch_stride, p.v_row_stride) +
+             int64_t(bidh_k) * p.v_head_stride;
+    };
 
     Tr::template load<BM>(sQ, q_base, p.q_row_stride, valid_q, p.d, tid);
     {
       const int n = n_block_max - 1;
-      Tr::template load<BN>(sK, k_base + int64_t(n) * BN * p.k_row_stride, p.k_row_stride,
+      Tr::template load<BN>(sK, k_base(si) + int64_t(n) * BN * p.k_row_stride, p.k_row_stride,
                             si.len_k - n * BN, p.d, tid);
     }
     cp_async_commit();
@@ -166,7 +165,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
       const int n0 = n_block * BN;
       cp_async_wait_all();
       __syncthreads();  // K[n] (and Q) visible; every warp is done with V[n+1]
-      Tr::template load<BN>(sV, v_base + int64_t(n0) * p.v_row_stride, p.v_row_stride,
+      Tr::template load<BN>(sV, v_base(si.in_loop_k()) + int64_t(n0) * p.v_row_stride,
+                            p.v_row_stride,
                             si.len_k - n0, p.d, tid);
       cp_async_commit();
 
@@ -216,7 +216,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
       __syncthreads();  // V[n] visible; every warp is done with K[n]
       if (n_block > n_block_min) {
         const int n = n_block - 1;
-        Tr::template load<BN>(sK, k_base + int64_t(n) * BN * p.k_row_stride, p.k_row_stride,
+        Tr::template load<BN>(sK, k_base(si.in_loop_k()) + int64_t(n) * BN * p.k_row_stride,
+                              p.k_row_stride,
                               si.len_k - n * BN, p.d, tid);
         cp_async_commit();
       }
@@ -294,6 +295,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
 
   // Epilogue: O / sum (rows past len_q or with no key: 0), LSE (+inf for those rows).
   const int warp_row0 = warp * 16 * MF;
+  T* o_base = reinterpret_cast<T*>(p.o) + si.q_off(p.o_batch_stride, p.o_row_stride) +
+              int64_t(bidh) * p.o_head_stride;
+  float* lse_base = p.lse == nullptr ? nullptr
+                                     : p.lse + si.q_off(p.lse_batch_stride, p.lse_row_stride) +
+                                           int64_t(bidh) * p.lse_head_stride;
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf)
 #pragma unroll

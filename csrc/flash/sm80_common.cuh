@@ -163,20 +163,24 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64_t row_st
                                           int valid_rows, int valid_cols, int tid) {
   constexpr int kChunks = kRowLen / 8;
   constexpr int kRowStep = kThreads / kChunks;
-  if constexpr (kThreads % kChunks == 0 && kRowStep % 8 == 0 && kRows % kRowStep == 0) {
+  if constexpr (kThreads % kChunks == 0 && kRows % kRowStep == 0 &&
+                (kRowStep % 8 == 0 || 8 % kRowStep == 0)) {
     // Thread tid copies chunk tid % kChunks of rows tid / kChunks + i * kRowStep: one running
-    // pointer (per-chunk addresses are not kept in registers across a main loop), and every
-    // row of the thread has the same swizzle (kRowStep % 8 == 0).
+    // pointer (per-chunk addresses are not kept in registers across a main loop). The swizzle
+    // of those rows repeats every 8 rows: one shared address per row phase.
+    constexpr int kPhases = kRowStep % 8 == 0 ? 1 : 8 / kRowStep;
     const int row0 = tid / kChunks;
     const int col = (tid % kChunks) * 8;
     const bool col_ok = col < valid_cols;
     const T* src = gmem + row0 * row_stride + col;
     const int64_t step = kRowStep * row_stride;
-    const uint32_t dst0 = smem_u32(smem + swz<kRowLen>(row0, col));
 #pragma unroll
     for (int i = 0; i < kRows / kRowStep; ++i) {
       const bool ok = col_ok && row0 + i * kRowStep < valid_rows;
-      cp_async_16(dst0 + i * kRowStep * kRowLen * int(sizeof(T)), ok ? src : gmem, ok);
+      const int phase = i % kPhases;
+      const uint32_t dst = smem_u32(smem + swz<kRowLen>(row0 + phase * kRowStep, col)) +
+                           (i - phase) * kRowStep * kRowLen * int(sizeof(T));
+      cp_async_16(dst, ok ? src : gmem, ok);
       src += step;
     }
   } else {  // rows whose chunks do not divide over the threads (d = 192)
@@ -236,57 +240,83 @@ __device__ __forceinline__ void store_tile(T* gmem, int64_t row_stride, const T*
 // kSteps steps of 16, operands in swizzled shared tiles.
 //   A is m-major ([m][k], kATrans = false) or k-major ([k][m], kATrans = true);
 //   B is n-major ([n][k], kBTrans = false) or k-major ([k][n], kBTrans = true).
+// WarpMma holds one warp's operand addressing and the fragment loads / MMAs of one k step.
 // ---------------------------------------------------------------------------------------
-template <typename T, int MF, int NF, int kSteps, bool kATrans, bool kBTrans, int kLdA, int kLdB>
-__device__ __forceinline__ void warp_gemm(float (&acc)[MF][NF][4], const T* sA, int m0,
-                                          const T* sB, int n0, int lane) {
+template <typename T, int MF, int NF, bool kATrans, bool kBTrans, int kLdA, int kLdB>
+struct WarpMma {
   static_assert(NF % 2 == 0, "B fragments come in pairs of n8 tiles");
   static_assert(sizeof(T) == 2, "16-bit elements");
   // The fragment steps along a row are k (from 0: clear of the lane's chunk bit) or, for a
   // transposed operand, m / n inside the warp tile: clear of the warp offset's bits when the
   // warp tile width is a power of two.
-  constexpr bool kSplitA = !kATrans || kPow2<MF * 16>;
-  constexpr bool kSplitB = !kBTrans || kPow2<NF * 8>;
+  static constexpr bool kSplitA = !kATrans || kPow2<MF * 16>;
+  static constexpr bool kSplitB = !kBTrans || kPow2<NF * 8>;
+  using FragA = uint32_t[MF][4];
+  using FragB = uint32_t[NF / 2][4];
+  LaneTile<kLdA, kSplitA> ta;
+  LaneTile<kLdB, kSplitB> tb;
+
   // ldmatrix lane addressing (mma.m16n8k16 fragment layouts).
-  const int a_r = kATrans ? (lane & 7) + ((lane >> 4) << 3) : (lane & 15);     // k | m
-  const int a_c = kATrans ? ((lane >> 3) & 1) << 3 : (lane >> 4) << 3;         // m | k
-  const int b_r = kBTrans ? (lane & 7) + (((lane >> 3) & 1) << 3)              // k
-                          : (lane & 7) + ((lane >> 4) << 3);                   // n
-  const int b_c = kBTrans ? (lane >> 4) << 3 : ((lane >> 3) & 1) << 3;         // n | k
-  const LaneTile<kLdA, kSplitA> ta(sA, kATrans ? a_r : m0 + a_r, kATrans ? m0 + a_c : a_c);
-  const LaneTile<kLdB, kSplitB> tb(sB, kBTrans ? b_r : n0 + b_r, kBTrans ? n0 + b_c : b_c);
-  // Fragments of step kk + 1 load while step kk multiplies (two register buffers).
-  uint32_t a[2][MF][4], b[2][NF / 2][4];
-  auto load = [&](int kk, int buf) {
+  static __device__ __forceinline__ int a_row(int lane) {  // k | m
+    return kATrans ? (lane & 7) + ((lane >> 4) << 3) : (lane & 15);
+  }
+  static __device__ __forceinline__ int a_col(int lane) {  // m | k
+    return kATrans ? ((lane >> 3) & 1) << 3 : (lane >> 4) << 3;
+  }
+  static __device__ __forceinline__ int b_row(int lane) {  // k | n
+    return kBTrans ? (lane & 7) + (((lane >> 3) & 1) << 3) : (lane & 7) + ((lane >> 4) << 3);
+  }
+  static __device__ __forceinline__ int b_col(int lane) {  // n | k
+    return kBTrans ? (lane >> 4) << 3 : ((lane >> 3) & 1) << 3;
+  }
+  __device__ __forceinline__ WarpMma(const T* sA, int m0, const T* sB, int n0, int lane)
+      : ta(sA, kATrans ? a_row(lane) : m0 + a_row(lane), kATrans ? m0 + a_col(lane) : a_col(lane)),
+        tb(sB, kBTrans ? b_row(lane) : n0 + b_row(lane), kBTrans ? n0 + b_col(lane) : b_col(lane)) {}
+
+  // Fragments of k step kk.
+  __device__ __forceinline__ void load(int kk, FragA& a, FragB& b) const {
 #pragma unroll
     for (int mf = 0; mf < MF; ++mf) {
       if constexpr (kATrans) {
-        ldmatrix_x4_trans(a[buf][mf], ta.at(kk * 16, mf * 16));
+        ldmatrix_x4_trans(a[mf], ta.at(kk * 16, mf * 16));
       } else {
-        ldmatrix_x4(a[buf][mf], ta.at(mf * 16, kk * 16));
+        ldmatrix_x4(a[mf], ta.at(mf * 16, kk * 16));
       }
     }
 #pragma unroll
     for (int nn = 0; nn < NF / 2; ++nn) {
       if constexpr (kBTrans) {
-        ldmatrix_x4_trans(b[buf][nn], tb.at(kk * 16, nn * 16));
+        ldmatrix_x4_trans(b[nn], tb.at(kk * 16, nn * 16));
       } else {
-        ldmatrix_x4(b[buf][nn], tb.at(nn * 16, kk * 16));
+        ldmatrix_x4(b[nn], tb.at(nn * 16, kk * 16));
       }
     }
-  };
-  load(0, 0);
-#pragma unroll
-  for (int kk = 0; kk < kSteps; ++kk) {
-    if (kk + 1 < kSteps) load(kk + 1, (kk + 1) & 1);
-    const int buf = kk & 1;
+  }
+  static __device__ __forceinline__ void mma(float (&acc)[MF][NF][4], const FragA& a,
+                                             const FragB& b) {
 #pragma unroll
     for (int nn = 0; nn < NF / 2; ++nn)
 #pragma unroll
       for (int mf = 0; mf < MF; ++mf) {
-        mma_16816<T>(acc[mf][2 * nn], a[buf][mf], b[buf][nn][0], b[buf][nn][1]);
-        mma_16816<T>(acc[mf][2 * nn + 1], a[buf][mf], b[buf][nn][2], b[buf][nn][3]);
+        mma_16816<T>(acc[mf][2 * nn], a[mf], b[nn][0], b[nn][1]);
+        mma_16816<T>(acc[mf][2 * nn + 1], a[mf], b[nn][2], b[nn][3]);
       }
+  }
+};
+
+template <typename T, int MF, int NF, int kSteps, bool kATrans, bool kBTrans, int kLdA, int kLdB>
+__device__ __forceinline__ void warp_gemm(float (&acc)[MF][NF][4], const T* sA, int m0,
+                                          const T* sB, int n0, int lane) {
+  using G = WarpMma<T, MF, NF, kATrans, kBTrans, kLdA, kLdB>;
+  const G g(sA, m0, sB, n0, lane);
+  // Fragments of step kk + 1 load while step kk multiplies (two register buffers).
+  typename G::FragA a[2];
+  typename G::FragB b[2];
+  g.load(0, a[0], b[0]);
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk) {
+    if (kk + 1 < kSteps) g.load(kk + 1, a[(kk + 1) & 1], b[(kk + 1) & 1]);
+    G::mma(acc, a[kk & 1], b[kk & 1]);
   }
 }
 
@@ -315,6 +345,21 @@ struct SeqInfo {
   }
   __device__ __forceinline__ int64_t k_off(int64_t batch_stride, int64_t row_stride) const {
     return k_packed ? int64_t(start_k) * row_stride : int64_t(bidb) * batch_stride;
+  }
+  // Copies whose q-side / k-side position is opaque to the compiler: offsets taken from them
+  // inside a main loop are recomputed there (a few integer ops) instead of being hoisted out
+  // as 64-bit values that stay live, and spill, across the loop.
+  __device__ __forceinline__ SeqInfo in_loop_q() const {
+    SeqInfo s = *this;
+    s.bidb = opaque(bidb);
+    s.start_q = opaque(start_q);
+    return s;
+  }
+  __device__ __forceinline__ SeqInfo in_loop_k() const {
+    SeqInfo s = *this;
+    s.bidb = opaque(bidb);
+    s.start_k = opaque(start_k);
+    return s;
   }
 };
 
