@@ -252,32 +252,34 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
         if (need_mask || alibi_coef != 0.f) {
           bias_and_mask(acc_s, m0 + s_m, n0 + col0, lane, band, need_mask, alibi_coef);
         }
-        // P (dropped, for dV) and dS = P * (dP * Z - dsum), as T in shared memory. Z(mf, nf,
-        // e) is the dropout factor; without dropout the constant 1 folds away (a uniform branch,
-        // so that the mask bits take no registers and no selects when dropout is off).
-        auto p_and_ds = [&](auto z_of) {
+        // P (dropped, for dV) and dS = P * (dP * Z - dsum), as T in shared memory. keep_of(mf,
+        // nf) gives the dropout bits of one 16 x 8 tile; without dropout the constant mask and
+        // scale 1 fold away (a uniform branch, so no selects and no mask registers then).
+        auto p_and_ds = [&](auto keep_of, float keep_scale) {
 #pragma unroll
           for (int mf = 0; mf < Tr::S_MF; ++mf)
 #pragma unroll
-            for (int nf = 0; nf < NFS; ++nf)
+            for (int nf = 0; nf < NFS; ++nf) {
+              const uint32_t keep = keep_of(mf, nf);
 #pragma unroll
               for (int e = 0; e < 4; ++e) {
                 const int r = e / 2;
                 const float pe = exp2f(fmaf(acc_s[mf][nf][e], sl2, -lse2[mf][r]));
-                const float z = z_of(mf, nf, e);
+                const float z = (keep >> e) & 1 ? keep_scale : 0.f;
                 acc_s[mf][nf][e] = pe * z;
                 acc_dp[mf][nf][e] = pe * fmaf(acc_dp[mf][nf][e], z, -dsum[mf][r]);
               }
+            }
         };
         if (p.rng_state != nullptr) {
           const Dropout drop = dropout_of(p, si.bidb, bidh);
-          uint32_t keep[Tr::S_MF][NFS];
-          dropout_keep(keep, drop, m0 + s_m, n0 + col0, lane);
-          p_and_ds([&](int mf, int nf, int e) {
-            return (keep[mf][nf] >> e) & 1 ? drop.scale : 0.f;
-          });
+          p_and_ds(
+              [&](int mf, int nf) {
+                return dropout_bits(drop, m0 + s_m + mf * 16, n0 + col0 + nf * 8, lane);
+              },
+              drop.scale);
         } else {
-          p_and_ds([](int, int, int) { return 1.f; });
+          p_and_ds([](int, int) { return 0xfu; }, 1.f);
         }
         store_acc<T, BN>(sP, acc_s, s_m, col0, lane);
         store_acc<T, BN>(sdS, acc_dp, s_m, col0, lane);

@@ -255,15 +255,15 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
         }
 
       if (p.rng_state != nullptr) {  // P * Z for the P V product
-        uint32_t keep[MF][NF_S];
-        dropout_keep(keep, drop, m0 + warp_row0, n0, lane);
 #pragma unroll
         for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
-          for (int nf = 0; nf < NF_S; ++nf)
+          for (int nf = 0; nf < NF_S; ++nf) {
+            const uint32_t keep = dropout_bits(drop, m0 + warp_row0 + mf * 16, n0 + nf * 8, lane);
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-              acc_s[mf][nf][e] = (keep[mf][nf] >> e) & 1 ? acc_s[mf][nf][e] * drop.scale : 0.f;
+              acc_s[mf][nf][e] = (keep >> e) & 1 ? acc_s[mf][nf][e] * drop.scale : 0.f;
+          }
       }
 
       // O += P V (P from registers: the S accumulator layout is the A-operand layout).

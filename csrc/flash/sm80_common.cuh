@@ -453,21 +453,16 @@ __device__ __forceinline__ Dropout dropout_of(const FwdParams& p, int bidb, int 
   return d;
 }
 
-// keep[mf][nf] bit e: element e of acc[mf][nf] is kept (flash.h defines the mask).
-template <int MF, int NF>
-__device__ __forceinline__ void dropout_keep(uint32_t (&keep)[MF][NF], const Dropout& d, int i0,
-                                             int j0, int lane) {
+// Bit e: element e of the mma C tile at rows i0 + g (+8), columns j0 + 2t (+1) is kept
+// (flash.h defines the mask). One 16 x 8 tile per call, so that callers apply it at once
+// instead of holding the bits of a whole warp tile in registers.
+__device__ __forceinline__ uint32_t dropout_bits(const Dropout& d, int i0, int j0, int lane) {
   const int g = lane / 4, t = lane % 4;
-#pragma unroll
-  for (int mf = 0; mf < MF; ++mf)
-#pragma unroll
-    for (int nf = 0; nf < NF; ++nf) {
-      const uint32_t i = i0 + mf * 16, j = j0 + nf * 8;
-      const uint4 w = philox(d.k0, d.k1,
-                             make_uint4(j >> 3, ((i >> 4) << 5) | (g << 2) | t, d.bh, d.offset));
-      keep[mf][nf] = uint32_t(w.x < d.threshold) | (uint32_t(w.y < d.threshold) << 1) |
-                     (uint32_t(w.z < d.threshold) << 2) | (uint32_t(w.w < d.threshold) << 3);
-    }
+  const uint32_t i = i0, j = j0;
+  const uint4 w =
+      philox(d.k0, d.k1, make_uint4(j >> 3, ((i >> 4) << 5) | (g << 2) | t, d.bh, d.offset));
+  return uint32_t(w.x < d.threshold) | (uint32_t(w.y < d.threshold) << 1) |
+         (uint32_t(w.z < d.threshold) << 2) | (uint32_t(w.w < d.threshold) << 3);
 }
 
 // Lets kKernel use `smem` bytes of dynamic shared memory (above the 48 KB default), once per
