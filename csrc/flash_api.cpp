@@ -264,10 +264,11 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
 
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   const int hd = kernel_head_dim(p.d);
-  const int smem = tf::dispatch_bwd_smem(bf16, hd);
+  const DeviceInfo& dev = device_info(q.get_device());
+  p.sm90 = dev.major == 9;
+  const int smem = tf::dispatch_bwd_smem(bf16, hd, p.sm90);
   TORCH_CHECK(smem > 0, "flash_attn_bwd: this build has no ", kernel_name(q.scalar_type(), hd),
               " kernel (see TRANSFORMER_FA_FLASH_KERNELS in setup.py)");
-  const DeviceInfo& dev = device_info(q.get_device());
   TORCH_CHECK(smem <= dev.smem_optin, "flash_attn_bwd: head dim ", p.d, " needs ", smem,
               " bytes of shared memory per block; this GPU has ", dev.smem_optin);
 
@@ -288,9 +289,13 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     splits = static_cast<int>(std::min<int64_t>(std::max<int64_t>(num_n, 1),
                                                 (2 * dev.sms + per_split - 1) / per_split));
   }
-  std::vector<int64_t> acc_shape{splits};
-  for (int i = 0; i < q.dim() - 1; ++i) acc_shape.push_back(q.size(i));
-  acc_shape.push_back(hd);
+  // dq_accum [splits][b][h][rows rounded up to 8][hd] (thd: [splits][h][tokens ...][hd]),
+  // in flash.h's row-group layout.
+  const int64_t acc_rows = q_thd ? q.size(0) : p.seqlen_q;
+  const int64_t acc_rows8 = (acc_rows + 7) / 8 * 8;
+  const std::vector<int64_t> acc_shape =
+      q_thd ? std::vector<int64_t>{splits, p.h, acc_rows8, hd}
+            : std::vector<int64_t>{splits, b, p.h, acc_rows8, hd};
   at::Tensor dq_accum = at::zeros(acc_shape, q.options().dtype(at::kFloat));
   at::Tensor dsum = at::empty(lse_shape, q.options().dtype(at::kFloat));
 
@@ -305,14 +310,16 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
   p.dv = dv.data_ptr();
   p.dk_batch_stride = sdk.batch; p.dk_row_stride = sdk.row; p.dk_head_stride = sdk.head;
   p.dv_batch_stride = sdv.batch; p.dv_row_stride = sdv.row; p.dv_head_stride = sdv.head;
-  const at::Tensor acc_view = dq_accum[0];  // strides of one split, in q's format
-  const Strides sa = strides_of(acc_view, q_format);
   p.dq_accum = dq_accum.data_ptr<float>();
-  p.dqa_batch_stride = sa.batch; p.dqa_row_stride = sa.row; p.dqa_head_stride = sa.head;
+  p.dqa_batch_stride = q_thd ? 0 : dq_accum.stride(1);
+  p.dqa_head_stride = dq_accum.stride(q_thd ? 1 : 2);
+  p.dqa_row_stride = hd;
   p.dqa_split_stride = dq_accum.stride(0);
+  p.dqa_rows = acc_rows;
+  const Strides sdq = strides_of(dq, q_format);
   p.dq = dq.data_ptr();
+  p.dq_batch_stride = sdq.batch; p.dq_row_stride = sdq.row; p.dq_head_stride = sdq.head;
   p.dq_rows = q.numel() / p.d;
-  p.head_dim_rounded = hd;
   p.dsum = dsum.data_ptr<float>();
   p.deterministic = deterministic;
   p.num_splits = splits;

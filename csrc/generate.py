@@ -39,8 +39,8 @@ void run_{direction}<DType::{enum}, {d}>({params}& params, cudaStream_t stream) 
 """
 BWD_SMEM = """
 template <>
-int bwd_smem_bytes<DType::{enum}, {d}>() {{
-  return sm80::bwd_smem<{ctype}, {d}>();
+int bwd_smem_bytes<DType::{enum}, {d}>(bool sm90) {{
+  return sm80::bwd_smem<{ctype}, {d}>(sm90);
 }}
 """
 
@@ -65,8 +65,8 @@ inline bool dispatch_fwd(bool bf16, int hd, FwdParams& params, cudaStream_t stre
 inline bool dispatch_bwd(bool bf16, int hd, BwdParams& params, cudaStream_t stream) {{
 {bwd_cases}  return false;
 }}
-// Dynamic shared memory of the backward kernel (0 if the build lacks it).
-inline int dispatch_bwd_smem(bool bf16, int hd) {{
+// Dynamic shared memory of the backward kernel on an sm90 GPU or not (0 if the build lacks it).
+inline int dispatch_bwd_smem(bool bf16, int hd, bool sm90) {{
 {smem_cases}  return 0;
 }}
 
@@ -87,7 +87,7 @@ CASE = """#ifdef {macro}
 #endif
 """
 SMEM_CASE = """#ifdef {macro}
-  if ({not_}bf16 && hd == {d}) return bwd_smem_bytes<DType::{enum}, {d}>();
+  if ({not_}bf16 && hd == {d}) return bwd_smem_bytes<DType::{enum}, {d}>(sm90);
 #endif
 """
 BUILT_CASE = """#ifdef {macro}

@@ -15,6 +15,10 @@
 //   dV += P^T dO, dK += dS^T Q   warps tile [BN x D] (kWarpsNdKV x rest)
 //   dQ  = dS K                   warps tile [BM x D] (kWarpsMdQ x rest) -> dq_accum
 // Q and dO are double-buffered: block i+1 loads while block i computes.
+// dQ goes into dq_accum with float reductions: per element from registers (sm80, or where
+// shared memory is short), or on sm90 (kBulkDq) as a tile in shared memory that one thread
+// hands to the bulk-copy engine (one reduction instruction per tile instead of one per two
+// elements per thread, and no registers held by reductions in flight).
 #pragma once
 
 #include "sm80_common.cuh"
@@ -24,7 +28,8 @@ namespace flash {
 namespace sm80 {
 
 template <typename T, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kWarpsMS,
-          int kWarpsNdKV, int kWarpsMdQ, int kSSlices_ = 1, int kQSlices_ = 1>
+          int kWarpsNdKV, int kWarpsMdQ, int kSSlices_ = 1, int kQSlices_ = 1,
+          bool kBulkDq_ = false>
 struct BwdTraits {
   using Element = T;
   static constexpr int D = kHeadDim_;
@@ -50,13 +55,27 @@ struct BwdTraits {
                     Q_M % 16 == 0 && Q_N % 16 == 0,
                 "warp tiles are whole 16 x 16 MMA tiles");
   static_assert(D % 64 == 0 && BN % 64 == 0, "tile rows are multiples of 64 (swizzle)");
+  static constexpr bool kBulkDq = kBulkDq_;
   // Shared memory (elements): Q and dO double-buffered, K, V, P and dS; then the LSE and dsum
   // of the query block, double-buffered with Q (float).
   static constexpr int kSmemQ = BM * D, kSmemKV = BN * D, kSmemP = BM * BN;
-  static constexpr int kSmemBytes =
+  static constexpr int kSmemBase =
       (4 * kSmemQ + 2 * kSmemKV + 2 * kSmemP) * int(sizeof(T)) + 4 * BM * int(sizeof(float));
+  // Plus the float32 dQ tile on sm90 with kBulkDq: BM rows and up to 8 more, as the whole
+  // 8-row groups of dq_accum's layout that it covers.
+  static constexpr int smem_bytes(bool sm90) {
+    return kSmemBase + (kBulkDq && sm90 ? (BM + 8) * D * int(sizeof(float)) : 0);
+  }
   static_assert(2 * BM <= kNThreads, "one thread per LSE / dsum row");
 };
+
+// Offset of (row, col) in one (split, sequence, head) block of dq_accum (flash.h): groups of
+// 8 rows, each in mma accumulator order ([col / 8][row % 8][col % 8]), so that a warp's
+// accumulator tile is 256 contiguous bytes (coalesced reductions, conflict-free shared
+// stores) and a tile of rows is one block of memory. ld: the row length (kernel head dim).
+__device__ __forceinline__ int64_t dqa_offset(int row, int col, int ld) {
+  return int64_t(row & ~7) * ld + ((col >> 3) << 6) + ((row & 7) << 3) + (col & 7);
+}
 
 // ---------------------------------------------------------------------------------------
 // 1. dsum = rowsum(dO * O): one warp per (query row, head); lanes over 8-element chunks.
@@ -94,17 +113,23 @@ __global__ void __launch_bounds__(256) dot_do_o_kernel(const BwdParams p) {
 }
 
 // ---------------------------------------------------------------------------------------
-// 3. dq = sum over splits of dq_accum, times softmax_scale. One thread per 8 elements.
+// 3. dq = sum over splits of dq_accum, times softmax_scale. One thread per 8 elements, in
+//    dq_accum's order ([batch][head][row]; thd: [head][token]).
 // ---------------------------------------------------------------------------------------
 template <typename T>
 __global__ void __launch_bounds__(256) convert_dq_kernel(const BwdParams p) {
   const int chunks = p.d / 8;
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= p.dq_rows * chunks) return;
-  const int64_t row = idx / chunks;
+  const int64_t acc_row = idx / chunks;
   const int col = int(idx % chunks) * 8;
+  const int row = int(acc_row % p.dqa_rows);
+  const int64_t bh = acc_row / p.dqa_rows;
+  const int head = int(bh % p.h);
+  const int64_t batch = bh / p.h;
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  const float* src = p.dq_accum + row * p.head_dim_rounded + col;
+  const float* src = p.dq_accum + batch * p.dqa_batch_stride + head * p.dqa_head_stride +
+                     dqa_offset(row, col, int(p.dqa_row_stride));
   for (int s = 0; s < p.num_splits; ++s) {
     const float4 a = *reinterpret_cast<const float4*>(src);
     const float4 b = *reinterpret_cast<const float4*>(src + 4);
@@ -117,7 +142,9 @@ __global__ void __launch_bounds__(256) convert_dq_kernel(const BwdParams p) {
 #pragma unroll
   for (int e = 0; e < 4; ++e)
     o[e] = pack2<T>(acc[2 * e] * p.scale_softmax, acc[2 * e + 1] * p.scale_softmax);
-  *reinterpret_cast<uint4*>(reinterpret_cast<T*>(p.dq) + row * p.d + col) = out;
+  *reinterpret_cast<uint4*>(reinterpret_cast<T*>(p.dq) + batch * p.dq_batch_stride +
+                            int64_t(row) * p.dq_row_stride + int64_t(head) * p.dq_head_stride +
+                            col) = out;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -137,6 +164,12 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
   T* sdS = sP + Tr::kSmemP;                // [BM][BN]
   float* sLse = reinterpret_cast<float*>(sdS + Tr::kSmemP);  // [2][BM]
   float* sDsum = sLse + 2 * BM;                              // [2][BM]
+  float* sdQ = sDsum + 2 * BM;                               // [BM + 8][D] (kBulk)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr bool kBulk = Tr::kBulkDq;
+#else
+  constexpr bool kBulk = false;
+#endif
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
@@ -172,6 +205,13 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
                       int64_t(bidh_k) * p.v_head_stride + int64_t(n0) * p.v_row_stride;
     load_tile<T, D, BN, NT>(sK, k_base, p.k_row_stride, valid_k, p.d, tid);
     load_tile<T, D, BN, NT>(sV, v_base, p.v_row_stride, valid_k, p.d, tid);
+    if constexpr (kBulk) {
+      // The dQ tiles write rows [(start_q & 7), + BM) of sdQ; the rows around them are
+      // copied too (whole 8-row groups) and must add zeros.
+      for (int i = tid * 4; i < (BM + 8) * D; i += NT * 4) {
+        *reinterpret_cast<float4*>(sdQ + i) = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
 
     // Issues the loads of step `it` (query head, query block) into buffer `stage`.
     auto load_q_do = [&](int it, int stage) {
@@ -203,6 +243,17 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
     };
     load_q_do(0, 0);
     cp_async_commit();
+    // kBulk: the dQ tile of a step waits in sdQ for the next barrier (the top of the next
+    // step, or after the loop); then thread 0 hands it to the bulk-copy engine. Its
+    // destination waits in shared memory (thread 0's own), not in registers across the loop.
+    __shared__ float* dq_pending;
+    __shared__ uint32_t dq_pending_bytes;
+    if (kBulk && tid == 0) dq_pending = nullptr;
+    auto issue_dq = [&]() {
+      if (kBulk && tid == 0 && dq_pending != nullptr) {
+        bulk_reduce_add_f32(dq_pending, smem_u32(sdQ), dq_pending_bytes);
+      }
+    };
 
     const float sl2 = p.scale_softmax_log2;
     for (int it = 0; it < total; ++it) {
@@ -218,6 +269,7 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
         load_q_do(it + 1, stage ^ 1);
         cp_async_commit();
       }
+      issue_dq();
 
       // S and dP in column slices of the warp tile: fewer live accumulators (no spills) for
       // a second load of the Q / dO fragments.
@@ -284,6 +336,7 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
         store_acc<T, BN>(sP, acc_s, s_m, col0, lane);
         store_acc<T, BN>(sdS, acc_dp, s_m, col0, lane);
       }
+      if (kBulk && tid == 0) bulk_wait_read();  // sdQ can be written again after the barrier
       __syncthreads();  // P and dS visible
 
       // dV += P^T dO, dK += dS^T Q (A = P^T / dS^T: k-major in shared memory).
@@ -291,11 +344,14 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
                                                                     kv_n, lane);
       warp_gemm<T, Tr::KV_MF, Tr::KV_NF, BM / 16, true, true, BN, D>(acc_dk, sdS, kv_m, sQs,
                                                                     kv_n, lane);
-      // dQ (this key block's part) = dS K, added into the accumulator; in column slices of
-      // the warp tile where the accumulator would not fit beside dK / dV.
+      // dQ (this key block's part) = dS K, added into dq_accum; in column slices of the warp
+      // tile where the accumulator would not fit beside dK / dV.
       constexpr int NFQ = Tr::Q_NF / Tr::kQSlices, kQSliceCols = Tr::Q_N / Tr::kQSlices;
-      float* dqa = p.dq_accum + si.in_loop_q().q_off(p.dqa_batch_stride, p.dqa_row_stride) +
-                   int64_t(split) * p.dqa_split_stride + int64_t(bidh) * p.dqa_head_stride;
+      const SeqInfo at = si.in_loop_q();
+      const int acc_row0 = (at.q_packed ? at.start_q : 0) + m0;  // dq_accum row of query m0
+      float* dqa = p.dq_accum + int64_t(split) * p.dqa_split_stride +
+                   (at.q_packed ? 0 : int64_t(at.bidb) * p.dqa_batch_stride) +
+                   int64_t(bidh) * p.dqa_head_stride;
 #pragma unroll
       for (int slice = 0; slice < Tr::kQSlices; ++slice) {
         const int col0 = q_n + slice * kQSliceCols;
@@ -303,28 +359,49 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
         zero(acc_dq);
         warp_gemm<T, Tr::Q_MF, NFQ, BN / 16, false, true, BN, D>(acc_dq, sdS, q_m, sK, col0,
                                                                  lane);
-        // Every row's address first, each in its own registers: a reduction reads its address
-        // register after issue, so one register reused for the next row stalls the warp until
-        // the memory queue has taken the previous row's reductions (ncu: 8-10% of the samples).
-        float* rows[Tr::Q_MF][2];
+        // Rows 16 mf + 8 r and columns 8 nf further are constant offsets in dq_accum's layout.
+        if constexpr (kBulk) {
+          // sdQ holds dq_accum's rows from (acc_row0 & ~7) on, in its layout.
+          float* dst = sdQ + dqa_offset((acc_row0 & 7) + q_m + g, col0 + 2 * t, D);
 #pragma unroll
-        for (int mf = 0; mf < Tr::Q_MF; ++mf)
+          for (int mf = 0; mf < Tr::Q_MF; ++mf)
 #pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int i = m0 + q_m + mf * 16 + g + 8 * r;
-            rows[mf][r] = dqa + int64_t(min(i, si.len_q - 1)) * p.dqa_row_stride + col0 + 2 * t;
-          }
+            for (int r = 0; r < 2; ++r)
 #pragma unroll
-        for (int mf = 0; mf < Tr::Q_MF; ++mf)
+              for (int nf = 0; nf < NFQ; ++nf) {
+                *reinterpret_cast<float2*>(dst + (16 * mf + 8 * r) * D + 64 * nf) =
+                    make_float2(acc_dq[mf][nf][2 * r], acc_dq[mf][nf][2 * r + 1]);
+              }
+        } else {
+          float* dst = dqa + dqa_offset(acc_row0 + q_m + g, col0 + 2 * t, D);
 #pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            if (m0 + q_m + mf * 16 + g + 8 * r >= si.len_q) continue;
+          for (int mf = 0; mf < Tr::Q_MF; ++mf)
 #pragma unroll
-            for (int nf = 0; nf < NFQ; ++nf) {
-              atomic_add2(rows[mf][r] + nf * 8, acc_dq[mf][nf][2 * r], acc_dq[mf][nf][2 * r + 1]);
+            for (int r = 0; r < 2; ++r) {
+              if (m0 + q_m + mf * 16 + g + 8 * r >= si.len_q) continue;
+#pragma unroll
+              for (int nf = 0; nf < NFQ; ++nf) {
+                atomic_add2(dst + (16 * mf + 8 * r) * D + 64 * nf, acc_dq[mf][nf][2 * r],
+                            acc_dq[mf][nf][2 * r + 1]);
+              }
             }
-          }
+        }
       }
+      if constexpr (kBulk) {
+        fence_proxy_async_smem();  // the bulk copy (async proxy) reads what this thread wrote
+        // Whole 8-row groups: the rows around this tile's (past len_q, or another sequence's
+        // in a packed batch) get exact zeros added.
+        if (tid == 0) {
+          dq_pending = dqa + int64_t(acc_row0 & ~7) * D;
+          dq_pending_bytes =
+              uint32_t((((acc_row0 & 7) + min(BM, si.len_q - m0) + 7) & ~7) * D * 4);
+        }
+      }
+    }
+    if constexpr (kBulk) {
+      __syncthreads();  // the last step's dQ tile is visible
+      issue_dq();
+      if (tid == 0) bulk_wait_all();  // complete before sdQ is reused or the CTA exits
     }
   }
 

@@ -10,7 +10,9 @@ namespace flash {
 namespace sm80 {
 
 // BwdTraits<T, head dim, query rows, key rows, warps, warps along M of S, warps along N of
-// dK/dV, warps along M of dQ, S/dP column slices, dQ column slices>. The dK/dV accumulators
+// dK/dV, warps along M of dQ, S/dP column slices, dQ column slices, dQ through the sm90
+// bulk-copy reduction>. The bulk dQ tile needs BM x D floats of shared memory: it fits
+// beside the rest up to d192 (d256 would need 275 KB). The dK/dV accumulators
 // live in registers for the whole CTA. Measured on H100 (2026-11-23, bwd TFLOPS, details in
 // NOTES.md): once the loop no longer spilled its sequence offsets, d64 with FlashAttention-2's
 // 128 x 128 tile beats 64 x 128 by 8-11% and d256 without dQ slices beats two slices by 1-3%
@@ -18,14 +20,14 @@ namespace sm80 {
 // the dQ reductions); slicing S/dP at d128 costs 8% (Q/dO fragments loaded twice).
 template <typename T, int kHeadDim>
 struct BwdConfig;
-template <typename T> struct BwdConfig<T, 64> { using Traits = BwdTraits<T, 64, 128, 128, 8, 4, 4, 4>; };
-template <typename T> struct BwdConfig<T, 128> { using Traits = BwdTraits<T, 128, 64, 128, 8, 2, 4, 2>; };
-template <typename T> struct BwdConfig<T, 192> { using Traits = BwdTraits<T, 192, 64, 64, 8, 4, 2, 2>; };
+template <typename T> struct BwdConfig<T, 64> { using Traits = BwdTraits<T, 64, 128, 128, 8, 4, 4, 4, 1, 1, true>; };
+template <typename T> struct BwdConfig<T, 128> { using Traits = BwdTraits<T, 128, 64, 128, 8, 2, 4, 2, 1, 1, true>; };
+template <typename T> struct BwdConfig<T, 192> { using Traits = BwdTraits<T, 192, 64, 64, 8, 4, 2, 2, 1, 1, true>; };
 template <typename T> struct BwdConfig<T, 256> { using Traits = BwdTraits<T, 256, 64, 64, 8, 4, 2, 2>; };
 
 template <typename T, int kHeadDim>
-constexpr int bwd_smem() {
-  return BwdConfig<T, kHeadDim>::Traits::kSmemBytes;
+constexpr int bwd_smem(bool sm90) {
+  return BwdConfig<T, kHeadDim>::Traits::smem_bytes(sm90);
 }
 
 template <typename T, int kHeadDim>
@@ -39,7 +41,7 @@ void launch_bwd(BwdParams& params, cudaStream_t stream) {
   const int num_n = (params.seqlen_k + Tr::BN - 1) / Tr::BN;
   if (num_n > 0) {
     dim3 grid(params.deterministic ? params.num_splits : num_n, params.h_k, params.b);
-    constexpr int smem = Tr::kSmemBytes;
+    const int smem = Tr::smem_bytes(params.sm90);
     allow_dynamic_smem<&bwd_kernel<Tr>>(smem);
     bwd_kernel<Tr><<<grid, Tr::kNThreads, smem, stream>>>(params);
   }

@@ -115,31 +115,31 @@ inline bool dispatch_bwd(bool bf16, int hd, BwdParams& params, cudaStream_t stre
 #endif
   return false;
 }
-// Dynamic shared memory of the backward kernel (0 if the build lacks it).
-inline int dispatch_bwd_smem(bool bf16, int hd) {
+// Dynamic shared memory of the backward kernel on an sm90 GPU or not (0 if the build lacks it).
+inline int dispatch_bwd_smem(bool bf16, int hd, bool sm90) {
 #ifdef TFA_FLASH_FP16_HDIM64
-  if (!bf16 && hd == 64) return bwd_smem_bytes<DType::kFP16, 64>();
+  if (!bf16 && hd == 64) return bwd_smem_bytes<DType::kFP16, 64>(sm90);
 #endif
 #ifdef TFA_FLASH_FP16_HDIM128
-  if (!bf16 && hd == 128) return bwd_smem_bytes<DType::kFP16, 128>();
+  if (!bf16 && hd == 128) return bwd_smem_bytes<DType::kFP16, 128>(sm90);
 #endif
 #ifdef TFA_FLASH_FP16_HDIM192
-  if (!bf16 && hd == 192) return bwd_smem_bytes<DType::kFP16, 192>();
+  if (!bf16 && hd == 192) return bwd_smem_bytes<DType::kFP16, 192>(sm90);
 #endif
 #ifdef TFA_FLASH_FP16_HDIM256
-  if (!bf16 && hd == 256) return bwd_smem_bytes<DType::kFP16, 256>();
+  if (!bf16 && hd == 256) return bwd_smem_bytes<DType::kFP16, 256>(sm90);
 #endif
 #ifdef TFA_FLASH_BF16_HDIM64
-  if (bf16 && hd == 64) return bwd_smem_bytes<DType::kBF16, 64>();
+  if (bf16 && hd == 64) return bwd_smem_bytes<DType::kBF16, 64>(sm90);
 #endif
 #ifdef TFA_FLASH_BF16_HDIM128
-  if (bf16 && hd == 128) return bwd_smem_bytes<DType::kBF16, 128>();
+  if (bf16 && hd == 128) return bwd_smem_bytes<DType::kBF16, 128>(sm90);
 #endif
 #ifdef TFA_FLASH_BF16_HDIM192
-  if (bf16 && hd == 192) return bwd_smem_bytes<DType::kBF16, 192>();
+  if (bf16 && hd == 192) return bwd_smem_bytes<DType::kBF16, 192>(sm90);
 #endif
 #ifdef TFA_FLASH_BF16_HDIM256
-  if (bf16 && hd == 256) return bwd_smem_bytes<DType::kBF16, 256>();
+  if (bf16 && hd == 256) return bwd_smem_bytes<DType::kBF16, 256>(sm90);
 #endif
   return 0;
 }

@@ -82,14 +82,20 @@ struct BwdParams : FwdParams {
   void* __restrict__ dv;
   int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
   int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
-  // dQ: float32 accumulator [splits][q rows][h][head_dim_rounded] with q's batch/row/head
-  // strides (dqa_*, elements), zeroed by the caller; dq (the T output, contiguous
-  // [q rows * h][d]) is written from it at the end. dq_rows = q rows * h.
+  // dQ: float32 accumulator, zeroed by the caller, per (split, sequence, head) a block of
+  // dqa_rows rows (seqlen_q; thd: all tokens, the sequences one after another) rounded up to
+  // 8, of D = dqa_row_stride floats each (the kernel head dim). Inside a block, groups of 8
+  // rows in mma accumulator order: (row, col) at (row & ~7) * D + (col / 8) * 64 +
+  // (row % 8) * 8 + col % 8 (bwd_kernel_sm80.cuh, dqa_offset). dq (the T output, q's
+  // format) is written from it at the end with its own strides; dq_rows = b * h * dqa_rows
+  // (thd: h * dqa_rows).
   float* __restrict__ dq_accum;
-  int64_t dqa_batch_stride, dqa_row_stride, dqa_head_stride, dqa_split_stride;
+  int64_t dqa_batch_stride, dqa_row_stride, dqa_head_stride, dqa_split_stride, dqa_rows;
   void* __restrict__ dq;
+  int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
   int64_t dq_rows;
-  int head_dim_rounded;
+  // The GPU is sm90 (Hopper): kernels that have an sm90 path take it (its shared memory too).
+  bool sm90;
   // rowsum(dO * O) per query row, float32, laid out as lse (written by the backward).
   float* __restrict__ dsum;
   // Deterministic: num_splits CTAs per (kv head, batch) each own a dq_accum split and add
@@ -104,9 +110,10 @@ template <DType kDType, int kHeadDim>
 void run_fwd(FwdParams& params, cudaStream_t stream);
 template <DType kDType, int kHeadDim>
 void run_bwd(BwdParams& params, cudaStream_t stream);
-// Dynamic shared memory the backward needs (the binding checks it against the device).
+// Dynamic shared memory the backward needs on an sm90 GPU or not (the binding checks it
+// against the device).
 template <DType kDType, int kHeadDim>
-int bwd_smem_bytes();
+int bwd_smem_bytes(bool sm90);
 
 }  // namespace flash
 }  // namespace transformer_fa

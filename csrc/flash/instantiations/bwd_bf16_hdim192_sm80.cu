@@ -10,8 +10,8 @@ void run_bwd<DType::kBF16, 192>(BwdParams& params, cudaStream_t stream) {
 }
 
 template <>
-int bwd_smem_bytes<DType::kBF16, 192>() {
-  return sm80::bwd_smem<__nv_bfloat16, 192>();
+int bwd_smem_bytes<DType::kBF16, 192>(bool sm90) {
+  return sm80::bwd_smem<__nv_bfloat16, 192>(sm90);
 }
 
 }  // namespace flash

@@ -10,8 +10,8 @@ void run_bwd<DType::kBF16, 256>(BwdParams& params, cudaStream_t stream) {
 }
 
 template <>
-int bwd_smem_bytes<DType::kBF16, 256>() {
-  return sm80::bwd_smem<__nv_bfloat16, 256>();
+int bwd_smem_bytes<DType::kBF16, 256>(bool sm90) {
+  return sm80::bwd_smem<__nv_bfloat16, 256>(sm90);
 }
 
 }  // namespace flash

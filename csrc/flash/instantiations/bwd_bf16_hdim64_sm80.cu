@@ -10,8 +10,8 @@ void run_bwd<DType::kBF16, 64>(BwdParams& params, cudaStream_t stream) {
 }
 
 template <>
-int bwd_smem_bytes<DType::kBF16, 64>() {
-  return sm80::bwd_smem<__nv_bfloat16, 64>();
+int bwd_smem_bytes<DType::kBF16, 64>(bool sm90) {
+  return sm80::bwd_smem<__nv_bfloat16, 64>(sm90);
 }
 
 }  // namespace flash

@@ -10,8 +10,8 @@ void run_bwd<DType::kFP16, 128>(BwdParams& params, cudaStream_t stream) {
 }
 
 template <>
-int bwd_smem_bytes<DType::kFP16, 128>() {
-  return sm80::bwd_smem<__half, 128>();
+int bwd_smem_bytes<DType::kFP16, 128>(bool sm90) {
+  return sm80::bwd_smem<__half, 128>(sm90);
 }
 
 }  // namespace flash

@@ -10,8 +10,8 @@ void run_bwd<DType::kFP16, 64>(BwdParams& params, cudaStream_t stream) {
 }
 
 template <>
-int bwd_smem_bytes<DType::kFP16, 64>() {
-  return sm80::bwd_smem<__half, 64>();
+int bwd_smem_bytes<DType::kFP16, 64>(bool sm90) {
+  return sm80::bwd_smem<__half, 64>(sm90);
 }
 
 }  // namespace flash
