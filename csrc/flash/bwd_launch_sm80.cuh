@@ -11,8 +11,8 @@ namespace sm80 {
 
 // BwdTraits<T, head dim, query rows, key rows, warps, warps along M of S, warps along N of
 // dK/dV, warps along M of dQ, S/dP column slices, dQ column slices, dQ through the sm90
-// bulk-copy reduction>. The bulk dQ tile needs BM x D floats of shared memory: it fits
-// beside the rest up to d192 (d256 would need 275 KB). The dK/dV accumulators
+// bulk-copy reduction>. The bulk dQ tile needs (BM + 8) x D floats of shared memory: it
+// fits beside the rest up to d192 (d256 would need 281 KB). The dK/dV accumulators
 // live in registers for the whole CTA. Measured on H100 (2026-11-23, bwd TFLOPS, details in
 // NOTES.md): once the loop no longer spilled its sequence offsets, d64 with FlashAttention-2's
 // 128 x 128 tile beats 64 x 128 by 8-11% and d256 without dQ slices beats two slices by 1-3%
@@ -41,6 +41,9 @@ void launch_bwd(BwdParams& params, cudaStream_t stream) {
   const int num_n = (params.seqlen_k + Tr::BN - 1) / Tr::BN;
   if (num_n > 0) {
     dim3 grid(params.deterministic ? params.num_splits : num_n, params.h_k, params.b);
+    // The kernel takes the bulk path where its code is sm_90a (compile time); the host sizes
+    // shared memory by the GPU. They agree whenever the sm_90a code can run (sm_80 code on a
+    // Hopper GPU just gets unused shared memory).
     const int smem = Tr::smem_bytes(params.sm90);
     allow_dynamic_smem<&bwd_kernel<Tr>>(smem);
     bwd_kernel<Tr><<<grid, Tr::kNThreads, smem, stream>>>(params);

@@ -94,7 +94,8 @@ struct BwdParams : FwdParams {
   void* __restrict__ dq;
   int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
   int64_t dq_rows;
-  // The GPU is sm90 (Hopper): kernels that have an sm90 path take it (its shared memory too).
+  // The GPU is sm90 (Hopper): the launch gives the backward the shared memory of its sm90
+  // path (the bulk dQ tile). dqa_row_stride is the kernel head dim D (the layout above).
   bool sm90;
   // rowsum(dO * O) per query row, float32, laid out as lse (written by the backward).
   float* __restrict__ dsum;
