@@ -13,7 +13,8 @@ namespace transformer_fa {
 namespace flash {
 namespace sm80 {
 
-template <typename T, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kMinBlocks_ = 1>
+template <typename T, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kMinBlocks_,
+          bool kSXorAddressing_, int kSAhead_>
 struct FwdTraits {
   static constexpr int kMinBlocks = kMinBlocks_;  // __launch_bounds__ occupancy hint
   using Element = T;
@@ -23,10 +24,13 @@ struct FwdTraits {
   static constexpr int kNWarps = kNWarps_;
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr int kMFrags = kBlockM / (16 * kNWarps);  // 16-row MMA tiles per warp
-  // With one 16-row tile per warp, its Q fragments stay in registers for the whole loop
-  // (4 * head_dim / 16 registers) instead of being re-read from shared memory per key block.
-  // (Not above d = 128: the O accumulators need those registers.)
-  static constexpr bool kQInRegs = kMFrags == 1 && kHeadDim_ <= 128;
+  // S = Q K^T: Q / K fragment addresses as one XOR-swizzled base per lane and operand
+  // (kSXorAddressing, power-of-two head dims) or through warp_gemm's LaneTiles; B fragments
+  // loaded kSAhead MMA steps ahead (mma_pipeline). Measured per head dim (fwd_launch_sm80.cuh).
+  static constexpr bool kSXorAddressing = kSXorAddressing_;
+  static constexpr int kSAhead = kSAhead_;
+  static_assert(!kSXorAddressing || (kHeadDim_ & (kHeadDim_ - 1)) == 0,
+                "the XOR step needs a power-of-two row length");
   static constexpr int kChunks = kHeadDim / 8;              // 16-byte chunks per row
   static constexpr int kSmemQ = kBlockM * kHeadDim;         // elements
   static constexpr int kSmemKV = kBlockN * kHeadDim;
@@ -144,22 +148,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
     const uint32_t k_off0 = swz<D>(b_row, b_col) * int(sizeof(T));
     const uint32_t v_off0 = swz<D>(v_row, v_col) * int(sizeof(T));
     // The XOR step above needs a power-of-two row length (bytes of the row index clear of
-    // the chunk bits); d = 192 goes through the general per-lane tile addresses (only built
-    // then: LaneTile's opaque lane values would otherwise cost registers).
-    const LaneTile<D, !kPow2<D>> tq(sQ, warp_row0 + a_row, a_col), tk(sK, b_row, b_col),
-        tv(sV, v_row, v_col);
-    constexpr int QR = Tr::kQInRegs ? KF_QK : 1;
-    uint32_t q_frag[QR][MF][4];
-    if constexpr (Tr::kQInRegs) {
-      cp_async_wait_all();
-      __syncthreads();  // Q visible
-#pragma unroll
-      for (int kk = 0; kk < KF_QK; ++kk)
-#pragma unroll
-        for (int mf = 0; mf < MF; ++mf)
-          ldmatrix_x4(q_frag[kk][mf],
-                      smem_u32(sQ + swz<D>(warp_row0 + mf * 16 + a_row, kk * 16 + a_col)));
-    }
+    // the chunk bits); V at d = 192 goes through the general per-lane tile addresses (only
+    // built then: LaneTile's opaque lane values would otherwise cost registers).
+    const LaneTile<D, !kPow2<D>> tv(sV, v_row, v_col);
 
     for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
       const int n0 = n_block * BN;
@@ -172,38 +163,20 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
 
       // S = Q K^T
       float acc_s[MF][NF_S][4];
-#pragma unroll
-      for (int mf = 0; mf < MF; ++mf)
-#pragma unroll
-        for (int nf = 0; nf < NF_S; ++nf)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc_s[mf][nf][e] = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < KF_QK; ++kk) {
-        uint32_t a[MF][4];
-#pragma unroll
-        for (int mf = 0; mf < MF; ++mf) {
-          if constexpr (Tr::kQInRegs) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) a[mf][e] = q_frag[kk][mf][e];
-          } else {
-            ldmatrix_x4(a[mf], kPow2<D> ? sQ_u32 + ((q_off0 ^ (kk * 32)) +
-                                                    mf * 16 * D * int(sizeof(T)))
-                                        : tq.at(mf * 16, kk * 16));
-          }
-        }
-#pragma unroll
-        for (int nn = 0; nn < NF_S / 2; ++nn) {
-          uint32_t b[4];
-          // swz(row, 16 kk + c) = swz(row, c) ^ (2 kk chunks): one base offset per thread.
-          ldmatrix_x4(b, kPow2<D> ? sK_u32 + ((k_off0 ^ (kk * 32)) + nn * 16 * D * int(sizeof(T)))
-                                  : tk.at(nn * 16, kk * 16));
-#pragma unroll
-          for (int mf = 0; mf < MF; ++mf) {
-            mma_16816<T>(acc_s[mf][2 * nn], a[mf], b[0], b[1]);
-            mma_16816<T>(acc_s[mf][2 * nn + 1], a[mf], b[2], b[3]);
-          }
-        }
+      zero(acc_s);
+      if constexpr (Tr::kSXorAddressing) {
+        // swz(row, 16 kk + c) = swz(row, c) ^ (2 kk chunks): one base offset per operand.
+        mma_pipeline<T, MF, NF_S, KF_QK, Tr::kSAhead>(
+            acc_s,
+            [&](int kk, int mf, uint32_t(&a)[4]) {
+              ldmatrix_x4(a, sQ_u32 + ((q_off0 ^ (kk * 32)) + mf * 16 * D * int(sizeof(T))));
+            },
+            [&](int kk, int nn, uint32_t(&b)[4]) {
+              ldmatrix_x4(b, sK_u32 + ((k_off0 ^ (kk * 32)) + nn * 16 * D * int(sizeof(T))));
+            });
+      } else {
+        warp_gemm<T, MF, NF_S, KF_QK, false, false, D, D, Tr::kSAhead>(acc_s, sQ, warp_row0, sK,
+                                                                        0, lane);
       }
 
       // ALiBi, and the mask on blocks that reach past the keys or cross the band.

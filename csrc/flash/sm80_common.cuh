@@ -265,19 +265,54 @@ __device__ __forceinline__ void store_tile(T* gmem, int64_t row_stride, const T*
 // kSteps steps of 16, operands in swizzled shared tiles.
 //   A is m-major ([m][k], kATrans = false) or k-major ([k][m], kATrans = true);
 //   B is n-major ([n][k], kBTrans = false) or k-major ([k][n], kBTrans = true).
-// WarpMma holds one warp's operand addressing and the fragment loads / MMAs of one k step.
+// mma_pipeline orders the fragment loads and MMAs; WarpMma holds one warp's operand
+// addressing and loads one fragment.
 // ---------------------------------------------------------------------------------------
+
+// acc[MF][NF] += A B as kSteps * NF / 2 steps of one B fragment (n8 tiles 2 nn and 2 nn + 1 of
+// k step kk) each. B is loaded kAhead steps before its MMAs and A one k step before, so that
+// the MMAs in between cover the ldmatrix latency while only kAhead + 1 B fragments and two sets
+// of A fragments are live. load_a(kk, mf, frag) and load_b(kk, nn, frag) issue one ldmatrix.
+template <typename T, int MF, int NF, int kSteps, int kAhead, typename LoadA, typename LoadB>
+__device__ __forceinline__ void mma_pipeline(float (&acc)[MF][NF][4], const LoadA& load_a,
+                                             const LoadB& load_b) {
+  static_assert(NF % 2 == 0 && kAhead >= 1, "B fragments come in pairs of n8 tiles");
+  constexpr int kPairs = NF / 2;
+  constexpr int kTotal = kSteps * kPairs;
+  uint32_t a[2][MF][4];
+  uint32_t b[kAhead + 1][4];
+#pragma unroll
+  for (int mf = 0; mf < MF; ++mf) load_a(0, mf, a[0][mf]);
+#pragma unroll
+  for (int s = 0; s < kAhead && s < kTotal; ++s) load_b(s / kPairs, s % kPairs, b[s]);
+#pragma unroll
+  for (int s = 0; s < kTotal; ++s) {
+    const int kk = s / kPairs, nn = s % kPairs;
+    if (nn == 0 && kk + 1 < kSteps) {
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf) load_a(kk + 1, mf, a[(kk + 1) & 1][mf]);
+    }
+    if (s + kAhead < kTotal) {
+      const int sn = s + kAhead;
+      load_b(sn / kPairs, sn % kPairs, b[sn % (kAhead + 1)]);
+    }
+#pragma unroll
+    for (int mf = 0; mf < MF; ++mf) {
+      mma_16816<T>(acc[mf][2 * nn], a[kk & 1][mf], b[s % (kAhead + 1)][0], b[s % (kAhead + 1)][1]);
+      mma_16816<T>(acc[mf][2 * nn + 1], a[kk & 1][mf], b[s % (kAhead + 1)][2],
+                   b[s % (kAhead + 1)][3]);
+    }
+  }
+}
+
 template <typename T, int MF, int NF, bool kATrans, bool kBTrans, int kLdA, int kLdB>
 struct WarpMma {
-  static_assert(NF % 2 == 0, "B fragments come in pairs of n8 tiles");
   static_assert(sizeof(T) == 2, "16-bit elements");
   // The fragment steps along a row are k (from 0: clear of the lane's chunk bit) or, for a
   // transposed operand, m / n inside the warp tile: clear of the warp offset's bits when the
   // warp tile width is a power of two.
   static constexpr bool kSplitA = !kATrans || kPow2<MF * 16>;
   static constexpr bool kSplitB = !kBTrans || kPow2<NF * 8>;
-  using FragA = uint32_t[MF][4];
-  using FragB = uint32_t[NF / 2][4];
   LaneTile<kLdA, kSplitA> ta;
   LaneTile<kLdB, kSplitB> tb;
 
@@ -298,51 +333,31 @@ struct WarpMma {
       : ta(sA, kATrans ? a_row(lane) : m0 + a_row(lane), kATrans ? m0 + a_col(lane) : a_col(lane)),
         tb(sB, kBTrans ? b_row(lane) : n0 + b_row(lane), kBTrans ? n0 + b_col(lane) : b_col(lane)) {}
 
-  // Fragments of k step kk.
-  __device__ __forceinline__ void load(int kk, FragA& a, FragB& b) const {
-#pragma unroll
-    for (int mf = 0; mf < MF; ++mf) {
-      if constexpr (kATrans) {
-        ldmatrix_x4_trans(a[mf], ta.at(kk * 16, mf * 16));
-      } else {
-        ldmatrix_x4(a[mf], ta.at(mf * 16, kk * 16));
-      }
-    }
-#pragma unroll
-    for (int nn = 0; nn < NF / 2; ++nn) {
-      if constexpr (kBTrans) {
-        ldmatrix_x4_trans(b[nn], tb.at(kk * 16, nn * 16));
-      } else {
-        ldmatrix_x4(b[nn], tb.at(nn * 16, kk * 16));
-      }
+  // A fragment mf and B fragment nn (n8 tiles 2 nn, 2 nn + 1) of k step kk.
+  __device__ __forceinline__ void load_a(int kk, int mf, uint32_t (&a)[4]) const {
+    if constexpr (kATrans) {
+      ldmatrix_x4_trans(a, ta.at(kk * 16, mf * 16));
+    } else {
+      ldmatrix_x4(a, ta.at(mf * 16, kk * 16));
     }
   }
-  static __device__ __forceinline__ void mma(float (&acc)[MF][NF][4], const FragA& a,
-                                             const FragB& b) {
-#pragma unroll
-    for (int nn = 0; nn < NF / 2; ++nn)
-#pragma unroll
-      for (int mf = 0; mf < MF; ++mf) {
-        mma_16816<T>(acc[mf][2 * nn], a[mf], b[nn][0], b[nn][1]);
-        mma_16816<T>(acc[mf][2 * nn + 1], a[mf], b[nn][2], b[nn][3]);
-      }
+  __device__ __forceinline__ void load_b(int kk, int nn, uint32_t (&b)[4]) const {
+    if constexpr (kBTrans) {
+      ldmatrix_x4_trans(b, tb.at(kk * 16, nn * 16));
+    } else {
+      ldmatrix_x4(b, tb.at(nn * 16, kk * 16));
+    }
   }
 };
 
-template <typename T, int MF, int NF, int kSteps, bool kATrans, bool kBTrans, int kLdA, int kLdB>
+template <typename T, int MF, int NF, int kSteps, bool kATrans, bool kBTrans, int kLdA, int kLdB,
+          int kAhead = 2>
 __device__ __forceinline__ void warp_gemm(float (&acc)[MF][NF][4], const T* sA, int m0,
                                           const T* sB, int n0, int lane) {
-  using G = WarpMma<T, MF, NF, kATrans, kBTrans, kLdA, kLdB>;
-  const G g(sA, m0, sB, n0, lane);
-  // Fragments of step kk + 1 load while step kk multiplies (two register buffers).
-  typename G::FragA a[2];
-  typename G::FragB b[2];
-  g.load(0, a[0], b[0]);
-#pragma unroll
-  for (int kk = 0; kk < kSteps; ++kk) {
-    if (kk + 1 < kSteps) g.load(kk + 1, a[(kk + 1) & 1], b[(kk + 1) & 1]);
-    G::mma(acc, a[kk & 1], b[kk & 1]);
-  }
+  const WarpMma<T, MF, NF, kATrans, kBTrans, kLdA, kLdB> g(sA, m0, sB, n0, lane);
+  mma_pipeline<T, MF, NF, kSteps, kAhead>(
+      acc, [&](int kk, int mf, uint32_t(&a)[4]) { g.load_a(kk, mf, a); },
+      [&](int kk, int nn, uint32_t(&b)[4]) { g.load_b(kk, nn, b); });
 }
 
 template <int MF, int NF>
