@@ -296,7 +296,10 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
   const std::vector<int64_t> acc_shape =
       q_thd ? std::vector<int64_t>{splits, p.h, acc_rows8, hd}
             : std::vector<int64_t>{splits, b, p.h, acc_rows8, hd};
-  at::Tensor dq_accum = at::zeros(acc_shape, q.options().dtype(at::kFloat));
+  // Zeroed here only for thd (rows of tokens past the last sequence); otherwise the dsum
+  // kernel zeroes every row as it goes.
+  at::Tensor dq_accum = q_thd ? at::zeros(acc_shape, q.options().dtype(at::kFloat))
+                              : at::empty(acc_shape, q.options().dtype(at::kFloat));
   at::Tensor dsum = at::empty(lse_shape, q.options().dtype(at::kFloat));
 
   p.o = const_cast<void*>(out.data_ptr());
@@ -316,6 +319,7 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
   p.dqa_row_stride = hd;
   p.dqa_split_stride = dq_accum.stride(0);
   p.dqa_rows = acc_rows;
+  p.dqa_zeroed = q_thd;
   const Strides sdq = strides_of(dq, q_format);
   p.dq = dq.data_ptr();
   p.dq_batch_stride = sdq.batch; p.dq_row_stride = sdq.row; p.dq_head_stride = sdq.head;

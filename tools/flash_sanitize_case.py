@@ -1,6 +1,8 @@
 """A small varlen case for compute-sanitizer (racecheck / memcheck): thd, ragged lengths
 that are not multiples of the tiles, GQA, masks of both alignments and a sliding window, every
-built kernel head dim and one that is padded up, dropout and ALiBi on some calls.
+built kernel head dim and one that is padded up, dropout and ALiBi on some calls; then a
+bshd batch with sq != sk, neither a multiple of the tiles (the backward's dsum kernel zeroes
+dq_accum there; thd has it zeroed by the binding).
 With --backward, the backward runs after each forward (and once deterministic).
 See tests/gpu/README.md for the commands.
 
@@ -46,6 +48,18 @@ for d in (int(x) for x in args.dims.split(",")):
                 for deterministic in ((False, True) if left == -1 and right == 0 else (False,)):
                     dq, dk, dv = flash._bwd_impl(dout, q, k, v, out, lse, cu_q, cu_k, *mask,
                                                  *extra, deterministic)
+        # bshd: 2 sequences of 70 queries and 100 keys, GQA, no mask and causal bottom-right.
+        qb = torch.randn(2, 70, 4, d, device="cuda", dtype=dtype)
+        kb = torch.randn(2, 100, 2, d, device="cuda", dtype=dtype)
+        vb = torch.randn(2, 100, 2, d, device="cuda", dtype=dtype)
+        for right, br in ((-1, False), (0, True)):
+            mask = ("bshd", "bshd", 70, 100, 1 / math.sqrt(d), -1, right, br)
+            out, lse = flash._fwd_impl(qb, kb, vb, None, None, *mask, True, 0.0, None, None)
+            if args.backward:
+                dout = torch.randn_like(out)
+                for deterministic in (False, True):
+                    dq, dk, dv = flash._bwd_impl(dout, qb, kb, vb, out, lse, None, None, *mask,
+                                                 0.0, None, None, deterministic)
 torch.cuda.synchronize()
 print("sanitize case done", out.float().abs().sum().item(),
       dq.float().abs().sum().item() if args.backward else "")

@@ -1,7 +1,8 @@
 // FlashAttention-2-style backward for sm80+ (Ampere and Hopper alike).
 //
 // Three kernels:
-//   1. dot_do_o: dsum[i] = rowsum(dO[i] * O[i]) (float32, laid out as the LSE).
+//   1. dot_do_o: dsum[i] = rowsum(dO[i] * O[i]) (float32, laid out as the LSE); zeroes
+//      dq_accum's rows.
 //   2. bwd_kernel: one CTA per (key block, kv head, batch). K and V of the block stay in
 //      shared memory; the CTA walks every query head of its GQA group and every query block
 //      that sees the key block, recomputes P = exp(S - LSE), and accumulates dK and dV in
@@ -77,17 +78,30 @@ __device__ __forceinline__ int64_t dqa_offset(int row, int col, int ld) {
   return int64_t(row & ~7) * ld + ((col >> 3) << 6) + ((row & 7) << 3) + (col & 7);
 }
 
+// dq_accum of (split, sequence, head), and its row of the sequence's query row `row`.
+__device__ __forceinline__ float* dqa_block(const BwdParams& p, const SeqInfo& si, int split,
+                                            int bidh) {
+  return p.dq_accum + int64_t(split) * p.dqa_split_stride +
+         (si.q_packed ? 0 : int64_t(si.bidb) * p.dqa_batch_stride) +
+         int64_t(bidh) * p.dqa_head_stride;
+}
+__device__ __forceinline__ int dqa_row(const SeqInfo& si, int row) {
+  return (si.q_packed ? si.start_q : 0) + row;
+}
+
 // ---------------------------------------------------------------------------------------
-// 1. dsum = rowsum(dO * O): one warp per (query row, head); lanes over 8-element chunks.
+// 1. dsum = rowsum(dO * O): kLanes lanes per (query row, head), over 8-element chunks (32 / kLanes
+//    rows per warp: every lane loads at d64 and d128). Unless the caller did (dqa_zeroed), it
+//    also zeroes the row's dq_accum in every split, so that no separate pass writes it.
 // ---------------------------------------------------------------------------------------
-template <typename T>
+template <typename T, int kLanes>
 __global__ void __launch_bounds__(256) dot_do_o_kernel(const BwdParams p) {
-  constexpr int kRowsPerCta = 8;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  static_assert(kLanes == 8 || kLanes == 16 || kLanes == 32, "lanes per row");
+  constexpr int kRowsPerCta = 8 * 32 / kLanes;
+  const int lane = threadIdx.x % 32, sub = lane % kLanes;
   const int bidh = blockIdx.y, bidb = blockIdx.z;
   const SeqInfo si = seq_info(p, bidb);
-  const int row = blockIdx.x * kRowsPerCta + warp;
-  if (row >= si.rows_q) return;
+  const int row = blockIdx.x * kRowsPerCta + threadIdx.x / kLanes;
   float acc = 0.f;
   if (row < si.len_q) {
     const T* o = reinterpret_cast<const T*>(p.o) + si.q_off(p.o_batch_stride, p.o_row_stride) +
@@ -95,7 +109,7 @@ __global__ void __launch_bounds__(256) dot_do_o_kernel(const BwdParams p) {
     const T* dout = reinterpret_cast<const T*>(p.dout) +
                     si.q_off(p.do_batch_stride, p.do_row_stride) +
                     int64_t(row) * p.do_row_stride + int64_t(bidh) * p.do_head_stride;
-    for (int c = lane * 8; c < p.d; c += 32 * 8) {
+    for (int c = sub * 8; c < p.d; c += kLanes * 8) {
       const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
       const uint4 dv = *reinterpret_cast<const uint4*>(dout + c);
       const T* oe = reinterpret_cast<const T*>(&ov);
@@ -105,10 +119,22 @@ __global__ void __launch_bounds__(256) dot_do_o_kernel(const BwdParams p) {
     }
   }
 #pragma unroll
-  for (int s = 16; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
-  if (lane == 0) {
+  for (int s = kLanes / 2; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
+  if (row >= si.rows_q) return;
+  if (sub == 0) {
     p.dsum[si.q_off(p.lse_batch_stride, p.lse_row_stride) + int64_t(row) * p.lse_row_stride +
            int64_t(bidh) * p.lse_head_stride] = acc;
+  }
+  if (!p.dqa_zeroed) {
+    const int ld = int(p.dqa_row_stride);
+    for (int split = 0; split < p.num_splits; ++split) {
+      float* dqa = dqa_block(p, si, split, bidh);
+      for (int c = sub * 8; c < ld; c += kLanes * 8) {  // 8 contiguous floats per chunk
+        float4* dst = reinterpret_cast<float4*>(dqa + dqa_offset(dqa_row(si, row), c, ld));
+        dst[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+        dst[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
   }
 }
 
@@ -213,10 +239,11 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
       }
     }
 
-    // Issues the loads of step `it` (query head, query block) into buffer `stage`.
-    auto load_q_do = [&](int it, int stage) {
-      const int bidh = bidh_k * group + it / num_m;
-      const int m0 = (m_block_min + it % num_m) * BM;
+    // Issues the loads of the step (query head head_i of the group, query block m_i) into
+    // buffer `stage`.
+    auto load_q_do = [&](int head_i, int m_i, int stage) {
+      const int bidh = bidh_k * group + head_i;
+      const int m0 = (m_block_min + m_i) * BM;
       const int valid_q = min(BM, si.len_q - m0);
       const SeqInfo at = si.in_loop_q();
       load_tile<T, D, BM, NT>(sQ + stage * Tr::kSmemQ,
@@ -241,7 +268,7 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
         cp_async_4(smem_u32(dst), r < valid_q ? src : p.lse, r < valid_q);
       }
     };
-    load_q_do(0, 0);
+    load_q_do(0, 0, 0);
     cp_async_commit();
     // kBulk: the dQ tile of a step waits in sdQ for the next barrier (the top of the next
     // step, or after the loop); then thread 0 hands it to the bulk-copy engine. Its
@@ -256,17 +283,21 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
     };
 
     const float sl2 = p.scale_softmax_log2;
+    // Step it = head_i * num_m + m_i, counted along (no divisions in the loop).
+    int head_i = 0, m_i = 0;
     for (int it = 0; it < total; ++it) {
       const int stage = it & 1;
-      const int bidh = bidh_k * group + it / num_m;
-      const int m0 = (m_block_min + it % num_m) * BM;
+      const int bidh = bidh_k * group + head_i;
+      const int m0 = (m_block_min + m_i) * BM;
+      const bool last_m = m_i + 1 == num_m;
+      const int next_head = last_m ? head_i + 1 : head_i, next_m = last_m ? 0 : m_i + 1;
       const T* sQs = sQ + stage * Tr::kSmemQ;
       const T* sdOs = sdO + stage * Tr::kSmemQ;
 
       cp_async_wait_all();
       __syncthreads();  // Q/dO[it] (and K, V) visible; every warp is done with step it - 1
       if (it + 1 < total) {
-        load_q_do(it + 1, stage ^ 1);
+        load_q_do(next_head, next_m, stage ^ 1);
         cp_async_commit();
       }
       issue_dq();
@@ -348,10 +379,8 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
       // tile where the accumulator would not fit beside dK / dV.
       constexpr int NFQ = Tr::Q_NF / Tr::kQSlices, kQSliceCols = Tr::Q_N / Tr::kQSlices;
       const SeqInfo at = si.in_loop_q();
-      const int acc_row0 = (at.q_packed ? at.start_q : 0) + m0;  // dq_accum row of query m0
-      float* dqa = p.dq_accum + int64_t(split) * p.dqa_split_stride +
-                   (at.q_packed ? 0 : int64_t(at.bidb) * p.dqa_batch_stride) +
-                   int64_t(bidh) * p.dqa_head_stride;
+      const int acc_row0 = dqa_row(at, m0);  // dq_accum row of query m0
+      float* dqa = dqa_block(p, at, split, bidh);
 #pragma unroll
       for (int slice = 0; slice < Tr::kQSlices; ++slice) {
         const int col0 = q_n + slice * kQSliceCols;
@@ -397,6 +426,8 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
               uint32_t((((acc_row0 & 7) + min(BM, si.len_q - m0) + 7) & ~7) * D * 4);
         }
       }
+      head_i = next_head;
+      m_i = next_m;
     }
     if constexpr (kBulk) {
       __syncthreads();  // the last step's dQ tile is visible

@@ -35,8 +35,11 @@ void launch_bwd(BwdParams& params, cudaStream_t stream) {
   using Tr = typename BwdConfig<T, kHeadDim>::Traits;
   if (params.b == 0 || params.h == 0) return;
   if (params.seqlen_q > 0) {
-    dim3 grid((params.seqlen_q + 7) / 8, params.h, params.b);
-    dot_do_o_kernel<T><<<grid, 256, 0, stream>>>(params);
+    // Lanes per row: one 8-element chunk each (d 64, 128), or a whole warp.
+    constexpr int kLanes = kHeadDim <= 64 ? 8 : kHeadDim <= 128 ? 16 : 32;
+    constexpr int kRows = 8 * 32 / kLanes;
+    dim3 grid((params.seqlen_q + kRows - 1) / kRows, params.h, params.b);
+    dot_do_o_kernel<T, kLanes><<<grid, 256, 0, stream>>>(params);
   }
   const int num_n = (params.seqlen_k + Tr::BN - 1) / Tr::BN;
   if (num_n > 0) {
