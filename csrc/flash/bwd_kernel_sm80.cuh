@@ -92,7 +92,7 @@ __device__ __forceinline__ int dqa_row(const SeqInfo& si, int row) {
 // ---------------------------------------------------------------------------------------
 // 1. dsum = rowsum(dO * O): kLanes lanes per (query row, head), over 8-element chunks (32 / kLanes
 //    rows per warp: every lane loads at d64 and d128). Unless the caller did (dqa_zeroed), it
-//    also zeroes the row's dq_accum in every split, so that no separate pass writes it.
+//    also zeroes its rows of dq_accum in every split, so that no separate pass writes it.
 // ---------------------------------------------------------------------------------------
 template <typename T, int kLanes>
 __global__ void __launch_bounds__(256) dot_do_o_kernel(const BwdParams p) {
@@ -120,21 +120,21 @@ __global__ void __launch_bounds__(256) dot_do_o_kernel(const BwdParams p) {
   }
 #pragma unroll
   for (int s = kLanes / 2; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
-  if (row >= si.rows_q) return;
-  if (sub == 0) {
+  if (!p.dqa_zeroed) {
+    // bshd / sbhd: dq_accum row = query row, so the CTA's rows are whole 8-row groups of its
+    // block, one contiguous range (up to the rows rounded up to 8: the allocation).
+    const int row0 = blockIdx.x * kRowsPerCta;
+    const int rows = min(kRowsPerCta, ((si.rows_q + 7) & ~7) - row0);
+    const int n4 = rows * int(p.dqa_row_stride) / 4;
+    for (int split = 0; split < p.num_splits; ++split) {
+      float4* dst = reinterpret_cast<float4*>(dqa_block(p, si, split, bidh) +
+                                              int64_t(row0) * p.dqa_row_stride);
+      for (int i = threadIdx.x; i < n4; i += blockDim.x) dst[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
+  if (row < si.rows_q && sub == 0) {
     p.dsum[si.q_off(p.lse_batch_stride, p.lse_row_stride) + int64_t(row) * p.lse_row_stride +
            int64_t(bidh) * p.lse_head_stride] = acc;
-  }
-  if (!p.dqa_zeroed) {
-    const int ld = int(p.dqa_row_stride);
-    for (int split = 0; split < p.num_splits; ++split) {
-      float* dqa = dqa_block(p, si, split, bidh);
-      for (int c = sub * 8; c < ld; c += kLanes * 8) {  // 8 contiguous floats per chunk
-        float4* dst = reinterpret_cast<float4*>(dqa + dqa_offset(dqa_row(si, row), c, ld));
-        dst[0] = make_float4(0.f, 0.f, 0.f, 0.f);
-        dst[1] = make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-    }
   }
 }
 
