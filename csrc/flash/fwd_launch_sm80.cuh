@@ -16,7 +16,7 @@ namespace sm80 {
 // tiles with 4 warps and 2 CTAs per SM (FlashAttention-2's choice on H100) beat 128 x 64 with
 // 8 warps by 5-10% (H100, 2026-11-23). The S GEMM at d128 through warp_gemm with B one step
 // ahead: +2-4% over the XOR addressing (the SASS has fewer in-loop spills); the same costs
-// 3-4% at d64 (H100, 2026-11-24, three runs each, NOTES.md).
+// 3-4% at d64 (H100, 2026-11-23, three runs each, NOTES.md).
 template <typename T, int kHeadDim>
 struct FwdConfig;
 template <typename T> struct FwdConfig<T, 64> { using Traits = FwdTraits<T, 64, 128, 128, 4, 2, true, 1>; };

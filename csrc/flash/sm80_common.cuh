@@ -159,8 +159,9 @@ __device__ __forceinline__ int opaque(int x) {
 // ldmatrix addresses of one lane in a swizzled [rows][kLd] shared tile: the lane's own
 // position (row, col), then fragments at (row + dr, col + dc), dr and dc multiples of 8.
 // swz() XORs only the low 3 chunk bits, so when dc's low chunk bits are clear in col (kSplit),
-// a fragment's address is one of a few per-lane values (by dc % 64) plus a constant. The lane values are made opaque so that the main loops recompute them per GEMM
-// instead of hoisting one register per fragment (which spills).
+// a fragment's address is one of a few per-lane values (by dc % 64) plus a constant. The
+// lane values are made opaque so that the main loops recompute them per GEMM instead of
+// hoisting one register per fragment (which spills).
 template <int kLd, bool kSplit>
 struct LaneTile {
   uint32_t base;
@@ -296,11 +297,11 @@ __device__ __forceinline__ void mma_pipeline(float (&acc)[MF][NF][4], const Load
       const int sn = s + kAhead;
       load_b(sn / kPairs, sn % kPairs, b[sn % (kAhead + 1)]);
     }
+    const uint32_t(&bs)[4] = b[s % (kAhead + 1)];
 #pragma unroll
     for (int mf = 0; mf < MF; ++mf) {
-      mma_16816<T>(acc[mf][2 * nn], a[kk & 1][mf], b[s % (kAhead + 1)][0], b[s % (kAhead + 1)][1]);
-      mma_16816<T>(acc[mf][2 * nn + 1], a[kk & 1][mf], b[s % (kAhead + 1)][2],
-                   b[s % (kAhead + 1)][3]);
+      mma_16816<T>(acc[mf][2 * nn], a[kk & 1][mf], bs[0], bs[1]);
+      mma_16816<T>(acc[mf][2 * nn + 1], a[kk & 1][mf], bs[2], bs[3]);
     }
   }
 }
