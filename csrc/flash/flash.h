@@ -82,15 +82,15 @@ struct BwdParams : FwdParams {
   void* __restrict__ dv;
   int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
   int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
-  // dQ: float32 accumulator, per (split, sequence, head) a block of
-  // dqa_rows rows (seqlen_q; thd: all tokens, the sequences one after another) rounded up to
-  // 8, of D = dqa_row_stride floats each (the kernel head dim). Inside a block, groups of 8
-  // rows in mma accumulator order: (row, col) at (row & ~7) * D + (col / 8) * 64 +
-  // (row % 8) * 8 + col % 8 (bwd_kernel_sm80.cuh, dqa_offset). dq (the T output, q's
-  // format) is written from it at the end with its own strides; dq_rows = b * h * dqa_rows
-  // (thd: h * dqa_rows).
+  // dQ: float32 accumulator, per (split, sequence, head) a block of dqa_rows rows
+  // (seqlen_q; thd: all tokens, the sequences one after another) rounded up to 8, of
+  // D = dqa_row_stride floats each (the kernel head dim). Inside a block, groups of 8 rows in
+  // mma accumulator order: (row, col) at (row & ~7) * D + (col / 8) * 64 + (row % 8) * 8 +
+  // col % 8 (bwd_kernel_sm80.cuh, dqa_offset). dq (the T output, q's format) is written from
+  // it at the end with its own strides; dq_rows = b * h * dqa_rows (thd: h * dqa_rows).
   // dqa_zeroed: the caller zeroed it (thd, where tokens past the last sequence have rows);
-  // otherwise the dsum kernel zeroes the rows of every sequence as it reads them.
+  // otherwise the dsum kernel zeroes every block, row group by row group, before the main
+  // kernel adds into it.
   float* __restrict__ dq_accum;
   int64_t dqa_batch_stride, dqa_row_stride, dqa_head_stride, dqa_split_stride, dqa_rows;
   bool dqa_zeroed;
