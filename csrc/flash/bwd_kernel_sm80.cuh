@@ -347,7 +347,7 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
 #pragma unroll
               for (int e = 0; e < 4; ++e) {
                 const int r = e / 2;
-                const float pe = exp2_mixed(fmaf(acc_s[mf][nf][e], sl2, -lse2[mf][r]), nf);
+                const float pe = exp2f(fmaf(acc_s[mf][nf][e], sl2, -lse2[mf][r]));
                 const float z = (keep >> e) & 1 ? keep_scale : 0.f;
                 acc_s[mf][nf][e] = pe * z;
                 acc_dp[mf][nf][e] = pe * fmaf(acc_dp[mf][nf][e], z, -dsum[mf][r]);

@@ -215,7 +215,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
           for (int nf = 0; nf < NF_S; ++nf)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              const float pe = exp2_mixed(fmaf(acc_s[mf][nf][2 * r + e], sl2, -mx_scaled), nf);
+              const float pe = exp2f(fmaf(acc_s[mf][nf][2 * r + e], sl2, -mx_scaled));
               acc_s[mf][nf][2 * r + e] = pe;
               sum += pe;
             }

@@ -96,26 +96,6 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// 2^x for the softmax (x <= 0; -inf gives 0) on the FMA pipe: a degree-4 polynomial of the
-// fraction (relative error 3e-6, far below a bf16 / fp16 rounding of P) scaled by the integer
-// part through the exponent bits. exp2_mixed sends every fourth n8 tile of an S tile here and
-// the rest to MUFU.EX2, whose queue the ldmatrix and shared stores share.
-__device__ __forceinline__ float exp2_poly(float x) {
-  const float xc = fmaxf(x, -125.f);         // keeps the scaled exponent normal
-  const float t = xc + 12582912.f;           // 1.5 * 2^23: round(xc) in the low mantissa bits
-  const float f = xc - (t - 12582912.f);     // in [-0.5, 0.5]
-  float p = fmaf(0.00957010128f, f, 0.0559178591f);
-  p = fmaf(p, f, 0.240247443f);
-  p = fmaf(p, f, 0.693121791f);
-  p = fmaf(p, f, 0.999999285f);
-  // t's bits are 0x4B400000 + round(xc); shifted by 23 only round(xc) << 23 remains.
-  const float r = __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
-  return x < -125.f ? 0.f : r;
-}
-__device__ __forceinline__ float exp2_mixed(float x, int nf) {
-  return (nf & 3) == 3 ? exp2_poly(x) : exp2f(x);
-}
-
 // Adds (a, b) to two adjacent floats in global memory (8-byte aligned). Hopper has a vector
 // reduction; older GPUs take two.
 __device__ __forceinline__ void atomic_add2(float* ptr, float a, float b) {
