@@ -16,10 +16,12 @@
 //   dV += P^T dO, dK += dS^T Q   warps tile [BN x D] (kWarpsNdKV x rest)
 //   dQ  = dS K                   warps tile [BM x D] (kWarpsMdQ x rest) -> dq_accum
 // Q and dO are double-buffered: block i+1 loads while block i computes.
-// dQ goes into dq_accum with float reductions: per element from registers (sm80, or where
-// shared memory is short), or on sm90 (kBulkDq) as a tile in shared memory that one thread
-// hands to the bulk-copy engine (one reduction instruction per tile instead of one per two
-// elements per thread, and no registers held by reductions in flight).
+// dQ goes into dq_accum with float reductions: per element from registers (sm80), or on sm90
+// (kBulkDq) as a tile in shared memory that one thread hands to the bulk-copy engine (one
+// reduction instruction per tile instead of one per two elements per thread, and no
+// registers held by reductions in flight). Where the tile does not fit beside the rest
+// (d256), it takes the step's own Q / dO buffers once the dV and dK GEMMs are done with them
+// (kDqInStage), and the next step's loads wait for the middle barrier.
 #pragma once
 
 #include "sm80_common.cuh"
@@ -30,7 +32,7 @@ namespace sm80 {
 
 template <typename T, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kWarpsMS,
           int kWarpsNdKV, int kWarpsMdQ, int kSSlices_ = 1, int kQSlices_ = 1,
-          bool kBulkDq_ = false>
+          bool kBulkDq_ = false, bool kDqInStage_ = false>
 struct BwdTraits {
   using Element = T;
   static constexpr int D = kHeadDim_;
@@ -57,6 +59,13 @@ struct BwdTraits {
                 "warp tiles are whole 16 x 16 MMA tiles");
   static_assert(D % 64 == 0 && BN % 64 == 0, "tile rows are multiples of 64 (swizzle)");
   static constexpr bool kBulkDq = kBulkDq_;
+  // The bulk dQ tile takes the Q / dO buffers of the step that computed it (free once its
+  // dK GEMM is done) instead of its own shared memory: for head dims where (BM + 8) x D
+  // floats do not fit beside the rest. Costs a barrier per step, the next step's Q / dO load
+  // issued at the middle barrier instead of the top, and tiles of rows that start inside an
+  // 8-row group of dq_accum (packed sequences) go out from registers.
+  static constexpr bool kDqInStage = kDqInStage_;
+  static_assert(!kDqInStage || (kBulkDq && kQSlices == 1), "an alias of the whole bulk dQ tile");
   // Shared memory (elements): Q and dO double-buffered, K, V, P and dS; then the LSE and dsum
   // of the query block, double-buffered with Q (float).
   static constexpr int kSmemQ = BM * D, kSmemKV = BN * D, kSmemP = BM * BN;
@@ -65,7 +74,7 @@ struct BwdTraits {
   // Plus the float32 dQ tile on sm90 with kBulkDq: BM rows and up to 8 more, as the whole
   // 8-row groups of dq_accum's layout that it covers.
   static constexpr int smem_bytes(bool sm90) {
-    return kSmemBase + (kBulkDq && sm90 ? (BM + 8) * D * int(sizeof(float)) : 0);
+    return kSmemBase + (kBulkDq && !kDqInStage && sm90 ? (BM + 8) * D * int(sizeof(float)) : 0);
   }
   static_assert(2 * BM <= kNThreads, "one thread per LSE / dsum row");
 };
@@ -182,15 +191,26 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
                                               unsigned char* smem_raw) {
   using T = typename Tr::Element;
   constexpr int D = Tr::D, BM = Tr::BM, BN = Tr::BN, NT = Tr::kNThreads;
-  T* sQ = reinterpret_cast<T*>(smem_raw);  // [2][BM][D]
-  T* sdO = sQ + 2 * Tr::kSmemQ;            // [2][BM][D]
-  T* sK = sdO + 2 * Tr::kSmemQ;            // [BN][D]
+  // Q and dO, double-buffered: [Q 0][Q 1][dO 0][dO 1], or with kDqInStage [dO 0][Q 0][Q 1]
+  // [dO 1], so that a stage's pair is one block (the dQ tile).
+  T* sQdO = reinterpret_cast<T*>(smem_raw);  // 4 x [BM][D]
+  auto sQ_of = [&](int stage) {
+    return sQdO + (Tr::kDqInStage ? 1 + stage : stage) * Tr::kSmemQ;
+  };
+  auto sdO_of = [&](int stage) {
+    return sQdO + (Tr::kDqInStage ? 3 * stage : 2 + stage) * Tr::kSmemQ;
+  };
+  T* sK = sQdO + 4 * Tr::kSmemQ;             // [BN][D]
   T* sV = sK + Tr::kSmemKV;                // [BN][D]
   T* sP = sV + Tr::kSmemKV;                // [BM][BN]
   T* sdS = sP + Tr::kSmemP;                // [BM][BN]
   float* sLse = reinterpret_cast<float*>(sdS + Tr::kSmemP);  // [2][BM]
   float* sDsum = sLse + 2 * BM;                              // [2][BM]
-  float* sdQ = sDsum + 2 * BM;                               // [BM + 8][D] (kBulk)
+  // The bulk dQ tile of a step: its own [BM + 8][D] floats, or the step's Q / dO pair.
+  float* sdQ_own = sDsum + 2 * BM;
+  auto sdQ_of = [&](int stage) {
+    return Tr::kDqInStage ? reinterpret_cast<float*>(sQdO + 2 * stage * Tr::kSmemQ) : sdQ_own;
+  };
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr bool kBulk = Tr::kBulkDq;
 #else
@@ -231,11 +251,11 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
                       int64_t(bidh_k) * p.v_head_stride + int64_t(n0) * p.v_row_stride;
     load_tile<T, D, BN, NT>(sK, k_base, p.k_row_stride, valid_k, p.d, tid);
     load_tile<T, D, BN, NT>(sV, v_base, p.v_row_stride, valid_k, p.d, tid);
-    if constexpr (kBulk) {
+    if constexpr (kBulk && !Tr::kDqInStage) {
       // The dQ tiles write rows [(start_q & 7), + BM) of sdQ; the rows around them are
       // copied too (whole 8-row groups) and must add zeros.
       for (int i = tid * 4; i < (BM + 8) * D; i += NT * 4) {
-        *reinterpret_cast<float4*>(sdQ + i) = make_float4(0.f, 0.f, 0.f, 0.f);
+        *reinterpret_cast<float4*>(sdQ_own + i) = make_float4(0.f, 0.f, 0.f, 0.f);
       }
     }
 
@@ -246,12 +266,12 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
       const int m0 = (m_block_min + m_i) * BM;
       const int valid_q = min(BM, si.len_q - m0);
       const SeqInfo at = si.in_loop_q();
-      load_tile<T, D, BM, NT>(sQ + stage * Tr::kSmemQ,
+      load_tile<T, D, BM, NT>(sQ_of(stage),
                               reinterpret_cast<const T*>(p.q) +
                                   at.q_off(p.q_batch_stride, p.q_row_stride) +
                                   int64_t(bidh) * p.q_head_stride + int64_t(m0) * p.q_row_stride,
                               p.q_row_stride, valid_q, p.d, tid);
-      load_tile<T, D, BM, NT>(sdO + stage * Tr::kSmemQ,
+      load_tile<T, D, BM, NT>(sdO_of(stage),
                               reinterpret_cast<const T*>(p.dout) +
                                   at.q_off(p.do_batch_stride, p.do_row_stride) +
                                   int64_t(bidh) * p.do_head_stride +
@@ -270,15 +290,18 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
     };
     load_q_do(0, 0, 0);
     cp_async_commit();
-    // kBulk: the dQ tile of a step waits in sdQ for the next barrier (the top of the next
-    // step, or after the loop); then thread 0 hands it to the bulk-copy engine. Its
-    // destination waits in shared memory (thread 0's own), not in registers across the loop.
+    // kBulk: the dQ tile of a step waits in shared memory for the next barrier (the top of
+    // the next step, or after the loop); then thread 0 hands it to the bulk-copy engine. Its
+    // source and destination wait in shared memory (thread 0's own), not in registers across
+    // the loop. With kDqInStage, a tile that starts inside an 8-row group of dq_accum (a
+    // packed sequence's start) does not fit the Q / dO pair: that CTA reduces from registers.
+    const bool bulk = kBulk && (!Tr::kDqInStage || (dqa_row(si, 0) & 7) == 0);
     __shared__ float* dq_pending;
-    __shared__ uint32_t dq_pending_bytes;
+    __shared__ uint32_t dq_pending_src, dq_pending_bytes;
     if (kBulk && tid == 0) dq_pending = nullptr;
     auto issue_dq = [&]() {
-      if (kBulk && tid == 0 && dq_pending != nullptr) {
-        bulk_reduce_add_f32(dq_pending, smem_u32(sdQ), dq_pending_bytes);
+      if (bulk && tid == 0 && dq_pending != nullptr) {
+        bulk_reduce_add_f32(dq_pending, dq_pending_src, dq_pending_bytes);
       }
     };
 
@@ -291,12 +314,14 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
       const int m0 = (m_block_min + m_i) * BM;
       const bool last_m = m_i + 1 == num_m;
       const int next_head = last_m ? head_i + 1 : head_i, next_m = last_m ? 0 : m_i + 1;
-      const T* sQs = sQ + stage * Tr::kSmemQ;
-      const T* sdOs = sdO + stage * Tr::kSmemQ;
+      const T* sQs = sQ_of(stage);
+      const T* sdOs = sdO_of(stage);
 
       cp_async_wait_all();
       __syncthreads();  // Q/dO[it] (and K, V) visible; every warp is done with step it - 1
-      if (it + 1 < total) {
+      // The next step's loads: now, or (kDqInStage) once its buffers' previous dQ tile has
+      // been read, after the middle barrier.
+      if (!Tr::kDqInStage && it + 1 < total) {
         load_q_do(next_head, next_m, stage ^ 1);
         cp_async_commit();
       }
@@ -367,8 +392,12 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
         store_acc<T, BN>(sP, acc_s, s_m, col0, lane);
         store_acc<T, BN>(sdS, acc_dp, s_m, col0, lane);
       }
-      if (kBulk && tid == 0) bulk_wait_read();  // sdQ can be written again after the barrier
+      if (bulk && tid == 0) bulk_wait_read();  // the dQ tile's buffer is free after the barrier
       __syncthreads();  // P and dS visible
+      if (Tr::kDqInStage && it + 1 < total) {
+        load_q_do(next_head, next_m, stage ^ 1);
+        cp_async_commit();
+      }
 
       // dV += P^T dO, dK += dS^T Q (A = P^T / dS^T: k-major in shared memory).
       warp_gemm<T, Tr::KV_MF, Tr::KV_NF, BM / 16, true, true, BN, D>(acc_dv, sP, kv_m, sdOs,
@@ -389,9 +418,11 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
         warp_gemm<T, Tr::Q_MF, NFQ, BN / 16, false, true, BN, D>(acc_dq, sdS, q_m, sK, col0,
                                                                  lane);
         // Rows 16 mf + 8 r and columns 8 nf further are constant offsets in dq_accum's layout.
-        if constexpr (kBulk) {
-          // sdQ holds dq_accum's rows from (acc_row0 & ~7) on, in its layout.
-          float* dst = sdQ + dqa_offset((acc_row0 & 7) + q_m + g, col0 + 2 * t, D);
+        if (bulk) {
+          // kDqInStage: every warp is done with this step's Q / dO (dV and dK GEMMs).
+          if (Tr::kDqInStage) __syncthreads();
+          // The tile holds dq_accum's rows from (acc_row0 & ~7) on, in its layout.
+          float* dst = sdQ_of(stage) + dqa_offset((acc_row0 & 7) + q_m + g, col0 + 2 * t, D);
 #pragma unroll
           for (int mf = 0; mf < Tr::Q_MF; ++mf)
 #pragma unroll
@@ -416,12 +447,13 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
             }
         }
       }
-      if constexpr (kBulk) {
+      if (bulk) {
         fence_proxy_async_smem();  // the bulk copy (async proxy) reads what this thread wrote
         // Whole 8-row groups: the rows around this tile's (past len_q, or another sequence's
         // in a packed batch) get exact zeros added.
         if (tid == 0) {
           dq_pending = dqa + int64_t(acc_row0 & ~7) * D;
+          dq_pending_src = smem_u32(sdQ_of(stage));
           dq_pending_bytes =
               uint32_t((((acc_row0 & 7) + min(BM, si.len_q - m0) + 7) & ~7) * D * 4);
         }
