@@ -216,6 +216,7 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
 #else
   constexpr bool kBulk = false;
 #endif
+  constexpr bool kInStage = kBulk && Tr::kDqInStage;  // the dQ tile in the Q / dO buffers
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
@@ -251,7 +252,7 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
                       int64_t(bidh_k) * p.v_head_stride + int64_t(n0) * p.v_row_stride;
     load_tile<T, D, BN, NT>(sK, k_base, p.k_row_stride, valid_k, p.d, tid);
     load_tile<T, D, BN, NT>(sV, v_base, p.v_row_stride, valid_k, p.d, tid);
-    if constexpr (kBulk && !Tr::kDqInStage) {
+    if constexpr (kBulk && !kInStage) {
       // The dQ tiles write rows [(start_q & 7), + BM) of sdQ; the rows around them are
       // copied too (whole 8-row groups) and must add zeros.
       for (int i = tid * 4; i < (BM + 8) * D; i += NT * 4) {
@@ -295,7 +296,7 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
     // source and destination wait in shared memory (thread 0's own), not in registers across
     // the loop. With kDqInStage, a tile that starts inside an 8-row group of dq_accum (a
     // packed sequence's start) does not fit the Q / dO pair: that CTA reduces from registers.
-    const bool bulk = kBulk && (!Tr::kDqInStage || (dqa_row(si, 0) & 7) == 0);
+    const bool bulk = kBulk && (!kInStage || (dqa_row(si, 0) & 7) == 0);
     __shared__ float* dq_pending;
     __shared__ uint32_t dq_pending_src, dq_pending_bytes;
     if (kBulk && tid == 0) dq_pending = nullptr;
@@ -321,7 +322,7 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
       __syncthreads();  // Q/dO[it] (and K, V) visible; every warp is done with step it - 1
       // The next step's loads: now, or (kDqInStage) once its buffers' previous dQ tile has
       // been read, after the middle barrier.
-      if (!Tr::kDqInStage && it + 1 < total) {
+      if (!kInStage && it + 1 < total) {
         load_q_do(next_head, next_m, stage ^ 1);
         cp_async_commit();
       }
@@ -394,7 +395,7 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
       }
       if (bulk && tid == 0) bulk_wait_read();  // the dQ tile's buffer is free after the barrier
       __syncthreads();  // P and dS visible
-      if (Tr::kDqInStage && it + 1 < total) {
+      if (kInStage && it + 1 < total) {
         load_q_do(next_head, next_m, stage ^ 1);
         cp_async_commit();
       }
@@ -420,7 +421,7 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
         // Rows 16 mf + 8 r and columns 8 nf further are constant offsets in dq_accum's layout.
         if (bulk) {
           // kDqInStage: every warp is done with this step's Q / dO (dV and dK GEMMs).
-          if (Tr::kDqInStage) __syncthreads();
+          if (kInStage) __syncthreads();
           // The tile holds dq_accum's rows from (acc_row0 & ~7) on, in its layout.
           float* dst = sdQ_of(stage) + dqa_offset((acc_row0 & 7) + q_m + g, col0 + 2 * t, D);
 #pragma unroll
