@@ -32,7 +32,7 @@ namespace sm80 {
 
 template <typename T, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kWarpsMS,
           int kWarpsNdKV, int kWarpsMdQ, int kSSlices_ = 1, int kQSlices_ = 1,
-          bool kBulkDq_ = false, bool kDqInStage_ = false>
+          bool kBulkDq_ = false, bool kDqInStage_ = false, bool kZfillFromBase_ = true>
 struct BwdTraits {
   using Element = T;
   static constexpr int D = kHeadDim_;
@@ -66,6 +66,7 @@ struct BwdTraits {
   // 8-row group of dq_accum (packed sequences) go out from registers.
   static constexpr bool kDqInStage = kDqInStage_;
   static_assert(!kDqInStage || (kBulkDq && kQSlices == 1), "an alias of the whole bulk dQ tile");
+  static constexpr bool kZfillFromBase = kZfillFromBase_;  // load_tile's choice
   // Shared memory (elements): Q and dO double-buffered, K, V, P and dS; then the LSE and dsum
   // of the query block, double-buffered with Q (float).
   static constexpr int kSmemQ = BM * D, kSmemKV = BN * D, kSmemP = BM * BN;
@@ -250,8 +251,8 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
     const T* v_base = reinterpret_cast<const T*>(p.v) +
                       si.k_off(p.v_batch_stride, p.v_row_stride) +
                       int64_t(bidh_k) * p.v_head_stride + int64_t(n0) * p.v_row_stride;
-    load_tile<T, D, BN, NT>(sK, k_base, p.k_row_stride, valid_k, p.d, tid);
-    load_tile<T, D, BN, NT>(sV, v_base, p.v_row_stride, valid_k, p.d, tid);
+    load_tile<T, D, BN, NT, Tr::kZfillFromBase>(sK, k_base, p.k_row_stride, valid_k, p.d, tid);
+    load_tile<T, D, BN, NT, Tr::kZfillFromBase>(sV, v_base, p.v_row_stride, valid_k, p.d, tid);
     if constexpr (kBulk && !kInStage) {
       // The dQ tiles write rows [(start_q & 7), + BM) of sdQ; the rows around them are
       // copied too (whole 8-row groups) and must add zeros.
@@ -267,17 +268,16 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
       const int m0 = (m_block_min + m_i) * BM;
       const int valid_q = min(BM, si.len_q - m0);
       const SeqInfo at = si.in_loop_q();
-      load_tile<T, D, BM, NT>(sQ_of(stage),
-                              reinterpret_cast<const T*>(p.q) +
-                                  at.q_off(p.q_batch_stride, p.q_row_stride) +
-                                  int64_t(bidh) * p.q_head_stride + int64_t(m0) * p.q_row_stride,
-                              p.q_row_stride, valid_q, p.d, tid);
-      load_tile<T, D, BM, NT>(sdO_of(stage),
-                              reinterpret_cast<const T*>(p.dout) +
-                                  at.q_off(p.do_batch_stride, p.do_row_stride) +
-                                  int64_t(bidh) * p.do_head_stride +
-                                  int64_t(m0) * p.do_row_stride,
-                              p.do_row_stride, valid_q, p.d, tid);
+      load_tile<T, D, BM, NT, Tr::kZfillFromBase>(
+          sQ_of(stage),
+          reinterpret_cast<const T*>(p.q) + at.q_off(p.q_batch_stride, p.q_row_stride) +
+              int64_t(bidh) * p.q_head_stride + int64_t(m0) * p.q_row_stride,
+          p.q_row_stride, valid_q, p.d, tid);
+      load_tile<T, D, BM, NT, Tr::kZfillFromBase>(
+          sdO_of(stage),
+          reinterpret_cast<const T*>(p.dout) + at.q_off(p.do_batch_stride, p.do_row_stride) +
+              int64_t(bidh) * p.do_head_stride + int64_t(m0) * p.do_row_stride,
+          p.do_row_stride, valid_q, p.d, tid);
       // LSE and dsum rows (threads [0, BM) and [BM, 2 BM)); rows past len_q are zero here
       // and masked where they are read.
       if (tid < 2 * BM) {

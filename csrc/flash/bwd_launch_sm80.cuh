@@ -11,22 +11,23 @@ namespace sm80 {
 
 // BwdTraits<T, head dim, query rows, key rows, warps, warps along M of S, warps along N of
 // dK/dV, warps along M of dQ, S/dP column slices, dQ column slices, dQ through the sm90
-// bulk-copy reduction, the bulk dQ tile in the step's Q / dO buffers>. The dK/dV
-// accumulators live in registers for the whole CTA. Measured on H100 (bwd TFLOPS, details in
-// csrc/flash/NOTES.md):
+// bulk-copy reduction, the bulk dQ tile in the step's Q / dO buffers, zero-filled loads from
+// the tile base>. The dK/dV accumulators live in registers for the whole CTA. Measured on
+// H100 (bwd TFLOPS, details in csrc/flash/NOTES.md):
 // - d64: 64 x 128 tiles with 4 warps, so that two CTAs share an SM (97 KB of shared memory
 //   each with the dQ tile in the Q / dO buffers) and one's softmax overlaps the other's
 //   GEMMs: +4-5% over FlashAttention-2's 128 x 128 with 8 warps non-causal, +7% causal at
 //   s 1k, -1..-2% causal at 16k (2026-11-24). S/dP in two column slices (registers).
 // - d128: 128 key rows beat 64 by 15-20% (half the dQ reductions); slicing S/dP costs 8%
-//   (Q/dO fragments loaded twice).
+//   (Q/dO fragments loaded twice). Zero-filled chunks loaded from their own addresses (no
+//   select): +2-6%; the same costs d64 1-3%, d256 even (2026-11-24).
 // - d256: without dQ slices beats two slices by 1-3%; the bulk dQ tile (64 KB) does not fit
 //   beside the 208 KB of the rest, so it takes the Q / dO buffers (a third barrier per
 //   step): +4-8% over reducing from registers (2026-11-24).
 template <typename T, int kHeadDim>
 struct BwdConfig;
 template <typename T> struct BwdConfig<T, 64> { using Traits = BwdTraits<T, 64, 64, 128, 4, 4, 4, 2, 2, 1, true, true>; };
-template <typename T> struct BwdConfig<T, 128> { using Traits = BwdTraits<T, 128, 64, 128, 8, 2, 4, 2, 1, 1, true>; };
+template <typename T> struct BwdConfig<T, 128> { using Traits = BwdTraits<T, 128, 64, 128, 8, 2, 4, 2, 1, 1, true, false, false>; };
 template <typename T> struct BwdConfig<T, 192> { using Traits = BwdTraits<T, 192, 64, 64, 8, 4, 2, 2, 1, 1, true>; };
 template <typename T> struct BwdConfig<T, 256> { using Traits = BwdTraits<T, 256, 64, 64, 8, 4, 2, 2, 1, 1, true, true>; };
 

@@ -14,7 +14,7 @@ namespace flash {
 namespace sm80 {
 
 template <typename T, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kMinBlocks_,
-          bool kSXorAddressing_, int kSAhead_>
+          bool kSXorAddressing_, int kSAhead_, bool kZfillFromBase_ = true>
 struct FwdTraits {
   static constexpr int kMinBlocks = kMinBlocks_;  // __launch_bounds__ occupancy hint
   using Element = T;
@@ -41,7 +41,8 @@ struct FwdTraits {
   static __device__ __forceinline__ void load(Element* smem, const Element* gmem,
                                               int64_t row_stride, int valid_rows, int d,
                                               int tid) {
-    load_tile<Element, kHeadDim, kRows, kNThreads>(smem, gmem, row_stride, valid_rows, d, tid);
+    load_tile<Element, kHeadDim, kRows, kNThreads, kZfillFromBase_>(smem, gmem, row_stride,
+                                                                     valid_rows, d, tid);
   }
   static_assert(kBlockN % 16 == 0, "key blocks are multiples of 16");
 };

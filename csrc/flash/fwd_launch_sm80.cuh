@@ -9,20 +9,23 @@ namespace flash {
 namespace sm80 {
 
 // FwdTraits<T, head dim, query rows, key rows, warps, min CTAs per SM, S GEMM through XOR
-// base addresses, S GEMM B fragments loaded ahead>, one per head dim.
+// base addresses, S GEMM B fragments loaded ahead, zero-filled loads from the tile base>, one
+// per head dim.
 // d 64 / 128: the fastest of five shapes measured on an H100 (csrc/flash/NOTES.md): 4 warps
 // with 32 query rows each, as FlashAttention-2. d 192 / 256: warps of 16 rows, the O
 // accumulators (up to 128 registers) leave no room for more rows per warp; at d256 64 x 64
 // tiles with 4 warps and 2 CTAs per SM (FlashAttention-2's choice on H100) beat 128 x 64 with
 // 8 warps by 5-10% (H100, 2026-11-23). The S GEMM at d128 through warp_gemm with B one step
 // ahead: +2-4% over the XOR addressing (the SASS has fewer in-loop spills); the same costs
-// 3-4% at d64 (H100, 2026-11-23, three runs each, NOTES.md).
+// 3-4% at d64 (H100, 2026-11-23, three runs each, NOTES.md). d256 loads zero-filled chunks
+// from their own addresses (no select): +1-4%; the same at d128 costs 2-4%, d64 even
+// (H100, 2026-11-24).
 template <typename T, int kHeadDim>
 struct FwdConfig;
 template <typename T> struct FwdConfig<T, 64> { using Traits = FwdTraits<T, 64, 128, 128, 4, 2, true, 1>; };
 template <typename T> struct FwdConfig<T, 128> { using Traits = FwdTraits<T, 128, 128, 64, 4, 2, false, 1>; };
 template <typename T> struct FwdConfig<T, 192> { using Traits = FwdTraits<T, 192, 128, 64, 8, 1, false, 2>; };
-template <typename T> struct FwdConfig<T, 256> { using Traits = FwdTraits<T, 256, 64, 64, 4, 2, false, 2>; };
+template <typename T> struct FwdConfig<T, 256> { using Traits = FwdTraits<T, 256, 64, 64, 4, 2, false, 2, false>; };
 
 template <typename Tr>
 void launch_fwd_traits(FwdParams& params, cudaStream_t stream) {

@@ -184,7 +184,11 @@ struct LaneTile {
 
 // Copies rows [0, kRows) x columns [0, kRowLen) of a global tile into swizzled shared memory;
 // rows >= valid_rows and columns >= valid_cols (a multiple of 8) are zero-filled.
-template <typename T, int kRowLen, int kRows, int kThreads>
+// A zero-filled chunk's cp.async reads no bytes (src-size 0), so its source operand may be its
+// own address, past the tensor's end (memcheck-clean on ragged tails), or, with kZfillFromBase,
+// the tile's base, at the cost of a 64-bit select per chunk. Which one the kernels run faster
+// with depends on how ptxas then schedules their loops (measured per kernel, in the traits).
+template <typename T, int kRowLen, int kRows, int kThreads, bool kZfillFromBase = true>
 __device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64_t row_stride,
                                           int valid_rows, int valid_cols, int tid) {
   constexpr int kChunks = kRowLen / 8;
@@ -206,7 +210,7 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64_t row_st
       const int phase = i % kPhases;
       const uint32_t dst = smem_u32(smem + swz<kRowLen>(row0 + phase * kRowStep, col)) +
                            (i - phase) * kRowStep * kRowLen * int(sizeof(T));
-      cp_async_16(dst, ok ? src : gmem, ok);
+      cp_async_16(dst, kZfillFromBase && !ok ? gmem : src, ok);
       src += step;
     }
   } else {  // rows whose chunks do not divide over the threads (d = 192)
@@ -216,8 +220,8 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64_t row_st
       const int idx = tid + i * kThreads;
       const int row = idx / kChunks, col = (idx % kChunks) * 8;
       const bool ok = row < valid_rows && col < valid_cols;
-      cp_async_16(smem_u32(smem + swz<kRowLen>(row, col)), ok ? gmem + row * row_stride + col : gmem,
-                  ok);
+      cp_async_16(smem_u32(smem + swz<kRowLen>(row, col)),
+                  kZfillFromBase && !ok ? gmem : gmem + row * row_stride + col, ok);
     }
   }
 }
