@@ -55,7 +55,7 @@ void check_cu(const c10::optional<at::Tensor>& cu, const char* name, int64_t b,
 
 // Device attributes, cached per device (queried on every call otherwise).
 struct DeviceInfo {
-  int major = 0, sms = 0, smem_optin = 0;
+  int major = 0, sms = 0, smem_optin = 0, l2_bytes = 0;
 };
 
 const DeviceInfo& device_info(int device) {
@@ -67,6 +67,7 @@ const DeviceInfo& device_info(int device) {
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, device));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.smem_optin,
                                           cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.l2_bytes, cudaDevAttrL2CacheSize, device));
   }
   return info;
 }
@@ -178,6 +179,7 @@ int64_t fill_common(tf::FwdParams& p, const char* op, const at::Tensor& q, const
   const double keep = std::floor((1.0 - dropout_p) * 4294967296.0);
   p.dropout_threshold = static_cast<uint32_t>(std::min(keep, 4294967295.0));
   p.dropout_scale = static_cast<float>(1.0 / (1.0 - dropout_p));
+  p.l2_bytes = device_info(q.get_device()).l2_bytes;
   return b;
 }
 

@@ -17,7 +17,7 @@ else
   python3 -m pip install -v --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1
   echo "build rc=$? in $(( $(date +%s) - start )) s"; tail -3 "$OUT/build.log"
 fi
-so=$(find . -name 'transformer_fa_flash*.so' | head -1); echo "extension: $so"; cp "$so" "$OUT/" 2>/dev/null
+so=$(find . -path ./.prebuilt -prune -o -name 'transformer_fa_flash*.so' -print | head -1); echo "extension: $so"; cp "$so" "$OUT/" 2>/dev/null
 python3 -c "import torch, transformer_fa_flash as m; print('extension ok', m.HEAD_DIMS)" || exit 1
 timeout ${TEST_TIMEOUT:-150} python3 -m pytest tests/gpu/test_flash.py -q -p no:cacheprovider \
   --tb=short --maxfail=25 ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -${TEST_TAIL:-40}

@@ -70,6 +70,11 @@ struct FwdParams {
   const int64_t* __restrict__ rng_state;
   uint32_t dropout_threshold;
   float dropout_scale;  // 1 / (1 - p)
+
+  // Grid order (sm80_common.cuh, grid_tile): the GPU's L2 size in bytes (set by the binding;
+  // 0: unknown), and the (batch, head) pairs per group of the grid (set by the launch).
+  int l2_bytes;
+  int group_heads;
 };
 
 // Backward: the forward's tensors and mask, plus the gradients.

@@ -68,9 +68,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
   T* sV = sK + Tr::kSmemKV;
 
   // Heavier (later, under causal masks) query tiles first.
-  const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int bidh = blockIdx.y;
-  const int bidb = blockIdx.z;
+  const int num_m_blocks = (p.seqlen_q + BM - 1) / BM;
+  const GridTile gt = grid_tile(num_m_blocks, p.h, p.b, p.group_heads);
+  const int m_block = num_m_blocks - 1 - gt.tile;
+  const int bidh = gt.head;
+  const int bidb = gt.batch;
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;

@@ -31,7 +31,18 @@ template <typename Tr>
 void launch_fwd_traits(FwdParams& params, cudaStream_t stream) {
   const int num_m_blocks = (params.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
   if (num_m_blocks == 0 || params.b == 0 || params.h == 0) return;
-  dim3 grid(num_m_blocks, params.h, params.b);
+  // Under a causal-like mask (a right bound, no left one) a query tile's work grows with its
+  // position: heavy tiles first across a group of heads whose K and V (shared by a GQA
+  // group's heads) fit in L2. With uniform work, one head after another, so that its tiles
+  // read each K / V block at about the same time.
+  const int pairs = params.b * params.h;
+  const bool growing = params.window_right >= 0 && params.window_left < 0;
+  params.group_heads =
+      growing ? heads_per_group(int64_t(2) * params.seqlen_k * Tr::kHeadDim *
+                                    int(sizeof(typename Tr::Element)) * params.h_k / params.h,
+                                params.l2_bytes, pairs)
+              : 1;
+  dim3 grid(num_m_blocks * pairs);
   constexpr int smem = Tr::kSmemBytes;
   allow_dynamic_smem<&fwd_kernel<Tr>>(smem);
   fwd_kernel<Tr><<<grid, Tr::kNThreads, smem, stream>>>(params);

@@ -512,6 +512,35 @@ __device__ __forceinline__ uint32_t dropout_bits(const Dropout& d, int i0, int j
          (uint32_t(w.z < d.threshold) << 2) | (uint32_t(w.w < d.threshold) << 3);
 }
 
+// ---------------------------------------------------------------------------------------
+// Grid order
+// ---------------------------------------------------------------------------------------
+// The kernels run on a 1-D grid of num_tiles x heads x batches CTAs. Consecutive (batch,
+// head) pairs form groups of `group`; inside a group the CTAs go tile-major (tile 0 of every
+// head of the group, then tile 1, ...). Callers number the tiles heaviest first: under a
+// causal mask the work per tile varies up to num_tiles-fold, and with the light tiles last
+// the GPU's tail is short. The group bounds the data that running CTAs share in L2.
+struct GridTile {
+  int tile, head, batch;
+};
+__device__ __forceinline__ GridTile grid_tile(int num_tiles, int heads, int batches, int group) {
+  const int per_group = group * num_tiles;
+  const int first = int(blockIdx.x) / per_group * group;  // first (batch, head) of the group
+  const int rest = int(blockIdx.x) % per_group;
+  const int size = min(group, heads * batches - first);  // the last group may be smaller
+  const int tile = rest / size;
+  const int bh = first + rest % size;
+  return {tile, bh % heads, bh / heads};
+}
+
+// (batch, head) pairs per group: as many as keep what the CTAs of one pair share
+// (bytes_per_head) within the L2 cache.
+inline int heads_per_group(int64_t bytes_per_head, int l2_bytes, int pairs) {
+  const int64_t budget = l2_bytes > 0 ? int64_t(l2_bytes) : int64_t(40) << 20;
+  const int64_t group = budget / (bytes_per_head > 0 ? bytes_per_head : 1);
+  return int(group < 1 ? 1 : group > pairs ? pairs : group);
+}
+
 // Lets kKernel use `smem` bytes of dynamic shared memory (above the 48 KB default), once per
 // device and kernel (the attribute is per device and kernel).
 template <auto kKernel>

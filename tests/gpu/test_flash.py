@@ -584,6 +584,18 @@ def test_unaligned_inputs_run_on_copies():
         assert torch.equal(a, b)
 
 
+def test_causal_grid_in_head_groups():
+    """A causal forward whose (batch, head) pairs fall into two groups of the grid, the first
+    crossing the batch boundary and the last smaller (fwd_launch_sm80.cuh runs heavy query
+    tiles first inside groups of heads whose K and V fit in L2): every tile runs once."""
+    s, d = 4096, 128
+    l2 = torch.cuda.get_device_properties(DEV).L2_cache_size
+    group = max(1, l2 // (2 * s * d * 2))  # the launch's heads_per_group for bf16 K and V
+    c = Case(b=2, sq=s, hq=group // 2 + 1, dqk=d, mask="causal")
+    assert group < c.b * c.hq < 2 * group and c.hq < group
+    run_case(c)
+
+
 def test_long_sequence():
     """s = 131072 (b=1, h=8, d=128, bf16, causal): forward and backward run in memory linear
     in s, with finite gradients; the last query rows (the longest rows) against the
