@@ -534,11 +534,17 @@ __device__ __forceinline__ GridTile grid_tile(int num_tiles, int heads, int batc
 }
 
 // (batch, head) pairs per group: as many as keep what the CTAs of one pair share
-// (bytes_per_head) within the L2 cache.
-inline int heads_per_group(int64_t bytes_per_head, int l2_bytes, int pairs) {
-  const int64_t budget = l2_bytes > 0 ? int64_t(l2_bytes) : int64_t(40) << 20;
-  const int64_t group = budget / (bytes_per_head > 0 ? bytes_per_head : 1);
-  return int(group < 1 ? 1 : group > pairs ? pairs : group);
+// (bytes_per_head) within a third of the L2 cache, as whole batches or an equal share of one
+// batch's heads. A token's row holds all of its heads, so a group of neighbouring heads reads
+// whole or like parts of rows; groups that split rows unevenly ran 5-10% slower, and a
+// half-L2 budget also lost to a third (H100, NOTES.md).
+inline int heads_per_group(int64_t bytes_per_head, int l2_bytes, int heads, int pairs) {
+  const int64_t budget = (l2_bytes > 0 ? int64_t(l2_bytes) : int64_t(40) << 20) / 3;
+  int64_t group = budget / (bytes_per_head > 0 ? bytes_per_head : 1);
+  if (group >= pairs) return pairs;
+  if (group >= heads) return int(group / heads * heads);
+  while (group > 1 && heads % group != 0) --group;
+  return group < 1 ? 1 : int(group);
 }
 
 // Lets kKernel use `smem` bytes of dynamic shared memory (above the 48 KB default), once per

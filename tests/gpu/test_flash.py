@@ -584,16 +584,34 @@ def test_unaligned_inputs_run_on_copies():
         assert torch.equal(a, b)
 
 
-def test_causal_grid_in_head_groups():
-    """A causal forward whose (batch, head) pairs fall into two groups of the grid, the first
-    crossing the batch boundary and the last smaller (fwd_launch_sm80.cuh runs heavy query
-    tiles first inside groups of heads whose K and V fit in L2): every tile runs once."""
+def _heads_per_group(bytes_per_head, heads, pairs):
+    """sm80_common.cuh's heads_per_group on this GPU."""
+    group = torch.cuda.get_device_properties(DEV).L2_cache_size // 3 // bytes_per_head
+    if group >= pairs:
+        return pairs
+    if group >= heads:
+        return group // heads * heads
+    while group > 1 and heads % group:
+        group -= 1
+    return max(group, 1)
+
+
+@pytest.mark.parametrize("split", ["batches", "heads"])
+def test_causal_grid_in_head_groups(split):
+    """A causal forward whose (batch, head) pairs fall into several groups of the grid
+    (fwd_launch_sm80.cuh runs heavy query tiles first inside groups of heads whose K and V fit
+    in L2): groups of whole batches with a smaller last one, or of a share of one batch's
+    heads. Every tile runs once."""
     s, d = 4096, 128
-    l2 = torch.cuda.get_device_properties(DEV).L2_cache_size
-    group = max(1, l2 // (2 * s * d * 2))  # the launch's heads_per_group for bf16 K and V
-    c = Case(b=2, sq=s, hq=group // 2 + 1, dqk=d, mask="causal")
-    assert group < c.b * c.hq < 2 * group and c.hq < group
-    run_case(c)
+    kv_bytes = 2 * s * d * 2  # bf16 K and V of one head
+    fits = torch.cuda.get_device_properties(DEV).L2_cache_size // 3 // kv_bytes
+    b, h = (3, max(1, fits // 2)) if split == "batches" else (1, fits + fits // 2)
+    group = _heads_per_group(kv_bytes, h, b * h)
+    if split == "batches":
+        assert h < group < b * h and (b * h) % group, (h, group)
+    else:
+        assert 1 < group < h and h % group == 0, (h, group)
+    run_case(Case(b=b, sq=s, hq=h, dqk=d, mask="causal"))
 
 
 def test_long_sequence():
