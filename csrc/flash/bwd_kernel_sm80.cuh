@@ -484,15 +484,18 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
   store_tile<T, D, BN, NT>(dv, p.dv_row_stride, sV, rows_out, p.d, tid);
 }
 
-// Grid (key blocks, or num_splits in deterministic mode; kv heads; batch).
+// Grid (key blocks, or num_splits in deterministic mode; kv heads; batch), its blocks taken
+// in grid_tile's order. Under a causal mask the first key blocks see the most queries.
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) bwd_kernel(const BwdParams p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  const int bidh_k = blockIdx.y, bidb = blockIdx.z;
+  const GridTile gt = grid_tile(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z),
+                                gridDim.x, p.h_k, p.b, p.group_heads);
+  const int bidh_k = gt.head, bidb = gt.batch;
   const SeqInfo si = seq_info(p, bidb);
   const int num_n = (p.seqlen_k + Tr::BN - 1) / Tr::BN;
-  const int split = p.deterministic ? blockIdx.x : 0;
-  for (int n_block = blockIdx.x; n_block < num_n; n_block += gridDim.x) {
+  const int split = p.deterministic ? gt.tile : 0;
+  for (int n_block = gt.tile; n_block < num_n; n_block += gridDim.x) {
     if (n_block * Tr::BN >= si.rows_k) break;  // past this (packed) sequence
     bwd_key_block<Tr>(p, si, n_block, bidh_k, split, smem_raw);
   }

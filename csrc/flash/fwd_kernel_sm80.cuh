@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
 
   // Heavier (later, under causal masks) query tiles first.
   const int num_m_blocks = (p.seqlen_q + BM - 1) / BM;
-  const GridTile gt = grid_tile(num_m_blocks, p.h, p.b, p.group_heads);
+  const GridTile gt = grid_tile(blockIdx.x, num_m_blocks, p.h, p.b, p.group_heads);
   const int m_block = num_m_blocks - 1 - gt.tile;
   const int bidh = gt.head;
   const int bidb = gt.batch;

@@ -523,10 +523,11 @@ __device__ __forceinline__ uint32_t dropout_bits(const Dropout& d, int i0, int j
 struct GridTile {
   int tile, head, batch;
 };
-__device__ __forceinline__ GridTile grid_tile(int num_tiles, int heads, int batches, int group) {
+__device__ __forceinline__ GridTile grid_tile(int linear, int num_tiles, int heads, int batches,
+                                              int group) {
   const int per_group = group * num_tiles;
-  const int first = int(blockIdx.x) / per_group * group;  // first (batch, head) of the group
-  const int rest = int(blockIdx.x) % per_group;
+  const int first = linear / per_group * group;  // first (batch, head) of the group
+  const int rest = linear % per_group;
   const int size = min(group, heads * batches - first);  // the last group may be smaller
   const int tile = rest / size;
   const int bh = first + rest % size;

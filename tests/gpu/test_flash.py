@@ -596,22 +596,24 @@ def _heads_per_group(bytes_per_head, heads, pairs):
     return max(group, 1)
 
 
+@pytest.mark.parametrize("direction", ["forward", "backward"])
 @pytest.mark.parametrize("split", ["batches", "heads"])
-def test_causal_grid_in_head_groups(split):
-    """A causal forward whose (batch, head) pairs fall into several groups of the grid
-    (fwd_launch_sm80.cuh runs heavy query tiles first inside groups of heads whose K and V fit
-    in L2): groups of whole batches with a smaller last one, or of a share of one batch's
-    heads. Every tile runs once."""
+def test_causal_grid_in_head_groups(split, direction):
+    """A causal case whose (batch, head) pairs fall into several groups of the grid (the
+    launches run heavy tiles first inside groups of heads whose K and V, forward, or Q, dO
+    and dQ rows, backward, fit in a third of L2): groups of whole batches with a smaller last
+    one, or of a share of one batch's heads. Every tile runs once."""
     s, d = 4096, 128
-    kv_bytes = 2 * s * d * 2  # bf16 K and V of one head
-    fits = torch.cuda.get_device_properties(DEV).L2_cache_size // 3 // kv_bytes
+    # bf16 K and V of one head (forward); Q, dO and the float dQ accumulator (backward)
+    per_head = 2 * s * d * 2 if direction == "forward" else s * d * (2 * 2 + 4)
+    fits = torch.cuda.get_device_properties(DEV).L2_cache_size // 3 // per_head
     b, h = (3, max(1, fits // 2)) if split == "batches" else (1, fits + fits // 2)
-    group = _heads_per_group(kv_bytes, h, b * h)
+    group = _heads_per_group(per_head, h, b * h)
     if split == "batches":
         assert h < group < b * h and (b * h) % group, (h, group)
     else:
         assert 1 < group < h and h % group == 0, (h, group)
-    run_case(Case(b=b, sq=s, hq=h, dqk=d, mask="causal"))
+    run_case(Case(b=b, sq=s, hq=h, dqk=d, mask="causal"), backward=direction == "backward")
 
 
 def test_long_sequence():
