@@ -32,7 +32,8 @@ namespace sm80 {
 
 template <typename T, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kWarpsMS,
           int kWarpsNdKV, int kWarpsMdQ, int kSSlices_ = 1, int kQSlices_ = 1,
-          bool kBulkDq_ = false, bool kDqInStage_ = false, bool kZfillFromBase_ = true>
+          bool kBulkDq_ = false, bool kDqInStage_ = false, bool kZfillFromBase_ = true,
+          bool kGridOrder_ = false>
 struct BwdTraits {
   using Element = T;
   static constexpr int D = kHeadDim_;
@@ -67,6 +68,9 @@ struct BwdTraits {
   static constexpr bool kDqInStage = kDqInStage_;
   static_assert(!kDqInStage || (kBulkDq && kQSlices == 1), "an alias of the whole bulk dQ tile");
   static constexpr bool kZfillFromBase = kZfillFromBase_;  // load_tile's choice
+  // The CTAs take their (key block, kv head, batch) in grid_tile's order (so that the launch
+  // can run causal key blocks heavy first across head groups), or straight from blockIdx.
+  static constexpr bool kGridOrder = kGridOrder_;
   // Shared memory (elements): Q and dO double-buffered, K, V, P and dS; then the LSE and dsum
   // of the query block, double-buffered with Q (float).
   static constexpr int kSmemQ = BM * D, kSmemKV = BN * D, kSmemP = BM * BN;
@@ -484,20 +488,36 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
   store_tile<T, D, BN, NT>(dv, p.dv_row_stride, sV, rows_out, p.d, tid);
 }
 
-// Grid (key blocks, or num_splits in deterministic mode; kv heads; batch), its blocks taken
-// in grid_tile's order. Under a causal mask the first key blocks see the most queries.
+// Grid (key blocks, or num_splits in deterministic mode; kv heads; batch), its blocks taken in
+// grid_tile's order with kGridOrder. Under a causal mask the first key blocks see the most
+// queries. Each CTA walks key blocks tile, tile + gridDim.x, ... (one unless deterministic).
+// The two branches repeat the walk on purpose: through one shared helper or lambda, ptxas
+// scheduled the d192 / d256 kernels differently (their SASS changed, and d256 ran 2-5% slower
+// on an H100); as written, the kernels without kGridOrder compile to the same SASS as before
+// it (cuobjdump) and those with it to the measured SASS.
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) bwd_kernel(const BwdParams p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  const GridTile gt = grid_tile(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z),
-                                gridDim.x, p.h_k, p.b, p.group_heads);
-  const int bidh_k = gt.head, bidb = gt.batch;
-  const SeqInfo si = seq_info(p, bidb);
-  const int num_n = (p.seqlen_k + Tr::BN - 1) / Tr::BN;
-  const int split = p.deterministic ? gt.tile : 0;
-  for (int n_block = gt.tile; n_block < num_n; n_block += gridDim.x) {
-    if (n_block * Tr::BN >= si.rows_k) break;  // past this (packed) sequence
-    bwd_key_block<Tr>(p, si, n_block, bidh_k, split, smem_raw);
+  if constexpr (Tr::kGridOrder) {
+    const GridTile gt = grid_tile(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z),
+                                  gridDim.x, p.h_k, p.b, p.group_heads);
+    const int bidh_k = gt.head, bidb = gt.batch;
+    const SeqInfo si = seq_info(p, bidb);
+    const int num_n = (p.seqlen_k + Tr::BN - 1) / Tr::BN;
+    const int split = p.deterministic ? gt.tile : 0;
+    for (int n_block = gt.tile; n_block < num_n; n_block += gridDim.x) {
+      if (n_block * Tr::BN >= si.rows_k) break;  // past this (packed) sequence
+      bwd_key_block<Tr>(p, si, n_block, bidh_k, split, smem_raw);
+    }
+  } else {
+    const int bidh_k = blockIdx.y, bidb = blockIdx.z;
+    const SeqInfo si = seq_info(p, bidb);
+    const int num_n = (p.seqlen_k + Tr::BN - 1) / Tr::BN;
+    const int split = p.deterministic ? blockIdx.x : 0;
+    for (int n_block = blockIdx.x; n_block < num_n; n_block += gridDim.x) {
+      if (n_block * Tr::BN >= si.rows_k) break;  // past this (packed) sequence
+      bwd_key_block<Tr>(p, si, n_block, bidh_k, split, smem_raw);
+    }
   }
 }
 

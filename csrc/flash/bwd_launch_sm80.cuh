@@ -26,8 +26,8 @@ namespace sm80 {
 //   step): +4-8% over reducing from registers (2026-11-24).
 template <typename T, int kHeadDim>
 struct BwdConfig;
-template <typename T> struct BwdConfig<T, 64> { using Traits = BwdTraits<T, 64, 64, 128, 4, 4, 4, 2, 2, 1, true, true>; };
-template <typename T> struct BwdConfig<T, 128> { using Traits = BwdTraits<T, 128, 64, 128, 8, 2, 4, 2, 1, 1, true, false, false>; };
+template <typename T> struct BwdConfig<T, 64> { using Traits = BwdTraits<T, 64, 64, 128, 4, 4, 4, 2, 2, 1, true, true, true, true>; };
+template <typename T> struct BwdConfig<T, 128> { using Traits = BwdTraits<T, 128, 64, 128, 8, 2, 4, 2, 1, 1, true, false, false, true>; };
 template <typename T> struct BwdConfig<T, 192> { using Traits = BwdTraits<T, 192, 64, 64, 8, 4, 2, 2, 1, 1, true>; };
 template <typename T> struct BwdConfig<T, 256> { using Traits = BwdTraits<T, 256, 64, 64, 8, 4, 2, 2, 1, 1, true, true>; };
 
@@ -56,7 +56,7 @@ void launch_bwd(BwdParams& params, cudaStream_t stream) {
     const bool growing = params.window_right >= 0 && params.window_left < 0;
     const int64_t per_head = int64_t(params.seqlen_q) * kHeadDim * (params.h / params.h_k) *
                              (2 * int(sizeof(T)) + int(sizeof(float)));
-    params.group_heads = growing && !params.deterministic
+    params.group_heads = Tr::kGridOrder && growing && !params.deterministic
                              ? heads_per_group(per_head, params.l2_bytes, params.h_k, pairs)
                              : 1;
     dim3 grid(params.deterministic ? params.num_splits : num_n, params.h_k, params.b);
