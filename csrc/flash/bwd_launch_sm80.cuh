@@ -12,8 +12,11 @@ namespace sm80 {
 // BwdTraits<T, head dim, query rows, key rows, warps, warps along M of S, warps along N of
 // dK/dV, warps along M of dQ, S/dP column slices, dQ column slices, dQ through the sm90
 // bulk-copy reduction, the bulk dQ tile in the step's Q / dO buffers, zero-filled loads from
-// the tile base>. The dK/dV accumulators live in registers for the whole CTA. Measured on
-// H100 (bwd TFLOPS, details in csrc/flash/NOTES.md):
+// the tile base, CTAs in grid_tile's order>. The dK/dV accumulators live in registers for the
+// whole CTA. Measured on H100 (bwd TFLOPS, details in csrc/flash/NOTES.md):
+// - Grid order (causal key blocks heavy first across head groups, below): causal d64 +1-4%,
+//   d128 +2-4%, non-causal d64 -1%, d128 even (A/B); the d256 backward ran 2-5% slower
+//   with it (grid runs before and after), so d192 / d256 keep the launch order (2026-11-24).
 // - d64: 64 x 128 tiles with 4 warps, so that two CTAs share an SM (97 KB of shared memory
 //   each with the dQ tile in the Q / dO buffers) and one's softmax overlaps the other's
 //   GEMMs: +4-5% over FlashAttention-2's 128 x 128 with 8 warps non-causal, +7% causal at
