@@ -18,6 +18,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import sys
 import time
 import warnings
@@ -179,7 +180,7 @@ class Bench:
         self.backends = backends  # the ones measured; the others are left out of the records
         self.deadline = time.monotonic() + preset.budget_s
         self.data = {"gpu": gpu_name(device), "date": datetime.date.today().isoformat(),
-                     "torch": torch.__version__, "cudnn": cudnn_version(),
+                     "torch": torch.__version__, "cudnn": cudnn_version(), "grid_repeats": 1,
                      "records": [], "decode": [], "layer": []}
 
     def randn(self, *shape, dtype, grad=False):
@@ -265,16 +266,25 @@ class Bench:
             except Unavailable as exc:
                 res = {"reason": str(exc)}
             rec.update(res)
-            if rec["fwd_ms"]:
-                rec["fwd_tflops"] = round(flops / rec["fwd_ms"] / 1e9, 2)
-            if rec["bwd_ms"]:
-                rec["bwd_tflops"] = round(2.5 * flops / rec["bwd_ms"] / 1e9, 2)
+            set_tflops(rec, flops)
             self.data["records"].append(rec)
             log_row(rec)
 
     # ---- parts -------------------------------------------------------------------------
 
-    def grid(self, dtypes):
+    def grid(self, dtypes, repeats=1):
+        """The standard grid. With repeats > 1 the whole grid runs that many passes (the
+        backends of a row side by side in each) and each record keeps the median time over the
+        passes, the times of each pass in fwd_ms_runs / bwd_ms_runs."""
+        records = self.data["records"]
+        first = len(records)
+        for _ in range(repeats):
+            self.grid_pass(dtypes)
+        if repeats > 1:
+            records[first:] = median_over_passes(records[first:], repeats)
+        self.data["grid_repeats"] = repeats
+
+    def grid_pass(self, dtypes):
         p = self.p
         for dt in dtypes:
             for d in p.head_dims:
@@ -476,6 +486,31 @@ class TorchBlock(torch.nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
 
 
+def set_tflops(rec, flops):
+    """fwd_tflops / bwd_tflops of a record from its times (backward FLOPs: 2.5x forward)."""
+    for x, scale in (("fwd", 1.0), ("bwd", 2.5)):
+        if rec[f"{x}_ms"]:
+            rec[f"{x}_tflops"] = round(scale * flops / rec[f"{x}_ms"] / 1e9, 2)
+
+
+def median_over_passes(records, passes):
+    """Grid records of several passes, in pass order, merged into one record per row and
+    backend: the median time of the passes, and each pass's time in fwd_ms_runs / bwd_ms_runs."""
+    per_pass = len(records) // passes
+    merged = []
+    for i, rec in enumerate(records[:per_pass]):
+        runs = records[i::per_pass]
+        rec = dict(rec)
+        for x in ("fwd", "bwd"):
+            times = [r[f"{x}_ms"] for r in runs if r[f"{x}_ms"] is not None]
+            rec[f"{x}_ms_runs"] = times
+            rec[f"{x}_ms"] = statistics.median(times) if times else None
+        set_tflops(rec, attn_flops(rec["b"], rec["h"], rec["s"], rec["s"], rec["d"],
+                                   rec["causal"]))
+        merged.append(rec)
+    return merged
+
+
 def log_row(rec):
     keys = ("case", "backend", "model", "d", "causal", "s", "b", "sk", "fwd_tflops",
             "bwd_tflops", "kv_tb_per_s", "overhead_us", "tokens_per_s", "peak_mem_gb")
@@ -501,11 +536,15 @@ def main(argv=None):
     ap.add_argument("--backends", default=",".join(BACKENDS),
                     help="comma list of the backends to measure (default: all)")
     ap.add_argument("--tag", default="", help="suffix of the result files' name")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="passes over the grid; each row records the median over the passes")
     args = ap.parse_args(argv)
     backends = tuple(args.backends.split(","))
     unknown = sorted(set(backends) - set(BACKENDS))
     if unknown:
         ap.error(f"--backends: unknown {unknown}; expected names from {', '.join(BACKENDS)}")
+    if args.repeats < 1:
+        ap.error(f"--repeats: expected a positive number of passes, got {args.repeats}")
 
     preset = PRESETS["quick" if args.quick else "tiny" if args.tiny else "full"]
     if args.budget_s:
@@ -524,7 +563,7 @@ def main(argv=None):
     for part in args.parts.split(","):
         print(f"== {part} ({time.monotonic() - start:.0f} s)", flush=True)
         if part == "grid":
-            bench.grid(["bf16", "fp16"] if args.fp16 else ["bf16"])
+            bench.grid(["bf16", "fp16"] if args.fp16 else ["bf16"], args.repeats)
         else:
             getattr(bench, part)()
         bench.save()  # after each part, so a run cut short keeps what it measured

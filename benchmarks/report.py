@@ -94,8 +94,8 @@ def markdown(data, png_name=None):
     parts = [f"## Attention benchmarks: {data['gpu']}, {data['date']}",
              f"torch {data['torch']}, cuDNN {data['cudnn']}. TFLOPS by the FlashAttention "
              "convention (forward 4·b·h·sq·sk·d, halved for causal; backward 2.5x forward), "
-             "median of CUDA-event timings. Cells are forward / backward; each of ours adds "
-             "its ratio to the best PyTorch SDPA backend on the row."]
+             "median of CUDA-event timings" + passes_note(data) + ". Cells are forward / "
+             "backward; each of ours adds its ratio to the best PyTorch SDPA backend on the row."]
     for dtype in dict.fromkeys(r["dtype"] for r in case["grid"]):
         grid = [r for r in case["grid"] if r["dtype"] == dtype]
         parts.append(section(f"{dtype}, batch·seqlen = {grid[0]['b'] * grid[0]['s']}, "
@@ -129,6 +129,13 @@ def markdown(data, png_name=None):
     if data["layer"]:
         parts.append(layer_section(data["layer"]))
     return "\n\n".join(parts) + "\n"
+
+
+def passes_note(data):
+    """How the grid's times were taken when it ran more than one pass."""
+    n = data.get("grid_repeats", 1)
+    return (f"; the grid ran {n} passes (each row's backends side by side in every pass) and "
+            "each grid cell is the median time over the passes") if n > 1 else ""
 
 
 def varlen_section(varlen, padded):

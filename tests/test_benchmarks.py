@@ -8,7 +8,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import bench_attention, report  # noqa: E402
 
-TOP_KEYS = ["gpu", "date", "torch", "cudnn", "records", "decode", "layer"]
+TOP_KEYS = ["gpu", "date", "torch", "cudnn", "grid_repeats", "records", "decode", "layer"]
 
 
 def test_tiny_run_on_cpu(tmp_path):
@@ -50,6 +50,37 @@ def test_backends_and_tag_pick_what_is_measured(tmp_path):
     assert {r["case"] for r in data["records"]} == {"grid", "overhead"}
     with pytest.raises(SystemExit):
         bench_attention.main(["--tiny", "--device", "cpu", "--backends", "Flash"])
+
+
+def test_repeats_record_the_median_pass(tmp_path):
+    path = bench_attention.main(["--tiny", "--device", "cpu", "--out-dir", str(tmp_path),
+                                 "--parts", "grid", "--repeats", "3",
+                                 "--backends", "UnfusedDotProductAttention"])
+    data = json.loads(path.read_text())
+    assert data["grid_repeats"] == 3
+    grid = data["records"]
+    preset = bench_attention.PRESETS["tiny"]
+    assert len(grid) == len(preset.head_dims) * 2 * len(preset.seqlens)  # one per row
+    for r in grid:
+        for x in ("fwd", "bwd"):
+            runs = r[f"{x}_ms_runs"]
+            assert len(runs) == 3 and r[f"{x}_ms"] == sorted(runs)[1]
+            flops = bench_attention.attn_flops(r["b"], r["h"], r["s"], r["s"], r["d"],
+                                               r["causal"]) * (2.5 if x == "bwd" else 1)
+            assert r[f"{x}_tflops"] == round(flops / r[f"{x}_ms"] / 1e9, 2)
+    assert "median time over the passes" in path.with_suffix(".md").read_text()
+    with pytest.raises(SystemExit):
+        bench_attention.main(["--tiny", "--device", "cpu", "--repeats", "0"])
+
+
+def test_median_over_passes_merges_rows_in_pass_order():
+    rows = [dict(record(b, 1, 1), s=s, fwd_ms=t, bwd_ms=None if b == "x" else 2 * t)
+            for t in (3.0, 1.0, 2.0) for s, b in ((512, "a"), (1024, "x"))]
+    merged = bench_attention.median_over_passes(rows, 3)
+    assert [(r["s"], r["fwd_ms"], r["fwd_ms_runs"]) for r in merged] == [
+        (512, 2.0, [3.0, 1.0, 2.0]), (1024, 2.0, [3.0, 1.0, 2.0])]
+    assert merged[0]["bwd_ms"] == 4.0 and merged[1]["bwd_ms"] is None
+    assert merged[1]["bwd_ms_runs"] == []
 
 
 def record(backend, fwd, bwd, **kw):
