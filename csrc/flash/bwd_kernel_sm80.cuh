@@ -16,8 +16,8 @@
 //   dV += P^T dO, dK += dS^T Q   warps tile [BN x D] (kWarpsNdKV x rest)
 //   dQ  = dS K                   warps tile [BM x D] (kWarpsMdQ x rest) -> dq_accum
 // Q and dO are double-buffered: block i+1 loads while block i computes.
-// dQ goes into dq_accum with float reductions: per element from registers (sm80), or on sm90
-// (kBulkDq) as a tile in shared memory that one thread hands to the bulk-copy engine (one
+// dQ goes into dq_accum with float reductions: per element from registers (sm80, and d64),
+// or on sm90 (kBulkDq) as a tile in shared memory that one thread hands to the bulk-copy engine (one
 // reduction instruction per tile instead of one per two elements per thread, and no
 // registers held by reductions in flight). Where the tile does not fit beside the rest
 // (d256), it takes the step's own Q / dO buffers once the dV and dK GEMMs are done with them

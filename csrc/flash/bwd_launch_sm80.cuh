@@ -18,9 +18,12 @@ namespace sm80 {
 //   d128 +2-4%, non-causal d64 -1%, d128 even (A/B); the d256 backward ran 2-5% slower
 //   with it (grid runs before and after), so d192 / d256 keep the launch order (2026-11-24).
 // - d64: 64 x 128 tiles with 4 warps, so that two CTAs share an SM (97 KB of shared memory
-//   each with the dQ tile in the Q / dO buffers) and one's softmax overlaps the other's
-//   GEMMs: +4-5% over FlashAttention-2's 128 x 128 with 8 warps non-causal, +7% causal at
-//   s 1k, -1..-2% causal at 16k (2026-11-24). S/dP in two column slices (registers).
+//   each) and one's softmax overlaps the other's GEMMs: +4-5% over FlashAttention-2's
+//   128 x 128 with 8 warps non-causal, +7% causal at s 1k, -1..-2% causal at 16k
+//   (2026-11-24). S/dP in two column slices (registers). dQ reduced from registers: the
+//   bulk dQ tile (which must take the Q / dO buffers here, for two CTAs per SM) cost a
+//   barrier, 16 shared stores and a fence per step; without it +3-4% (A/B, 2026-11-24).
+//   At d128 the same change cost 5-8%.
 // - d128: 128 key rows beat 64 by 15-20% (half the dQ reductions); slicing S/dP costs 8%
 //   (Q/dO fragments loaded twice). Zero-filled chunks loaded from their own addresses (no
 //   select): +2-6%; the same costs d64 1-3%, d256 even (2026-11-24).
@@ -29,7 +32,7 @@ namespace sm80 {
 //   step): +4-8% over reducing from registers (2026-11-24).
 template <typename T, int kHeadDim>
 struct BwdConfig;
-template <typename T> struct BwdConfig<T, 64> { using Traits = BwdTraits<T, 64, 64, 128, 4, 4, 4, 2, 2, 1, true, true, true, true>; };
+template <typename T> struct BwdConfig<T, 64> { using Traits = BwdTraits<T, 64, 64, 128, 4, 4, 4, 2, 2, 1, false, false, true, true>; };
 template <typename T> struct BwdConfig<T, 128> { using Traits = BwdTraits<T, 128, 64, 128, 8, 2, 4, 2, 1, 1, true, false, false, true>; };
 template <typename T> struct BwdConfig<T, 192> { using Traits = BwdTraits<T, 192, 64, 64, 8, 4, 2, 2, 1, 1, true>; };
 template <typename T> struct BwdConfig<T, 256> { using Traits = BwdTraits<T, 256, 64, 64, 8, 4, 2, 2, 1, 1, true, true>; };
