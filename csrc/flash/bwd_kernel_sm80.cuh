@@ -17,9 +17,9 @@
 //   dQ  = dS K                   warps tile [BM x D] (kWarpsMdQ x rest) -> dq_accum
 // Q and dO are double-buffered: block i+1 loads while block i computes.
 // dQ goes into dq_accum with float reductions: per element from registers (sm80, and d64),
-// or on sm90 (kBulkDq) as a tile in shared memory that one thread hands to the bulk-copy engine (one
-// reduction instruction per tile instead of one per two elements per thread, and no
-// registers held by reductions in flight). Where the tile does not fit beside the rest
+// or on sm90 (kBulkDq) as a tile in shared memory that one thread hands to the bulk-copy
+// engine (one reduction instruction per tile instead of one per two elements per thread, and
+// no registers held by reductions in flight). Where the tile does not fit beside the rest
 // (d256), it takes the step's own Q / dO buffers once the dV and dK GEMMs are done with them
 // (kDqInStage), and the next step's loads wait for the middle barrier.
 #pragma once
@@ -491,33 +491,20 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
 // Grid (key blocks, or num_splits in deterministic mode; kv heads; batch), its blocks taken in
 // grid_tile's order with kGridOrder. Under a causal mask the first key blocks see the most
 // queries. Each CTA walks key blocks tile, tile + gridDim.x, ... (one unless deterministic).
-// The two branches repeat the walk on purpose: through one shared helper or lambda, ptxas
-// scheduled the d192 / d256 kernels differently (their SASS changed, and d256 ran 2-5% slower
-// on an H100); as written, the kernels without kGridOrder compile to the same SASS as before
-// it (cuobjdump) and those with it to the measured SASS.
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) bwd_kernel(const BwdParams p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
+  GridTile gt{int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
   if constexpr (Tr::kGridOrder) {
-    const GridTile gt = grid_tile(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z),
-                                  gridDim.x, p.h_k, p.b, p.group_heads);
-    const int bidh_k = gt.head, bidb = gt.batch;
-    const SeqInfo si = seq_info(p, bidb);
-    const int num_n = (p.seqlen_k + Tr::BN - 1) / Tr::BN;
-    const int split = p.deterministic ? gt.tile : 0;
-    for (int n_block = gt.tile; n_block < num_n; n_block += gridDim.x) {
-      if (n_block * Tr::BN >= si.rows_k) break;  // past this (packed) sequence
-      bwd_key_block<Tr>(p, si, n_block, bidh_k, split, smem_raw);
-    }
-  } else {
-    const int bidh_k = blockIdx.y, bidb = blockIdx.z;
-    const SeqInfo si = seq_info(p, bidb);
-    const int num_n = (p.seqlen_k + Tr::BN - 1) / Tr::BN;
-    const int split = p.deterministic ? blockIdx.x : 0;
-    for (int n_block = blockIdx.x; n_block < num_n; n_block += gridDim.x) {
-      if (n_block * Tr::BN >= si.rows_k) break;  // past this (packed) sequence
-      bwd_key_block<Tr>(p, si, n_block, bidh_k, split, smem_raw);
-    }
+    gt = grid_tile(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z), gridDim.x,
+                   p.h_k, p.b, p.group_heads);
+  }
+  const SeqInfo si = seq_info(p, gt.batch);
+  const int num_n = (p.seqlen_k + Tr::BN - 1) / Tr::BN;
+  const int split = p.deterministic ? gt.tile : 0;
+  for (int n_block = gt.tile; n_block < num_n; n_block += gridDim.x) {
+    if (n_block * Tr::BN >= si.rows_k) break;  // past this (packed) sequence
+    bwd_key_block<Tr>(p, si, n_block, gt.head, split, smem_raw);
   }
 }
 

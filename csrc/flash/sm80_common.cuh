@@ -518,9 +518,9 @@ __device__ __forceinline__ uint32_t dropout_bits(const Dropout& d, int i0, int j
 // num_tiles x heads x batches CTAs, numbered in the order the GPU starts them (`linear`: a 1-D
 // grid's blockIdx.x, or x + X (y + Y z) of a 3-D one). Consecutive (batch, head) pairs form
 // groups of `group`; inside a group the CTAs go tile-major (tile 0 of every head of the
-// group, then tile 1, ...); groups of one pair give the plain (tile, head, batch) order. Callers number the tiles heaviest first: under a
-// causal mask the work per tile varies up to num_tiles-fold, and with the light tiles last
-// the GPU's tail is short. The group bounds the data that running CTAs share in L2.
+// group, then tile 1, ...); groups of one pair give the plain (tile, head, batch) order.
+// Callers number the tiles heaviest first: under a causal mask the work per tile varies up to
+// num_tiles-fold, and with the light tiles last the GPU's tail is short. The group bounds the data that running CTAs share in L2.
 struct GridTile {
   int tile, head, batch;
 };
