@@ -69,7 +69,7 @@ def run_case(dt, d, b, sq, sk, h, hk, mask="no_mask", window=(-1, -1), alibi=Fal
     return True
 
 
-def bench(dims, dt, peers=True, fwd=True):
+def bench(dims, dt, peers=True, fwd=True, bwd=True):
     from triton.testing import do_bench
     from torch.nn.attention import SDPBackend, sdpa_kernel
     print("d causal s | ours fwd/bwd TFLOPS | FA2 fwd/bwd")
@@ -86,7 +86,7 @@ def bench(dims, dt, peers=True, fwd=True):
                 g = lambda: ext.bwd(do, q, k, v, out, lse, None, None, 0, 0, s, s, scale, -1, wr,
                                     False)
                 tf = flops / do_bench(f, return_mode="median") / 1e9 if fwd else 0.0
-                tb = 2.5 * flops / do_bench(g, return_mode="median") / 1e9
+                tb = 2.5 * flops / do_bench(g, return_mode="median") / 1e9 if bwd else 0.0
                 if not peers:
                     print(f"{d} {int(causal)} {s} | {tf:.0f} / {tb:.0f}", flush=True)
                     continue
@@ -133,6 +133,7 @@ def main():
     ap.add_argument("--long", action="store_true", help="s = 131072 forward + backward memory")
     ap.add_argument("--no-peers", action="store_true", help="time ours only")
     ap.add_argument("--bwd-only", action="store_true", help="time the backward only")
+    ap.add_argument("--fwd-only", action="store_true", help="time the forward only")
     ap.add_argument("--no-check", action="store_true", help="skip the correctness cases")
     args = ap.parse_args()
     dims = [int(x) for x in args.dims.split(",")]
@@ -144,6 +145,7 @@ def main():
             ok &= run_case(dt, d, 2, 200, 333, 4, 2, mask="causal")
             ok &= run_case(dt, d, 2, 333, 200, 4, 2, mask="causal_bottom_right")
             ok &= run_case(dt, d, 1, 257, 513, 8, 1, window=(100, 30))
+            ok &= run_case(dt, d, 4, 1900, 1500, 16, 4)  # more tiles than CTAs: persistent
             ok &= run_case(dt, d, 2, 300, 300, 4, 4, mask="causal", alibi=True)
             ok &= run_case(dt, d - 24 if d > 32 else d, 2, 150, 170, 4, 4)  # rounded-up head dim
             ok &= run_case(dt, d, 2, 1024, 1024, 8, 2, mask="causal", deterministic=True)
@@ -151,7 +153,8 @@ def main():
     if args.long:
         long_sequence()
     if args.bench:
-        bench(dims, torch.bfloat16, peers=not args.no_peers, fwd=not args.bwd_only)
+        bench(dims, torch.bfloat16, peers=not args.no_peers, fwd=not args.bwd_only,
+              bwd=not args.fwd_only)
 
 
 if __name__ == "__main__":
