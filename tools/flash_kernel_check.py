@@ -145,7 +145,7 @@ def main():
             ok &= run_case(dt, d, 2, 200, 333, 4, 2, mask="causal")
             ok &= run_case(dt, d, 2, 333, 200, 4, 2, mask="causal_bottom_right")
             ok &= run_case(dt, d, 1, 257, 513, 8, 1, window=(100, 30))
-            ok &= run_case(dt, d, 4, 1900, 1500, 16, 4)  # more tiles than CTAs: persistent
+            ok &= run_case(dt, d, 4, 1900, 1500, 16, 4)  # several waves of tiles, GQA, sq != sk
             ok &= run_case(dt, d, 2, 300, 300, 4, 4, mask="causal", alibi=True)
             ok &= run_case(dt, d - 24 if d > 32 else d, 2, 150, 170, 4, 4)  # rounded-up head dim
             ok &= run_case(dt, d, 2, 1024, 1024, 8, 2, mask="causal", deterministic=True)
