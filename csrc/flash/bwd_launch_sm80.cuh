@@ -59,10 +59,9 @@ void launch_bwd(BwdParams& params, cudaStream_t stream) {
     // across groups of kv heads whose Q, dO and dQ rows fit in a third of L2.
     // (causal backward +1-4%, H100; the deterministic splits keep the launch order.)
     const int pairs = params.b * params.h_k;
-    const bool growing = params.window_right >= 0 && params.window_left < 0;
     const int64_t per_head = int64_t(params.seqlen_q) * kHeadDim * (params.h / params.h_k) *
                              (2 * int(sizeof(T)) + int(sizeof(float)));
-    params.group_heads = Tr::kGridOrder && growing && !params.deterministic
+    params.group_heads = Tr::kGridOrder && work_grows(params) && !params.deterministic
                              ? heads_per_group(per_head, params.l2_bytes, params.h_k, pairs)
                              : 1;
     dim3 grid(params.deterministic ? params.num_splits : num_n, params.h_k, params.b);

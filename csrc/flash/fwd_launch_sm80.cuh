@@ -37,12 +37,11 @@ void launch_fwd_traits(FwdParams& params, cudaStream_t stream) {
   // H100). With uniform work, one head after another, so that its tiles read each K / V
   // block at about the same time (any grouping there lost up to 7%; NOTES.md).
   const int pairs = params.b * params.h;
-  const bool growing = params.window_right >= 0 && params.window_left < 0;
+  const int64_t kv_bytes_per_head = int64_t(2) * params.seqlen_k * Tr::kHeadDim *
+                                    int(sizeof(typename Tr::Element)) * params.h_k / params.h;
   params.group_heads =
-      growing ? heads_per_group(int64_t(2) * params.seqlen_k * Tr::kHeadDim *
-                                    int(sizeof(typename Tr::Element)) * params.h_k / params.h,
-                                params.l2_bytes, params.h, pairs)
-              : 1;
+      work_grows(params) ? heads_per_group(kv_bytes_per_head, params.l2_bytes, params.h, pairs)
+                         : 1;
   dim3 grid(num_m_blocks * pairs);
   constexpr int smem = Tr::kSmemBytes;
   allow_dynamic_smem<&fwd_kernel<Tr>>(smem);

@@ -520,7 +520,8 @@ __device__ __forceinline__ uint32_t dropout_bits(const Dropout& d, int i0, int j
 // groups of `group`; inside a group the CTAs go tile-major (tile 0 of every head of the
 // group, then tile 1, ...); groups of one pair give the plain (tile, head, batch) order.
 // Callers number the tiles heaviest first: under a causal mask the work per tile varies up to
-// num_tiles-fold, and with the light tiles last the GPU's tail is short. The group bounds the data that running CTAs share in L2.
+// num_tiles-fold, and with the light tiles last the GPU's tail is short. The group bounds the
+// data that running CTAs share in L2.
 struct GridTile {
   int tile, head, batch;
 };
@@ -534,6 +535,10 @@ __device__ __forceinline__ GridTile grid_tile(int linear, int num_tiles, int hea
   const int bh = first + rest % size;
   return {tile, bh % heads, bh / heads};
 }
+
+// Whether a tile's work grows with its position along the grid's tile axis: a causal-like mask
+// (a right bound, no left one). The launches then order the grid heavy first, in head groups.
+inline bool work_grows(const FwdParams& p) { return p.window_right >= 0 && p.window_left < 0; }
 
 // (batch, head) pairs per group: as many as keep what the CTAs of one pair share
 // (bytes_per_head) within a third of the L2 cache, as whole batches or an equal share of one
