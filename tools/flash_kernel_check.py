@@ -96,10 +96,12 @@ def bench(dims, dt, peers=True, fwd=True, bwd=True):
                     o = ff()
                     dot = do.transpose(1, 2)
                     gg = lambda: torch.autograd.grad(o, (qt, kt, vt), dot, retain_graph=True)
-                    pf = flops / do_bench(ff, return_mode="median") / 1e9
-                    pb = 2.5 * flops / do_bench(gg, return_mode="median") / 1e9
-                print(f"{d} {int(causal)} {s} | {tf:.0f} / {tb:.0f} | {pf:.0f} / {pb:.0f}"
-                      f" | bwd x{tb / pb:.2f}")
+                    pf = flops / do_bench(ff, return_mode="median") / 1e9 if fwd else 0.0
+                    pb = 2.5 * flops / do_bench(gg, return_mode="median") / 1e9 if bwd else 0.0
+                pairs = (("fwd", tf, pf), ("bwd", tb, pb))
+                ratios = [f"{x} x{ours / peer:.2f}" for x, ours, peer in pairs if ours]
+                print(f"{d} {int(causal)} {s} | {tf:.0f} / {tb:.0f} | {pf:.0f} / {pb:.0f} | "
+                      + " ".join(ratios))
 
 
 def long_sequence(s=131072, h=8, d=128):
@@ -132,8 +134,9 @@ def main():
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--long", action="store_true", help="s = 131072 forward + backward memory")
     ap.add_argument("--no-peers", action="store_true", help="time ours only")
-    ap.add_argument("--bwd-only", action="store_true", help="time the backward only")
-    ap.add_argument("--fwd-only", action="store_true", help="time the forward only")
+    only = ap.add_mutually_exclusive_group()
+    only.add_argument("--bwd-only", action="store_true", help="time the backward only")
+    only.add_argument("--fwd-only", action="store_true", help="time the forward only")
     ap.add_argument("--no-check", action="store_true", help="skip the correctness cases")
     args = ap.parse_args()
     dims = [int(x) for x in args.dims.split(",")]
