@@ -22,7 +22,7 @@ python3 -c "import torch, transformer_fa_flash as m; print('extension ok', m.HEA
 timeout ${TEST_TIMEOUT:-150} python3 -m pytest tests/gpu/test_flash.py -q -p no:cacheprovider \
   --tb=short --maxfail=25 ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -${TEST_TAIL:-40}
 for tool in racecheck memcheck; do
-  timeout ${SAN_TIMEOUT:-75} compute-sanitizer --tool $tool python3 tools/flash_sanitize_case.py ${SAN_ARGS:---backward} \
+  timeout ${SAN_TIMEOUT:-150} compute-sanitizer --tool $tool python3 tools/flash_sanitize_case.py ${SAN_ARGS:---backward} \
     > "$OUT/sanitizer_$tool.log" 2>&1
   echo "compute-sanitizer $tool rc=$?: $(grep -E 'SUMMARY' "$OUT/sanitizer_$tool.log" | tr '\n' ' ')"
 done
