@@ -119,6 +119,8 @@ int64_t fill_common(tf::FwdParams& p, const char* op, const at::Tensor& q, const
               ": give both cu_seqlens or neither");
   const int64_t b = cu_seqlens_q.has_value() ? cu_seqlens_q->numel() - 1
                                              : (q_format == kSBHD ? q.size(1) : q.size(0));
+  TORCH_CHECK(b <= tf::kMaxGridYZ && h <= tf::kMaxGridYZ, op, ": at most ", tf::kMaxGridYZ,
+              " sequences and heads per call, got batch ", b, " and ", h, " heads");
   check_cu(cu_seqlens_q, "cu_seqlens_q", b, q);
   check_cu(cu_seqlens_k, "cu_seqlens_k", b, q);
   if (!q_thd) TORCH_CHECK((q_format == kSBHD ? q.size(1) : q.size(0)) == b, op, ": batch mismatch");

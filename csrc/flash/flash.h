@@ -114,6 +114,10 @@ struct BwdParams : FwdParams {
   int num_splits;
 };
 
+// The launches put heads and sequences in their grids' y and z dimensions (CUDA allows up to
+// 65535 there); the binding rejects calls with more.
+constexpr int kMaxGridYZ = 65535;
+
 // One definition per (dtype, head dim), each in its own generated .cu file.
 template <DType kDType, int kHeadDim>
 void run_fwd(FwdParams& params, cudaStream_t stream);

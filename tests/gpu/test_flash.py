@@ -677,9 +677,22 @@ def test_reasons():
                           ({"attn_mask_type": "arbitrary"}, "arbitrary"),
                           ({"core_attention_bias_type": "post_scale_bias",
                             "core_attention_bias_shape": "1hss"}, "bias"),
-                          ({"compute_capability": (8, 0)}, "compute capability")]:
+                          ({"compute_capability": (8, 0)}, "compute capability"),
+                          ({"batch_size": flash.MAX_BATCH_OR_HEADS + 1}, "sequences")]:
         reasons = flash.not_supported_reasons(dataclasses.replace(base, **change))
         assert reasons and any(words in r for r in reasons), (change, reasons)
+
+
+def test_more_sequences_than_the_grid_holds():
+    """65536 sequences (thd, one token each) are not claimed, and the binding refuses them
+    before any kernel runs: the grids hold sequences and heads in y and z (at most 65535)."""
+    b = flash.MAX_BATCH_OR_HEADS + 1
+    q = torch.randn(b, 1, 64, device=DEV, dtype=torch.bfloat16)
+    cu = torch.arange(b + 1, device=DEV, dtype=torch.int32)
+    assert flash._extension() is not None
+    with pytest.raises(RuntimeError, match="at most 65535 sequences and heads"):
+        flash._fwd_ext(q, q, q, cu, cu, "thd", "thd", 1, 1, 0.125, -1, -1, False, True)
+    torch.cuda.synchronize()  # nothing was launched that could fail later
 
 
 def test_selected_with_and_without_grads(monkeypatch):

@@ -36,6 +36,7 @@ EXTENSION = "transformer_fa_flash"
 MAX_HEAD_DIM = 256  # head dims: multiples of 8 up to this, one for q, k and v
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_ARCH_MAJORS = (9,)  # kernels built for sm_80 and sm_90a; only sm_90 (H100) tested
+MAX_BATCH_OR_HEADS = 65535  # the kernels' grids hold heads and sequences in y and z (flash.h)
 
 _FORMATS = {"bshd": 0, "sbhd": 1, "thd": 2}
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}  # as in the kernels' names
@@ -88,6 +89,9 @@ def _reasons(p: AttentionParams) -> List[str]:
             reasons.append(f"as this build has no {kernel} kernel for head dim {d} (built: "
                            f"{', '.join(ext.INSTANTIATIONS) or 'none'}; see "
                            f"TRANSFORMER_FA_FLASH_KERNELS)")
+    if max(p.batch_size, p.num_heads) > MAX_BATCH_OR_HEADS:
+        reasons.append(f"as it supports at most {MAX_BATCH_OR_HEADS} sequences and heads per "
+                       f"call, got batch_size = {p.batch_size}, num_heads = {p.num_heads}")
     if p.attn_mask_type == "arbitrary":
         reasons.append("as it does not support attn_mask_type = arbitrary")
     if p.core_attention_bias_type not in ("no_bias", "alibi"):
