@@ -20,6 +20,16 @@ namespace {
 
 enum Format : int64_t { kBSHD = 0, kSBHD = 1, kTHD = 2 };
 
+// Numbers, shapes and devices in the error messages are strings before they reach
+// TORCH_CHECK: with some toolchains (that of the lent H100's image) c10::str crashes the
+// process when it formats an integer itself, so a bad input would segfault, not raise.
+std::string num(int64_t x) { return std::to_string(x); }
+std::string dims(at::IntArrayRef a) {
+  std::string s = "[";
+  for (size_t i = 0; i < a.size(); ++i) s += (i ? ", " : "") + std::to_string(a[i]);
+  return s + "]";
+}
+
 struct Strides {
   int64_t batch, row, head;
 };
@@ -33,13 +43,13 @@ Strides strides_of(const at::Tensor& t, int64_t fmt) {
 void check_tensor(const at::Tensor& t, const char* name, int64_t fmt) {
   TORCH_CHECK(t.is_cuda(), "flash_attn: ", name, " must be a CUDA tensor");
   TORCH_CHECK(t.dim() == (fmt == kTHD ? 3 : 4), "flash_attn: ", name, " must be ",
-              fmt == kTHD ? "[t, h, d]" : "4-D (sbhd or bshd)", ", got ", t.sizes());
+              fmt == kTHD ? "[t, h, d]" : "4-D (sbhd or bshd)", ", got ", dims(t.sizes()));
   TORCH_CHECK(t.stride(-1) == 1, "flash_attn: ", name, " must have a unit stride in d");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
               "flash_attn: ", name, " must be 16-byte aligned");
   for (int i = 0; i < t.dim() - 1; ++i) {
     TORCH_CHECK(t.size(i) == 1 || t.stride(i) % 8 == 0, "flash_attn: ", name,
-                " strides must be multiples of 8 elements (16 bytes), got ", t.strides());
+                " strides must be multiples of 8 elements (16 bytes), got ", dims(t.strides()));
   }
 }
 
@@ -47,10 +57,10 @@ void check_cu(const c10::optional<at::Tensor>& cu, const char* name, int64_t b,
               const at::Tensor& q) {
   if (!cu.has_value()) return;
   TORCH_CHECK(cu->is_cuda() && cu->device() == q.device(), "flash_attn: ", name,
-              " must be on ", q.device());
+              " must be on ", q.device().str());
   TORCH_CHECK(cu->scalar_type() == at::kInt, "flash_attn: ", name, " must be int32");
   TORCH_CHECK(cu->dim() == 1 && cu->is_contiguous() && cu->numel() == b + 1,
-              "flash_attn: ", name, " must be contiguous [b + 1] with b = ", b);
+              "flash_attn: ", name, " must be contiguous [b + 1] with b = ", num(b));
 }
 
 // Device attributes, cached per device (queried on every call otherwise).
@@ -103,12 +113,12 @@ int64_t fill_common(tf::FwdParams& p, const char* op, const at::Tensor& q, const
   TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype, op,
               ": q, k, v must have one dtype");
   const int64_t d = q.size(-1);
-  TORCH_CHECK(d % 8 == 0 && kernel_head_dim(d) > 0, op, ": head dim ", d,
+  TORCH_CHECK(d % 8 == 0 && kernel_head_dim(d) > 0, op, ": head dim ", num(d),
               " must be a multiple of 8 and at most 256");
   TORCH_CHECK(k.size(-1) == d && v.size(-1) == d, op, ": q, k and v must have one head dim");
   const int64_t h = q.size(-2), h_k = k.size(-2);
-  TORCH_CHECK(v.size(-2) == h_k && h_k > 0 && h % h_k == 0, op, ": heads of q (", h,
-              ") must be a multiple of those of k/v (", h_k, ")");
+  TORCH_CHECK(v.size(-2) == h_k && h_k > 0 && h % h_k == 0, op, ": heads of q (", num(h),
+              ") must be a multiple of those of k/v (", num(h_k), ")");
   TORCH_CHECK(k.sizes().slice(0, k.dim() - 1) == v.sizes().slice(0, v.dim() - 1), op,
               ": k and v must have the same shape up to d");
 
@@ -119,8 +129,8 @@ int64_t fill_common(tf::FwdParams& p, const char* op, const at::Tensor& q, const
               ": give both cu_seqlens or neither");
   const int64_t b = cu_seqlens_q.has_value() ? cu_seqlens_q->numel() - 1
                                              : (q_format == kSBHD ? q.size(1) : q.size(0));
-  TORCH_CHECK(b <= tf::kMaxGridYZ && h <= tf::kMaxGridYZ, op, ": at most ", tf::kMaxGridYZ,
-              " sequences and heads per call, got batch ", b, " and ", h, " heads");
+  TORCH_CHECK(b <= tf::kMaxGridYZ && h <= tf::kMaxGridYZ, op, ": at most ", num(tf::kMaxGridYZ),
+              " sequences and heads per call, got batch ", num(b), " and ", num(h), " heads");
   check_cu(cu_seqlens_q, "cu_seqlens_q", b, q);
   check_cu(cu_seqlens_k, "cu_seqlens_k", b, q);
   if (!q_thd) TORCH_CHECK((q_format == kSBHD ? q.size(1) : q.size(0)) == b, op, ": batch mismatch");
@@ -134,7 +144,7 @@ int64_t fill_common(tf::FwdParams& p, const char* op, const at::Tensor& q, const
                     rng_state->device() == q.device() && rng_state->scalar_type() == at::kLong &&
                     rng_state->numel() == 2 && rng_state->is_contiguous(),
                 op, ": dropout needs rng_state, a contiguous int64 [2] (seed, offset) on ",
-                q.device());
+                q.device().str());
   }
   if (alibi_slopes.has_value()) {
     const auto& a = *alibi_slopes;
@@ -142,7 +152,8 @@ int64_t fill_common(tf::FwdParams& p, const char* op, const at::Tensor& q, const
                     a.is_contiguous() &&
                     ((a.dim() == 1 && a.size(0) == h) ||
                      (a.dim() == 2 && a.size(0) == b && a.size(1) == h)),
-                op, ": alibi_slopes must be contiguous float32 [h] or [b, h] on ", q.device());
+                op, ": alibi_slopes must be contiguous float32 [h] or [b, h] on ",
+                q.device().str());
   }
   TORCH_CHECK(device_info(q.get_device()).major >= 8, op, ": needs an sm80 or newer GPU");
 
@@ -264,7 +275,7 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
       q_thd ? std::vector<int64_t>{p.h, q.size(0)} : std::vector<int64_t>{b, p.h, p.seqlen_q};
   TORCH_CHECK(lse.is_cuda() && lse.scalar_type() == at::kFloat && lse.is_contiguous() &&
                   lse.sizes() == at::IntArrayRef(lse_shape),
-              "flash_attn_bwd: lse must be the forward's float32 ", at::IntArrayRef(lse_shape));
+              "flash_attn_bwd: lse must be the forward's float32 ", dims(lse_shape));
 
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   const int hd = kernel_head_dim(p.d);
@@ -273,8 +284,8 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
   const int smem = tf::dispatch_bwd_smem(bf16, hd, p.sm90);
   TORCH_CHECK(smem > 0, "flash_attn_bwd: this build has no ", kernel_name(q.scalar_type(), hd),
               " kernel (see TRANSFORMER_FA_FLASH_KERNELS in setup.py)");
-  TORCH_CHECK(smem <= dev.smem_optin, "flash_attn_bwd: head dim ", p.d, " needs ", smem,
-              " bytes of shared memory per block; this GPU has ", dev.smem_optin);
+  TORCH_CHECK(smem <= dev.smem_optin, "flash_attn_bwd: head dim ", num(p.d), " needs ", num(smem),
+              " bytes of shared memory per block; this GPU has ", num(dev.smem_optin));
 
   at::Tensor dq = at::empty(q.sizes(), q.options());  // every row written (from dq_accum)
   at::Tensor dk = k_thd ? at::zeros(k.sizes(), k.options()) : at::empty(k.sizes(), k.options());

@@ -683,15 +683,30 @@ def test_reasons():
         assert reasons and any(words in r for r in reasons), (change, reasons)
 
 
-def test_more_sequences_than_the_grid_holds():
-    """65536 sequences (thd, one token each) are not claimed, and the binding refuses them
-    before any kernel runs: the grids hold sequences and heads in y and z (at most 65535)."""
-    b = flash.MAX_BATCH_OR_HEADS + 1
-    q = torch.randn(b, 1, 64, device=DEV, dtype=torch.bfloat16)
-    cu = torch.arange(b + 1, device=DEV, dtype=torch.int32)
+@pytest.mark.parametrize("bad", ["head_dim", "heads", "sequences"])
+def test_binding_rejects_bad_input(bad):
+    """The binding's own checks raise, numbers in the message included, before any kernel
+    runs. More than 65535 sequences (here thd, one token each) are not claimed either: the
+    grids hold sequences and heads in y and z."""
+    def randn(*shape):
+        return torch.randn(*shape, device=DEV, dtype=torch.bfloat16)
+
+    q = k = randn(2, 8, 2, 64)
+    cu, fmt, match = None, "bshd", None
+    if bad == "head_dim":
+        q = k = randn(2, 8, 2, 264)
+        match = "head dim 264 must be"
+    elif bad == "heads":
+        q = randn(2, 8, 3, 64)
+        match = r"heads of q \(3\) must be a multiple of those of k/v \(2\)"
+    else:
+        b = flash.MAX_BATCH_OR_HEADS + 1
+        q = k = randn(b, 1, 64)
+        cu, fmt = torch.arange(b + 1, device=DEV, dtype=torch.int32), "thd"
+        match = "at most 65535 sequences and heads per call, got batch 65536"
     assert flash._extension() is not None
-    with pytest.raises(RuntimeError, match="at most 65535 sequences and heads"):
-        flash._fwd_ext(q, q, q, cu, cu, "thd", "thd", 1, 1, 0.125, -1, -1, False, True)
+    with pytest.raises(RuntimeError, match=match):
+        flash._fwd_ext(q, k, k, cu, cu, fmt, fmt, 8, 8, 0.125, -1, -1, False, True)
     torch.cuda.synchronize()  # nothing was launched that could fail later
 
 
