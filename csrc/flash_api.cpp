@@ -129,8 +129,9 @@ int64_t fill_common(tf::FwdParams& p, const char* op, const at::Tensor& q, const
               ": give both cu_seqlens or neither");
   const int64_t b = cu_seqlens_q.has_value() ? cu_seqlens_q->numel() - 1
                                              : (q_format == kSBHD ? q.size(1) : q.size(0));
-  TORCH_CHECK(b <= tf::kMaxGridYZ && h <= tf::kMaxGridYZ, op, ": at most ", num(tf::kMaxGridYZ),
-              " sequences and heads per call, got batch ", num(b), " and ", num(h), " heads");
+  TORCH_CHECK(b <= tf::kMaxGridYZ && h <= tf::kMaxGridYZ, op, ": at most ",
+              num(tf::kMaxGridYZ), " sequences and heads per call, got batch ", num(b), " and ",
+              num(h), " heads");
   check_cu(cu_seqlens_q, "cu_seqlens_q", b, q);
   check_cu(cu_seqlens_k, "cu_seqlens_k", b, q);
   if (!q_thd) TORCH_CHECK((q_format == kSBHD ? q.size(1) : q.size(0)) == b, op, ": batch mismatch");
@@ -284,8 +285,9 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
   const int smem = tf::dispatch_bwd_smem(bf16, hd, p.sm90);
   TORCH_CHECK(smem > 0, "flash_attn_bwd: this build has no ", kernel_name(q.scalar_type(), hd),
               " kernel (see TRANSFORMER_FA_FLASH_KERNELS in setup.py)");
-  TORCH_CHECK(smem <= dev.smem_optin, "flash_attn_bwd: head dim ", num(p.d), " needs ", num(smem),
-              " bytes of shared memory per block; this GPU has ", num(dev.smem_optin));
+  TORCH_CHECK(smem <= dev.smem_optin, "flash_attn_bwd: head dim ", num(p.d), " needs ",
+              num(smem), " bytes of shared memory per block; this GPU has ",
+              num(dev.smem_optin));
 
   at::Tensor dq = at::empty(q.sizes(), q.options());  // every row written (from dq_accum)
   at::Tensor dk = k_thd ? at::zeros(k.sizes(), k.options()) : at::empty(k.sizes(), k.options());
