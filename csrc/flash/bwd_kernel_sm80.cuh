@@ -496,7 +496,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) bwd_kernel(const BwdParams p
   extern __shared__ __align__(128) unsigned char smem_raw[];
   GridTile gt{int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
   if constexpr (Tr::kGridOrder) {
-    gt = grid_tile_of_block(p.h_k, p.b, p.group_heads);
+    gt = grid_tile(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z), gridDim.x,
+                   p.h_k, p.b, p.group_heads);
   }
   const SeqInfo si = seq_info(p, gt.batch);
   const int num_n = (p.seqlen_k + Tr::BN - 1) / Tr::BN;

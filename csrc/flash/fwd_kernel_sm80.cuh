@@ -67,13 +67,15 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
   T* sK = sQ + Tr::kSmemQ;
   T* sV = sK + Tr::kSmemKV;
 
-  // Grid (q tiles, heads, batch); heavier (later, under causal masks) query tiles first. In
-  // the launch order the tile is blockIdx itself: grid_tile's divisions would sit in front of
-  // every CTA's first load (non-causal d128 s 1k: 4% slower with them).
-  const GridTile gt = p.group_heads == 1
+  // Heavier (later, under causal masks) query tiles first. The launch order comes as a 3-D
+  // grid (tile, head, batch) read straight from blockIdx: grid_tile's divisions would sit in
+  // front of every CTA's first load (non-causal d128 s 1k: 4% slower with them). Head groups
+  // come as a 1-D grid (for one head and one sequence either reading gives the same tile).
+  const int num_m_blocks = (p.seqlen_q + BM - 1) / BM;
+  const GridTile gt = gridDim.y * gridDim.z > 1
                           ? GridTile{int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)}
-                          : grid_tile_of_block(p.h, p.b, p.group_heads);
-  const int m_block = gridDim.x - 1 - gt.tile;
+                          : grid_tile(blockIdx.x, num_m_blocks, p.h, p.b, p.group_heads);
+  const int m_block = num_m_blocks - 1 - gt.tile;
   const int bidh = gt.head;
   const int bidb = gt.batch;
   const int tid = threadIdx.x;

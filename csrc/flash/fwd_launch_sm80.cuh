@@ -42,7 +42,9 @@ void launch_fwd_traits(FwdParams& params, cudaStream_t stream) {
   params.group_heads =
       work_grows(params) ? heads_per_group(kv_bytes_per_head, params.l2_bytes, params.h, pairs)
                          : 1;
-  const dim3 grid(num_m_blocks, params.h, params.b);
+  // The launch order as a 3-D grid: the kernel reads its tile from blockIdx (no divisions).
+  const dim3 grid = params.group_heads == 1 ? dim3(num_m_blocks, params.h, params.b)
+                                            : dim3(num_m_blocks * pairs);
   constexpr int smem = Tr::kSmemBytes;
   allow_dynamic_smem<&fwd_kernel<Tr>>(smem);
   fwd_kernel<Tr><<<grid, Tr::kNThreads, smem, stream>>>(params);

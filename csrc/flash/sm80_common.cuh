@@ -515,8 +515,8 @@ __device__ __forceinline__ uint32_t dropout_bits(const Dropout& d, int i0, int j
 // ---------------------------------------------------------------------------------------
 // Grid order
 // ---------------------------------------------------------------------------------------
-// num_tiles x heads x batches CTAs, numbered in the order the GPU starts them (`linear`:
-// x + X (y + Y z) of the grid, grid_tile_of_block). Consecutive (batch, head) pairs form
+// num_tiles x heads x batches CTAs, numbered in the order the GPU starts them (`linear`: a 1-D
+// grid's blockIdx.x, or x + X (y + Y z) of a 3-D one). Consecutive (batch, head) pairs form
 // groups of `group`; inside a group the CTAs go tile-major (tile 0 of every head of the
 // group, then tile 1, ...); groups of one pair give the plain (tile, head, batch) order.
 // Callers number the tiles heaviest first: under a causal mask the work per tile varies up to
@@ -534,12 +534,6 @@ __device__ __forceinline__ GridTile grid_tile(int linear, int num_tiles, int hea
   const int tile = rest / size;
   const int bh = first + rest % size;
   return {tile, bh % heads, bh / heads};
-}
-
-// grid_tile for this CTA of a (num_tiles, heads, batches) grid (blockIdx.x the tile).
-__device__ __forceinline__ GridTile grid_tile_of_block(int heads, int batches, int group) {
-  return grid_tile(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z), gridDim.x,
-                   heads, batches, group);
 }
 
 // Whether a tile's work grows with its position along the grid's tile axis: a causal-like mask
