@@ -33,9 +33,11 @@ namespace sm80 {
 template <typename T, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kWarpsMS,
           int kWarpsNdKV, int kWarpsMdQ, int kSSlices_ = 1, int kQSlices_ = 1,
           bool kBulkDq_ = false, bool kDqInStage_ = false, bool kZfillFromBase_ = true,
-          bool kGridOrder_ = false>
+          bool kGridOrder_ = false, bool kExtras_ = true>
 struct BwdTraits {
   using Element = T;
+  // Dropout and ALiBi compiled in (as FwdTraits::kExtras).
+  static constexpr bool kExtras = kExtras_;
   static constexpr int D = kHeadDim_;
   static constexpr int BM = kBlockM_;
   static constexpr int BN = kBlockN_;
@@ -357,7 +359,7 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
           }
 
         const float alibi_coef =
-            p.alibi_slopes == nullptr
+            !Tr::kExtras || p.alibi_slopes == nullptr
                 ? 0.f
                 : -p.alibi_slopes[si.bidb * p.alibi_batch_stride + bidh] / p.scale_softmax;
         const bool need_mask = band_cuts(band, m0 + s_m, m0 + s_m + Tr::S_M - 1, n0 + col0,
@@ -384,7 +386,7 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
               }
             }
         };
-        if (p.rng_state != nullptr) {
+        if (Tr::kExtras && p.rng_state != nullptr) {
           const Dropout drop = dropout_of(p, si.bidb, bidh);
           p_and_ds(
               [&](int mf, int nf) {

@@ -12,8 +12,12 @@ namespace sm80 {
 // BwdTraits<T, head dim, query rows, key rows, warps, warps along M of S, warps along N of
 // dK/dV, warps along M of dQ, S/dP column slices, dQ column slices, dQ through the sm90
 // bulk-copy reduction, the bulk dQ tile in the step's Q / dO buffers, zero-filled loads from
-// the tile base, CTAs in grid_tile's order>. The dK/dV accumulators live in registers for the
-// whole CTA. Measured on H100 (bwd TFLOPS, details in csrc/flash/NOTES.md):
+// the tile base, CTAs in grid_tile's order, dropout and ALiBi compiled in>: Traits for calls
+// with dropout or ALiBi, PlainTraits for the others. The dK/dV accumulators live in registers
+// for the whole CTA. Measured on H100 (bwd TFLOPS, details in csrc/flash/NOTES.md):
+// - A kernel without dropout / ALiBi for calls that use neither (as the forward's): d64
+//   +1-4%, d128 +0-3%, d256 +2-4% (s 1k-16k, A/B best of 3, 2026-11-24). d192 is not
+//   measured and keeps one kernel.
 // - Grid order (causal key blocks heavy first across head groups, below): causal d64 +1-4%,
 //   d128 +2-4%, non-causal d64 -1%, d128 even (A/B); the d256 backward ran 2-5% slower
 //   with it (grid runs before and after), so d192 / d256 keep the launch order (2026-11-24).
@@ -32,19 +36,32 @@ namespace sm80 {
 //   step): +4-8% over reducing from registers (2026-11-24).
 template <typename T, int kHeadDim>
 struct BwdConfig;
-template <typename T> struct BwdConfig<T, 64> { using Traits = BwdTraits<T, 64, 64, 128, 4, 4, 4, 2, 2, 1, false, false, true, true>; };
-template <typename T> struct BwdConfig<T, 128> { using Traits = BwdTraits<T, 128, 64, 128, 8, 2, 4, 2, 1, 1, true, false, false, true>; };
-template <typename T> struct BwdConfig<T, 192> { using Traits = BwdTraits<T, 192, 64, 64, 8, 4, 2, 2, 1, 1, true>; };
-template <typename T> struct BwdConfig<T, 256> { using Traits = BwdTraits<T, 256, 64, 64, 8, 4, 2, 2, 1, 1, true, true>; };
+template <typename T> struct BwdConfig<T, 64> {
+  using Traits = BwdTraits<T, 64, 64, 128, 4, 4, 4, 2, 2, 1, false, false, true, true>;
+  using PlainTraits = BwdTraits<T, 64, 64, 128, 4, 4, 4, 2, 2, 1, false, false, true, true, false>;
+};
+template <typename T> struct BwdConfig<T, 128> {
+  using Traits = BwdTraits<T, 128, 64, 128, 8, 2, 4, 2, 1, 1, true, false, false, true>;
+  using PlainTraits = BwdTraits<T, 128, 64, 128, 8, 2, 4, 2, 1, 1, true, false, false, true, false>;
+};
+template <typename T> struct BwdConfig<T, 192> {
+  using Traits = BwdTraits<T, 192, 64, 64, 8, 4, 2, 2, 1, 1, true>;
+  using PlainTraits = Traits;
+};
+template <typename T> struct BwdConfig<T, 256> {
+  using Traits = BwdTraits<T, 256, 64, 64, 8, 4, 2, 2, 1, 1, true, true>;
+  using PlainTraits = BwdTraits<T, 256, 64, 64, 8, 4, 2, 2, 1, 1, true, true, true, false, false>;
+};
 
 template <typename T, int kHeadDim>
 constexpr int bwd_smem(bool sm90) {
   return BwdConfig<T, kHeadDim>::Traits::smem_bytes(sm90);
 }
 
-template <typename T, int kHeadDim>
-void launch_bwd(BwdParams& params, cudaStream_t stream) {
-  using Tr = typename BwdConfig<T, kHeadDim>::Traits;
+template <typename Tr>
+void launch_bwd_traits(BwdParams& params, cudaStream_t stream) {
+  constexpr int kHeadDim = Tr::D;
+  using T = typename Tr::Element;
   if (params.b == 0 || params.h == 0) return;
   if (params.seqlen_q > 0) {
     // Lanes per row: one 8-element chunk each (d 64, 128), or a whole warp.
@@ -75,6 +92,18 @@ void launch_bwd(BwdParams& params, cudaStream_t stream) {
   const int64_t chunks = params.dq_rows * (params.d / 8);
   if (chunks > 0) {
     convert_dq_kernel<T><<<unsigned((chunks + 255) / 256), 256, 0, stream>>>(params);
+  }
+}
+
+template <typename T, int kHeadDim>
+void launch_bwd(BwdParams& params, cudaStream_t stream) {
+  using Config = BwdConfig<T, kHeadDim>;
+  static_assert(Config::PlainTraits::smem_bytes(true) == Config::Traits::smem_bytes(true),
+                "bwd_smem sizes both kernels");
+  if (params.rng_state != nullptr || params.alibi_slopes != nullptr) {
+    launch_bwd_traits<typename Config::Traits>(params, stream);
+  } else {
+    launch_bwd_traits<typename Config::PlainTraits>(params, stream);
   }
 }
 

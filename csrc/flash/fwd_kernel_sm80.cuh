@@ -14,9 +14,12 @@ namespace flash {
 namespace sm80 {
 
 template <typename T, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kMinBlocks_,
-          bool kSXorAddressing_, int kSAhead_, bool kZfillFromBase_ = true>
+          bool kSXorAddressing_, int kSAhead_, bool kZfillFromBase_, bool kExtras_>
 struct FwdTraits {
   static constexpr int kMinBlocks = kMinBlocks_;  // __launch_bounds__ occupancy hint
+  // Dropout and ALiBi are compiled in only where a call uses them: their state, live across
+  // the key-block loop, made ptxas spill in the loop of the kernel without them (d64).
+  static constexpr bool kExtras = kExtras_;
   using Element = T;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
@@ -97,11 +100,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
   int n_lo = 0;
   if (p.window_left >= 0) n_lo = max(0, m0 + off - p.window_left);
   const float alibi_coef =
-      p.alibi_slopes == nullptr
+      !Tr::kExtras || p.alibi_slopes == nullptr
           ? 0.f
           : -p.alibi_slopes[bidb * p.alibi_batch_stride + bidh] / p.scale_softmax;
   Dropout drop{};
-  if (p.rng_state != nullptr) drop = dropout_of(p, bidb, bidh);
+  if (Tr::kExtras && p.rng_state != nullptr) drop = dropout_of(p, bidb, bidh);
   const int n_block_min = n_lo / BN;
   const int n_block_max = n_hi > 0 ? (n_hi + BN - 1) / BN : 0;
   const int valid_q = min(BM, si.len_q - m0);  // may be <= 0 (padded rows only)
@@ -235,7 +238,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
           }
         }
 
-      if (p.rng_state != nullptr) {  // P * Z for the P V product
+      if (Tr::kExtras && p.rng_state != nullptr) {  // P * Z for the P V product
 #pragma unroll
         for (int mf = 0; mf < MF; ++mf)
 #pragma unroll

@@ -9,8 +9,13 @@ namespace flash {
 namespace sm80 {
 
 // FwdTraits<T, head dim, query rows, key rows, warps, min CTAs per SM, S GEMM through XOR
-// base addresses, S GEMM B fragments loaded ahead, zero-filled loads from the tile base>, one
-// per head dim.
+// base addresses, S GEMM B fragments loaded ahead, zero-filled loads from the tile base,
+// dropout and ALiBi compiled in>, per head dim: Traits for calls with dropout or ALiBi,
+// PlainTraits for the others.
+// d64's plain kernel: without dropout / ALiBi state ptxas keeps the loop in registers
+// (in-loop local loads 14 -> 1 with zero-filled chunks from their own addresses): forward
+// +4-9% (s 16k-1k; H100, 2026-11-24, three A/B runs). The same split at d128 and d256 lost
+// 1-4% at s 4k / 16k with any of the S GEMM and load variants, so they keep one kernel.
 // d 64 / 128: the fastest of five shapes measured on an H100 (csrc/flash/NOTES.md): 4 warps
 // with 32 query rows each, as FlashAttention-2. d 192 / 256: warps of 16 rows, the O
 // accumulators (up to 128 registers) leave no room for more rows per warp; at d256 64 x 64
@@ -22,10 +27,22 @@ namespace sm80 {
 // (H100, 2026-11-24).
 template <typename T, int kHeadDim>
 struct FwdConfig;
-template <typename T> struct FwdConfig<T, 64> { using Traits = FwdTraits<T, 64, 128, 128, 4, 2, true, 1>; };
-template <typename T> struct FwdConfig<T, 128> { using Traits = FwdTraits<T, 128, 128, 64, 4, 2, false, 1>; };
-template <typename T> struct FwdConfig<T, 192> { using Traits = FwdTraits<T, 192, 128, 64, 8, 1, false, 2>; };
-template <typename T> struct FwdConfig<T, 256> { using Traits = FwdTraits<T, 256, 64, 64, 4, 2, false, 2, false>; };
+template <typename T> struct FwdConfig<T, 64> {
+  using Traits = FwdTraits<T, 64, 128, 128, 4, 2, true, 1, true, true>;
+  using PlainTraits = FwdTraits<T, 64, 128, 128, 4, 2, true, 1, false, false>;
+};
+template <typename T> struct FwdConfig<T, 128> {
+  using Traits = FwdTraits<T, 128, 128, 64, 4, 2, false, 1, true, true>;
+  using PlainTraits = Traits;
+};
+template <typename T> struct FwdConfig<T, 192> {
+  using Traits = FwdTraits<T, 192, 128, 64, 8, 1, false, 2, true, true>;
+  using PlainTraits = Traits;
+};
+template <typename T> struct FwdConfig<T, 256> {
+  using Traits = FwdTraits<T, 256, 64, 64, 4, 2, false, 2, false, true>;
+  using PlainTraits = Traits;
+};
 
 template <typename Tr>
 void launch_fwd_traits(FwdParams& params, cudaStream_t stream) {
@@ -52,7 +69,12 @@ void launch_fwd_traits(FwdParams& params, cudaStream_t stream) {
 
 template <typename T, int kHeadDim>
 void launch_fwd(FwdParams& params, cudaStream_t stream) {
-  launch_fwd_traits<typename FwdConfig<T, kHeadDim>::Traits>(params, stream);
+  using Config = FwdConfig<T, kHeadDim>;
+  if (params.rng_state != nullptr || params.alibi_slopes != nullptr) {
+    launch_fwd_traits<typename Config::Traits>(params, stream);
+  } else {
+    launch_fwd_traits<typename Config::PlainTraits>(params, stream);
+  }
 }
 
 }  // namespace sm80
