@@ -16,7 +16,7 @@ namespace sm80 {
 // with dropout or ALiBi, PlainTraits for the others. The dK/dV accumulators live in registers
 // for the whole CTA. Measured on H100 (bwd TFLOPS, details in csrc/flash/NOTES.md):
 // - A kernel without dropout / ALiBi for calls that use neither (as the forward's): d64
-//   +1-4%, d128 +0-3%, d256 +2-4% (s 1k-16k, A/B best of 3, 2026-11-24). d192 is not
+//   +0.5-4%, d128 -0.3..+3%, d256 +2-4.5% (s 1k-16k, A/B best of 3, 2026-11-24). d192 is not
 //   measured and keeps one kernel.
 // - Grid order (causal key blocks heavy first across head groups, below): causal d64 +1-4%,
 //   d128 +2-4%, non-causal d64 -1%, d128 even (A/B); the d256 backward ran 2-5% slower

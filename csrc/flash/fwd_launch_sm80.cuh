@@ -14,8 +14,9 @@ namespace sm80 {
 // PlainTraits for the others.
 // d64's plain kernel: without dropout / ALiBi state ptxas keeps the loop in registers
 // (in-loop local loads 14 -> 1 with zero-filled chunks from their own addresses): forward
-// +4-9% (s 16k-1k; H100, 2026-11-24, three A/B runs). The same split at d128 and d256 lost
-// 1-4% at s 4k / 16k with any of the S GEMM and load variants, so they keep one kernel.
+// +4-9% non-causal, +5-15% causal (s 16k-1k; H100, 2026-11-24, A/B best of 3, two runs).
+// The same split at d128 and d256 moved -4..+2% in A/Bs whose noise is as large, and took
+// the same cycles under ncu, so they keep one kernel (NOTES.md).
 // d 64 / 128: the fastest of five shapes measured on an H100 (csrc/flash/NOTES.md): 4 warps
 // with 32 query rows each, as FlashAttention-2. d 192 / 256: warps of 16 rows, the O
 // accumulators (up to 128 registers) leave no room for more rows per warp; at d256 64 x 64
@@ -24,7 +25,7 @@ namespace sm80 {
 // ahead: +2-4% over the XOR addressing (the SASS has fewer in-loop spills); the same costs
 // 3-4% at d64 (H100, 2026-11-23, three runs each, NOTES.md). d256 loads zero-filled chunks
 // from their own addresses (no select): +1-4%; the same at d128 costs 2-4%, d64 even
-// (H100, 2026-11-24).
+// (H100, 2026-11-24); d64's plain kernel takes them (above).
 template <typename T, int kHeadDim>
 struct FwdConfig;
 template <typename T> struct FwdConfig<T, 64> {
