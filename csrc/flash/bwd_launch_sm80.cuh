@@ -100,7 +100,7 @@ void launch_bwd(BwdParams& params, cudaStream_t stream) {
   using Config = BwdConfig<T, kHeadDim>;
   static_assert(Config::PlainTraits::smem_bytes(true) == Config::Traits::smem_bytes(true),
                 "bwd_smem sizes both kernels");
-  if (params.rng_state != nullptr || params.alibi_slopes != nullptr) {
+  if (uses_extras(params)) {
     launch_bwd_traits<typename Config::Traits>(params, stream);
   } else {
     launch_bwd_traits<typename Config::PlainTraits>(params, stream);

@@ -71,7 +71,7 @@ void launch_fwd_traits(FwdParams& params, cudaStream_t stream) {
 template <typename T, int kHeadDim>
 void launch_fwd(FwdParams& params, cudaStream_t stream) {
   using Config = FwdConfig<T, kHeadDim>;
-  if (params.rng_state != nullptr || params.alibi_slopes != nullptr) {
+  if (uses_extras(params)) {
     launch_fwd_traits<typename Config::Traits>(params, stream);
   } else {
     launch_fwd_traits<typename Config::PlainTraits>(params, stream);

@@ -540,6 +540,12 @@ __device__ __forceinline__ GridTile grid_tile(int linear, int num_tiles, int hea
 // (a right bound, no left one). The launches then order the grid heavy first, in head groups.
 inline bool work_grows(const FwdParams& p) { return p.window_right >= 0 && p.window_left < 0; }
 
+// Whether a call uses dropout or ALiBi: the launches then take the kernels built with them
+// (Traits), the others those built without (PlainTraits).
+inline bool uses_extras(const FwdParams& p) {
+  return p.rng_state != nullptr || p.alibi_slopes != nullptr;
+}
+
 // (batch, head) pairs per group: as many as keep what the CTAs of one pair share
 // (bytes_per_head) within a third of the L2 cache, as whole batches or an equal share of one
 // batch's heads. A token's row holds all of its heads, so a group of neighbouring heads reads
