@@ -36,8 +36,13 @@ template <typename T, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, i
           bool kGridOrder_ = false, bool kExtras_ = true>
 struct BwdTraits {
   using Element = T;
-  // Dropout and ALiBi compiled in (as FwdTraits::kExtras).
+  // Dropout and ALiBi compiled in (as FwdTraits::kExtras); WithExtras<false> is the same
+  // kernel without them.
   static constexpr bool kExtras = kExtras_;
+  template <bool kWith>
+  using WithExtras = BwdTraits<T, kHeadDim_, kBlockM_, kBlockN_, kNWarps_, kWarpsMS, kWarpsNdKV,
+                               kWarpsMdQ, kSSlices_, kQSlices_, kBulkDq_, kDqInStage_,
+                               kZfillFromBase_, kGridOrder_, kWith>;
   static constexpr int D = kHeadDim_;
   static constexpr int BM = kBlockM_;
   static constexpr int BN = kBlockN_;

@@ -38,11 +38,11 @@ template <typename T, int kHeadDim>
 struct BwdConfig;
 template <typename T> struct BwdConfig<T, 64> {
   using Traits = BwdTraits<T, 64, 64, 128, 4, 4, 4, 2, 2, 1, false, false, true, true>;
-  using PlainTraits = BwdTraits<T, 64, 64, 128, 4, 4, 4, 2, 2, 1, false, false, true, true, false>;
+  using PlainTraits = typename Traits::template WithExtras<false>;
 };
 template <typename T> struct BwdConfig<T, 128> {
   using Traits = BwdTraits<T, 128, 64, 128, 8, 2, 4, 2, 1, 1, true, false, false, true>;
-  using PlainTraits = BwdTraits<T, 128, 64, 128, 8, 2, 4, 2, 1, 1, true, false, false, true, false>;
+  using PlainTraits = typename Traits::template WithExtras<false>;
 };
 template <typename T> struct BwdConfig<T, 192> {
   using Traits = BwdTraits<T, 192, 64, 64, 8, 4, 2, 2, 1, 1, true>;
@@ -50,7 +50,7 @@ template <typename T> struct BwdConfig<T, 192> {
 };
 template <typename T> struct BwdConfig<T, 256> {
   using Traits = BwdTraits<T, 256, 64, 64, 8, 4, 2, 2, 1, 1, true, true>;
-  using PlainTraits = BwdTraits<T, 256, 64, 64, 8, 4, 2, 2, 1, 1, true, true, true, false, false>;
+  using PlainTraits = typename Traits::template WithExtras<false>;
 };
 
 template <typename T, int kHeadDim>
