@@ -14,12 +14,17 @@ namespace flash {
 namespace sm80 {
 
 template <typename T, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kMinBlocks_,
-          bool kSXorAddressing_, int kSAhead_, bool kZfillFromBase_, bool kExtras_>
+          bool kSXorAddressing_, int kSAhead_, bool kZfillFromBase_, bool kExtras_,
+          bool kLazyRescale_>
 struct FwdTraits {
   static constexpr int kMinBlocks = kMinBlocks_;  // __launch_bounds__ occupancy hint
   // Dropout and ALiBi are compiled in only where a call uses them: their state, live across
   // the key-block loop, made ptxas spill in the loop of the kernel without them (d64).
   static constexpr bool kExtras = kExtras_;
+  // The softmax's reference max moves only when a row max grows by more than
+  // 2^kRescaleLog2 (below); off, with every key block, as in FlashAttention-2 (the kernels
+  // whose loop it would make spill: fwd_launch_sm80.cuh).
+  static constexpr bool kLazyRescale = kLazyRescale_;
   using Element = T;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
@@ -53,6 +58,10 @@ struct FwdTraits {
 // ---------------------------------------------------------------------------------------
 // The kernel
 // ---------------------------------------------------------------------------------------
+// kLazyRescale's threshold (log2 units): P stays <= 256, well inside fp16 / bf16 and the
+// fp32 sums.
+constexpr float kRescaleLog2 = 8.f;
+
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(const FwdParams p) {
   using T = typename Tr::Element;
@@ -206,37 +215,81 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
         cp_async_commit();
       }
 
-      // Online softmax: new running max, rescale O and the running sum, P = exp(S - max).
+      // Online softmax. row_max is the reference that O and the running sum are scaled to.
+      // With kLazyRescale it moves (and O and the sum are rescaled) only when some row's max
+      // grows by more than 2^kRescaleLog2: the result is exact for any reference both share,
+      // P = exp(S - reference) stays <= 2^kRescaleLog2, and most key blocks skip the O
+      // rescale (FlashAttention-4's conditional rescaling). Warp-wide: no divergence. The
+      // running sum is of the undropped P.
       const float sl2 = p.scale_softmax_log2;
+      auto block_max = [&](int mf, int r) {  // max of the row's running max and this block
+        float mx = row_max[mf][r];
 #pragma unroll
-      for (int mf = 0; mf < MF; ++mf)
+        for (int nf = 0; nf < NF_S; ++nf)
+          mx = fmaxf(mx, fmaxf(acc_s[mf][nf][2 * r], acc_s[mf][nf][2 * r + 1]));
+        return quad_max(mx);
+      };
+      // A row with no key so far keeps max -inf: 0 in its place gives exp 0, not NaN.
+      auto scaled = [&](float mx) { return mx == -INFINITY ? 0.f : mx * sl2; };
+      auto rescale_o = [&](int mf, int r, float corr) {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float mx = row_max[mf][r];
-#pragma unroll
-          for (int nf = 0; nf < NF_S; ++nf)
-            mx = fmaxf(mx, fmaxf(acc_s[mf][nf][2 * r], acc_s[mf][nf][2 * r + 1]));
-          mx = quad_max(mx);
-          // A row with no key so far keeps max -inf: use 0 so that exp gives 0, not NaN.
-          const float mx_scaled = mx == -INFINITY ? 0.f : mx * sl2;
-          const float corr = exp2f(row_max[mf][r] * sl2 - mx_scaled);
-          row_max[mf][r] = mx;
-          float sum = 0.f;
-#pragma unroll
-          for (int nf = 0; nf < NF_S; ++nf)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const float pe = exp2f(fmaf(acc_s[mf][nf][2 * r + e], sl2, -mx_scaled));
-              acc_s[mf][nf][2 * r + e] = pe;
-              sum += pe;
-            }
-          row_sum[mf][r] = row_sum[mf][r] * corr + sum;  // of the undropped P
-#pragma unroll
-          for (int nf = 0; nf < NF_O; ++nf) {
-            acc_o[mf][nf][2 * r] *= corr;
-            acc_o[mf][nf][2 * r + 1] *= corr;
-          }
+        for (int nf = 0; nf < NF_O; ++nf) {
+          acc_o[mf][nf][2 * r] *= corr;
+          acc_o[mf][nf][2 * r + 1] *= corr;
         }
+      };
+      auto exp_row = [&](int mf, int r, float ref_scaled) {  // P = exp(S - ref), its sum
+        float sum = 0.f;
+#pragma unroll
+        for (int nf = 0; nf < NF_S; ++nf)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float pe = exp2f(fmaf(acc_s[mf][nf][2 * r + e], sl2, -ref_scaled));
+            acc_s[mf][nf][2 * r + e] = pe;
+            sum += pe;
+          }
+        return sum;
+      };
+      if constexpr (Tr::kLazyRescale) {
+        float mx[MF][2];
+        bool grows = false;
+#pragma unroll
+        for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            mx[mf][r] = block_max(mf, r);
+            // -inf -> finite gives +inf (a rescale); -inf -> -inf gives NaN (none needed).
+            grows |= (mx[mf][r] - row_max[mf][r]) * sl2 > kRescaleLog2;
+          }
+        if (__any_sync(0xffffffffu, grows)) {
+#pragma unroll
+          for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              const float corr = exp2f(row_max[mf][r] * sl2 - scaled(mx[mf][r]));
+              row_max[mf][r] = mx[mf][r];
+              row_sum[mf][r] *= corr;
+              rescale_o(mf, r, corr);
+            }
+        }
+#pragma unroll
+        for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) row_sum[mf][r] += exp_row(mf, r, scaled(row_max[mf][r]));
+      } else {
+#pragma unroll
+        for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const float mx = block_max(mf, r);
+            const float mx_scaled = scaled(mx);
+            const float corr = exp2f(row_max[mf][r] * sl2 - mx_scaled);
+            row_max[mf][r] = mx;
+            const float sum = exp_row(mf, r, mx_scaled);
+            row_sum[mf][r] = row_sum[mf][r] * corr + sum;
+            rescale_o(mf, r, corr);
+          }
+      }
 
       if (Tr::kExtras && p.rng_state != nullptr) {  // P * Z for the P V product
 #pragma unroll

@@ -10,38 +10,46 @@ namespace sm80 {
 
 // FwdTraits<T, head dim, query rows, key rows, warps, min CTAs per SM, S GEMM through XOR
 // base addresses, S GEMM B fragments loaded ahead, zero-filled loads from the tile base,
-// dropout and ALiBi compiled in>, per head dim: Traits for calls with dropout or ALiBi,
-// PlainTraits for the others.
+// dropout and ALiBi compiled in, lazy O rescale>, per head dim: Traits for calls with dropout
+// or ALiBi, PlainTraits for the others.
+// The lazy rescale (the softmax's reference max moves only when a row max grows by more than
+// 2^8) skips most blocks' O rescale; forward against the kernels without it (H100,
+// 2026-11-24, best of 3 alternating repeats, s 1k / 4k / 16k): d128 plain kernel
+// +9.3 / +8.5 / +7.7% non-causal, +8.7 / +4.7 / +4.9% causal (the split into a plain kernel
+// with it; the plain kernel's loop has no local loads with XOR addressing, B two steps
+// ahead, zero-fill from the own address); d64 +0.3..2.4%, d256 +0.6..2.7%. The kernels with
+// dropout / ALiBi keep FA2's rescale at d64 / d128: with it their loops spill more (d128
+// -3..-5% for every call when it had one kernel).
 // d64's plain kernel: without dropout / ALiBi state ptxas keeps the loop in registers
 // (in-loop local loads 14 -> 1 with zero-filled chunks from their own addresses): forward
 // +4-9% non-causal, +5-15% causal (s 16k-1k; H100, 2026-11-24, A/B best of 3, two runs).
-// The same split at d128 and d256 moved -4..+2% in A/Bs whose noise is as large, and took
-// the same cycles under ncu, so they keep one kernel (NOTES.md).
+// At d256 the split moved -4..+2% in A/Bs whose noise is as large, and took the same cycles
+// under ncu, so it keeps one kernel (NOTES.md).
 // d 64 / 128: the fastest of five shapes measured on an H100 (csrc/flash/NOTES.md): 4 warps
 // with 32 query rows each, as FlashAttention-2. d 192 / 256: warps of 16 rows, the O
 // accumulators (up to 128 registers) leave no room for more rows per warp; at d256 64 x 64
 // tiles with 4 warps and 2 CTAs per SM (FlashAttention-2's choice on H100) beat 128 x 64 with
-// 8 warps by 5-10% (H100, 2026-11-23). The S GEMM at d128 through warp_gemm with B one step
-// ahead: +2-4% over the XOR addressing (the SASS has fewer in-loop spills); the same costs
-// 3-4% at d64 (H100, 2026-11-23, three runs each, NOTES.md). d256 loads zero-filled chunks
-// from their own addresses (no select): +1-4%; the same at d128 costs 2-4%, d64 even
-// (H100, 2026-11-24); d64's plain kernel takes them (above).
+// 8 warps by 5-10% (H100, 2026-11-23). The S GEMM at d128 (kernel with extras) through
+// warp_gemm with B one step ahead: +2-4% over the XOR addressing (the SASS has fewer in-loop
+// spills); the same costs 3-4% at d64 (H100, 2026-11-23, three runs each, NOTES.md). d256
+// loads zero-filled chunks from their own addresses (no select): +1-4%; the same at d128
+// costs 2-4%, d64 even (H100, 2026-11-24); d64's plain kernel takes them (above).
 template <typename T, int kHeadDim>
 struct FwdConfig;
 template <typename T> struct FwdConfig<T, 64> {
-  using Traits = FwdTraits<T, 64, 128, 128, 4, 2, true, 1, true, true>;
-  using PlainTraits = FwdTraits<T, 64, 128, 128, 4, 2, true, 1, false, false>;
+  using Traits = FwdTraits<T, 64, 128, 128, 4, 2, true, 1, true, true, false>;
+  using PlainTraits = FwdTraits<T, 64, 128, 128, 4, 2, true, 1, false, false, true>;
 };
 template <typename T> struct FwdConfig<T, 128> {
-  using Traits = FwdTraits<T, 128, 128, 64, 4, 2, false, 1, true, true>;
-  using PlainTraits = Traits;
+  using Traits = FwdTraits<T, 128, 128, 64, 4, 2, false, 1, true, true, false>;
+  using PlainTraits = FwdTraits<T, 128, 128, 64, 4, 2, true, 2, false, false, true>;
 };
 template <typename T> struct FwdConfig<T, 192> {
-  using Traits = FwdTraits<T, 192, 128, 64, 8, 1, false, 2, true, true>;
+  using Traits = FwdTraits<T, 192, 128, 64, 8, 1, false, 2, true, true, true>;
   using PlainTraits = Traits;
 };
 template <typename T> struct FwdConfig<T, 256> {
-  using Traits = FwdTraits<T, 256, 64, 64, 4, 2, false, 2, false, true>;
+  using Traits = FwdTraits<T, 256, 64, 64, 4, 2, false, 2, false, true, true>;
   using PlainTraits = Traits;
 };
 

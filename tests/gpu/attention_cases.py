@@ -29,6 +29,7 @@ class Case:
     bias_grad: bool = False
     alibi: str = None                 # "h" or "bh" slopes
     scale: float = None
+    k_growth: str = None              # "ramp" / "jump": K scaled up toward key 0 (k_gain)
     must: bool = True                 # the backend claims this case
     seed: int = 0
 
@@ -85,7 +86,16 @@ class Case:
         return (f"{self.qkv_format}/{self.layout} b{self.b} s{self.sq}x{self.skv} h{self.hq}/"
                 f"{self.hkv} d{self.dqk}/{self.dv} {str(self.dtype)[6:]} {self.mask} "
                 f"w{self.window} bias={self.bias}{'+grad' if self.bias_grad else ''} "
-                f"alibi={self.alibi}{lens}")
+                f"alibi={self.alibi}{lens}{' k=' + self.k_growth if self.k_growth else ''}")
+
+
+def k_gain(growth, skv):
+    """[skv] factors for K's rows that make the scores grow toward key 0, which the flash
+    kernels visit last: "ramp" from 1 (last key) to 8 (key 0), "jump" 16 on keys 0-63 only."""
+    j = torch.arange(skv, device=DEV, dtype=torch.float32)
+    if growth == "ramp":
+        return 1 + 7 * (1 - j / skv)
+    return torch.where(j < 64, 16.0, 1.0)
 
 
 def cu_seqlens(lens):
@@ -121,7 +131,10 @@ def build_inputs(c: Case, seed=None, requires_grad=True):
     the layout packs them; padding slots hold large garbage to ignore), and the leaves."""
     gen = torch.Generator(device=DEV).manual_seed(c.seed if seed is None else seed)
     qp = torch.randn(c.b, c.sq, c.hq, c.dqk, generator=gen, device=DEV).to(c.dtype)
-    kp = torch.randn(c.b, c.skv, c.hkv, c.dqk, generator=gen, device=DEV).to(c.dtype)
+    kp = torch.randn(c.b, c.skv, c.hkv, c.dqk, generator=gen, device=DEV)
+    if c.k_growth:
+        kp = kp * k_gain(c.k_growth, c.skv).view(1, -1, 1, 1)
+    kp = kp.to(c.dtype)
     vp = torch.randn(c.b, c.skv, c.hkv, c.dv, generator=gen, device=DEV).to(c.dtype)
     if c.padded:
         for i in range(c.b):

@@ -269,6 +269,21 @@ WINDOW_CASES = [
 ]
 
 
+# Scores that grow along the kernels' key order (the last block first): the forward's softmax
+# reference max must move after the first key block, in steps under and over its threshold
+# (2^8, kLazyRescale) ("ramp") or in one jump at the last block visited ("jump").
+GROWTH_CASES = [Case(b=1, sq=sq, skv=1024, hq=2, dqk=d, dtype=dt, mask=mask, k_growth=g)
+                for g in ("ramp", "jump")
+                for d, dt in ((64, torch.float16), (128, torch.bfloat16), (192, torch.float16),
+                              (256, torch.bfloat16))
+                for mask, sq in (("no_mask", 256), ("causal_bottom_right", 384))]
+
+
+@pytest.mark.parametrize("case", GROWTH_CASES, ids=str)
+def test_growing_scores(case):
+    run_case(case, backward=True)
+
+
 @pytest.mark.parametrize("case", BASIC_CASES, ids=str)
 def test_dims_dtypes_masks(case):
     run_case(case)
