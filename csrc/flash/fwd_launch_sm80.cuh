@@ -17,7 +17,7 @@ namespace sm80 {
 // 2026-11-24, best of 3 alternating repeats, s 1k / 4k / 16k): d128 plain kernel
 // +9.3 / +8.5 / +7.7% non-causal, +8.7 / +4.7 / +4.9% causal (the split into a plain kernel
 // with it; the plain kernel's loop has no local loads with XOR addressing, B two steps
-// ahead, zero-fill from the own address); d64 +0.3..2.4%, d256 +0.6..2.7%. The kernels with
+// ahead, zero-fill from the own address); d64 0..+2.4%, d256 -0.3..+2.0%. The kernels with
 // dropout / ALiBi keep FA2's rescale at d64 / d128: with it their loops spill more (d128
 // -3..-5% for every call when it had one kernel).
 // d64's plain kernel: without dropout / ALiBi state ptxas keeps the loop in registers
