@@ -284,6 +284,19 @@ def test_growing_scores(case):
     run_case(case, backward=True)
 
 
+# The same through the kernels with dropout / ALiBi, chosen by the dropout (the lazy rescale
+# is on in those at d192 / d256; d64 / d128 rescale every block there). No ALiBi here: its
+# distance penalty would undo the growth.
+@pytest.mark.parametrize("case", [Case(b=1, sq=256, skv=1024, hq=2, dqk=d, dtype=dt,
+                                       mask="no_mask", k_growth=g)
+                                  for g in ("ramp", "jump")
+                                  for d, dt in ((64, torch.float16), (128, torch.bfloat16),
+                                                (192, torch.float16), (256, torch.bfloat16))],
+                         ids=str)
+def test_growing_scores_dropout(case):
+    run_case(case, backward=True, dropout=0.1)
+
+
 @pytest.mark.parametrize("case", BASIC_CASES, ids=str)
 def test_dims_dtypes_masks(case):
     run_case(case)
