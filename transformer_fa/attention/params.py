@@ -22,6 +22,7 @@ MASK_TYPES = (
     "arbitrary",
 )
 BIAS_TYPES = ("no_bias", "pre_scale_bias", "post_scale_bias", "alibi")
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")  # TE's softmax_type values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +52,11 @@ class AttentionParams:
     deterministic: bool  # NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 or torch's deterministic mode
     requires_grad: bool  # any of q, k, v needs a gradient
     is_compiling: bool = False  # inside torch.compile tracing
+    # TE's softmax_type: "vanilla"; "off-by-one" adds 1 to the denominator (a zero-logit sink);
+    # "learnable" adds exp(softmax_offset[h]) (per-head learnable sink, as in gpt-oss).
+    softmax_type: str = "vanilla"
+    return_max_logit: bool = False  # also return the max pre-softmax logit per head (TE)
+    softcap: float = 0.0  # logits -> softcap * tanh(logits / softcap) when > 0 (FA2/Gemma 2)
 
     @property
     def is_padding(self) -> bool:
