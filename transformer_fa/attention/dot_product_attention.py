@@ -138,6 +138,7 @@ class DotProductAttention(torch.nn.Module):
             requires_grad=torch.is_grad_enabled() and any(
                 t.requires_grad for t in (q, k, v)),
             is_compiling=torch.compiler.is_compiling(),
+            softmax_type="vanilla", return_max_logit=False, softcap=0.0,
         )
         backend, params = selection.select(fields, env)
         if self.last_backend != backend.NAME:  # nn.Module.__setattr__ is slow: set on change
