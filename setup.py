@@ -5,9 +5,11 @@ TRANSFORMER_FA_BUILD_CUDA=1 forces it (=0 forces it off). Otherwise the pure-Pyt
 is installed; it runs everywhere with the unfused backend. To build the extension against
 the torch you already have, install without build isolation:
     pip install --no-build-isolation -e .
-Arch list for the kernels: TRANSFORMER_FA_CUDA_ARCHS (default "80;90a"); kernel set:
+Arch list for the kernels: TRANSFORMER_FA_CUDA_ARCHS (default "80;90a"; each kernel family's
+files build for the targets of this list it runs on, csrc/generate.py); kernel set:
 TRANSFORMER_FA_FLASH_KERNELS (default all; e.g. "bf16_hdim128,fp16_hdim64" for a fast
-development build: calls the build lacks go to another backend, with the reason).
+development build, or one family's "sm80_bf16_hdim128": calls the build lacks go to another
+backend, with the reason).
 """
 import glob
 import importlib.util
@@ -20,18 +22,24 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 EXTENSION = "transformer_fa_flash"
 
 
-def flash_instantiations():
-    """(kernel .cu files, macros) to build: csrc/generate.py knows the instantiations, their
-    files and the macros that enable their dispatch cases; TRANSFORMER_FA_FLASH_KERNELS picks."""
+def load_generate():
     spec = importlib.util.spec_from_file_location("tfa_generate",
                                                   os.path.join(ROOT, "csrc", "generate.py"))
     generate = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(generate)
+    return generate
+
+
+def flash_instantiations(generate, archs):
+    """({kernel .cu file: its nvcc targets}, macros) to build: csrc/generate.py knows the
+    instantiations, their files, targets and the macros that enable their dispatch cases;
+    TRANSFORMER_FA_FLASH_KERNELS picks."""
     try:
-        files, macros = generate.selected(os.environ.get("TRANSFORMER_FA_FLASH_KERNELS", ""))
+        files, macros = generate.selected(os.environ.get("TRANSFORMER_FA_FLASH_KERNELS", ""),
+                                          archs)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
-    return [os.path.join("csrc", f) for f in files], macros
+    return {os.path.join("csrc", f): targets for f, targets in files.items()}, macros
 
 
 def want_cuda_build():
@@ -58,16 +66,43 @@ def extensions():
         return [], {}
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
-    archs = os.environ.get("TRANSFORMER_FA_CUDA_ARCHS", "80;90a").split(";")
-    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs if a]
-    kernels, macros = flash_instantiations()
+    archs = os.environ.get("TRANSFORMER_FA_CUDA_ARCHS", "80;90a")
+    generate = load_generate()
+    kernels, macros = flash_instantiations(generate, archs)
     ext = CUDAExtension(
-        EXTENSION, sorted(glob.glob(os.path.join("csrc", "*.cpp"))) + kernels,
+        EXTENSION, sorted(glob.glob(os.path.join("csrc", "*.cpp"))) + sorted(kernels),
         include_dirs=[os.path.join(ROOT, "csrc")],
         extra_compile_args={"cxx": ["-O3", "-std=c++17"] + macros,
                             "nvcc": ["-O3", "-std=c++17", "--use_fast_math",
-                                     "--expt-relaxed-constexpr"] + gencode})
-    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
+                                     "--expt-relaxed-constexpr"]})
+
+    class PerFileGencode(BuildExtension):
+        """torch's CUDAExtension has one nvcc flag list for every file; a kernel family's files
+        build only for its targets (csrc/generate.py). So the sources compile in groups, one
+        per target set, each with its -gencode flags (through torch's own compile, ninja
+        included), and link together as one extension."""
+
+        def build_extension(self, extension):
+            compile_all = self.compiler.compile
+
+            def compile_groups(sources, *args, extra_postargs=None, **kwargs):
+                # the binding (no device code) goes with the build's targets
+                targets = {f: kernels.get(os.path.relpath(os.path.abspath(f), ROOT),
+                                          generate.build_targets(archs)) for f in sources}
+                objects = []
+                for group_targets, group in generate.compile_groups(targets).items():
+                    flags = dict(extra_postargs)
+                    flags["nvcc"] = flags["nvcc"] + generate.gencode_flags(group_targets)
+                    objects += compile_all(group, *args, extra_postargs=flags, **kwargs)
+                return objects
+
+            self.compiler.compile = compile_groups
+            try:
+                super().build_extension(extension)
+            finally:
+                self.compiler.compile = compile_all
+
+    return [ext], {"build_ext": PerFileGencode.with_options(use_ninja=True)}
 
 
 ext_modules, cmdclass = extensions()

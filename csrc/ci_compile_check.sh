@@ -2,8 +2,9 @@
 # CI: compile one instantiation of every kernel family with nvcc (no torch, no GPU), so that
 # a change that breaks the kernels' build cannot land. Fails loudly on any error.
 #   csrc/ci_compile_check.sh            # from anywhere; needs nvcc (CUDA 12.x/13.x)
-# Families (csrc/flash/): the sm80-class forward (fwd_kernel_sm80.cuh) and backward
-# (bwd_kernel_sm80.cuh). Also checks that the generated files are up to date.
+# Every kernel family (csrc/generate.py's FAMILIES; today sm80, whose sm_90a build also
+# compiles sm90/'s bulk dQ copy): each direction at each of the family's default targets
+# (generate.py --compile-check-jobs). Also checks that the generated files are up to date.
 set -euo pipefail
 cd "$(dirname "$0")"
 NVCC=${NVCC:-nvcc}
@@ -18,13 +19,10 @@ python3 generate.py --check || { echo "ci_compile_check: FAILED: stale generated
 FLAGS=(-O3 -std=c++17 --use_fast_math --expt-relaxed-constexpr -I. -Xptxas -v
        -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__
        -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__)
-# (file, arch): each family once, both dtypes and head dims between them, both default archs.
-JOBS=(
-  "flash/instantiations/fwd_fp16_hdim64_sm80.cu 80"
-  "flash/instantiations/fwd_bf16_hdim192_sm80.cu 90a"
-  "flash/instantiations/bwd_bf16_hdim128_sm80.cu 80"
-  "flash/instantiations/bwd_fp16_hdim192_sm80.cu 90a"
-)
+# (file, target) jobs: each family's directions at each of its targets, dtypes and head dims
+# rotating.
+mapfile -t JOBS < <(python3 generate.py --compile-check-jobs)
+[ ${#JOBS[@]} -gt 0 ] || { echo "ci_compile_check: FAILED: no jobs" >&2; exit 1; }
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 status=0

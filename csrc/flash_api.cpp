@@ -64,23 +64,25 @@ void check_cu(const c10::optional<at::Tensor>& cu, const char* name, int64_t b,
 }
 
 // Device attributes, cached per device (queried on every call otherwise).
-struct DeviceInfo {
-  int major = 0, sms = 0, smem_optin = 0, l2_bytes = 0;
-};
-
-const DeviceInfo& device_info(int device) {
-  static DeviceInfo cached[64];
-  static DeviceInfo other;
-  DeviceInfo& info = device >= 0 && device < 64 ? cached[device] : other;
-  if (info.major == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, device));
+const tf::Device& device_info(int device) {
+  static tf::Device cached[64];
+  static tf::Device other;
+  tf::Device& info = device >= 0 && device < 64 ? cached[device] : other;
+  if (info.arch == 0) {
+    int major = 0, minor = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, device));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.smem_optin,
                                           cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.l2_bytes, cudaDevAttrL2CacheSize, device));
+    info.arch = major * 10 + minor;
   }
   return info;
 }
+
+// The kernel family that runs calls on a device: sm80 on every GPU (the only family so far).
+tf::Arch family_for(const tf::Device&) { return tf::Arch::kSm80; }
 
 // The kernel head dim a head dim d runs on (the first built-in one >= d), or 0.
 int kernel_head_dim(int64_t d) {
@@ -156,7 +158,7 @@ int64_t fill_common(tf::FwdParams& p, const char* op, const at::Tensor& q, const
                 op, ": alibi_slopes must be contiguous float32 [h] or [b, h] on ",
                 q.device().str());
   }
-  TORCH_CHECK(device_info(q.get_device()).major >= 8, op, ": needs an sm80 or newer GPU");
+  TORCH_CHECK(device_info(q.get_device()).arch >= 80, op, ": needs an sm80 or newer GPU");
 
   p.q = q.data_ptr();
   p.k = k.data_ptr();
@@ -193,7 +195,6 @@ int64_t fill_common(tf::FwdParams& p, const char* op, const at::Tensor& q, const
   const double keep = std::floor((1.0 - dropout_p) * 4294967296.0);
   p.dropout_threshold = static_cast<uint32_t>(std::min(keep, 4294967295.0));
   p.dropout_scale = static_cast<float>(1.0 / (1.0 - dropout_p));
-  p.l2_bytes = device_info(q.get_device()).l2_bytes;
   return b;
 }
 
@@ -241,7 +242,9 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
 
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   const int hd = kernel_head_dim(p.d);
-  TORCH_CHECK(tf::dispatch_fwd(bf16, hd, p, c10::cuda::getCurrentCUDAStream().stream()),
+  const tf::Device& dev = device_info(q.get_device());
+  TORCH_CHECK(tf::dispatch_fwd(family_for(dev), bf16, hd, p, dev,
+                               c10::cuda::getCurrentCUDAStream().stream()),
               "flash_attn_fwd: this build has no ", kernel_name(q.scalar_type(), hd),
               " kernel (see TRANSFORMER_FA_FLASH_KERNELS in setup.py)");
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -280,44 +283,32 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
 
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   const int hd = kernel_head_dim(p.d);
-  const DeviceInfo& dev = device_info(q.get_device());
-  p.sm90 = dev.major == 9;
-  const int smem = tf::dispatch_bwd_smem(bf16, hd, p.sm90);
-  TORCH_CHECK(smem > 0, "flash_attn_bwd: this build has no ", kernel_name(q.scalar_type(), hd),
-              " kernel (see TRANSFORMER_FA_FLASH_KERNELS in setup.py)");
-  TORCH_CHECK(smem <= dev.smem_optin, "flash_attn_bwd: head dim ", num(p.d), " needs ",
-              num(smem), " bytes of shared memory per block; this GPU has ",
-              num(dev.smem_optin));
+  const tf::Device& dev = device_info(q.get_device());
+  const tf::Arch family = family_for(dev);
 
   at::Tensor dq = at::empty(q.sizes(), q.options());  // every row written (from dq_accum)
   at::Tensor dk = k_thd ? at::zeros(k.sizes(), k.options()) : at::empty(k.sizes(), k.options());
   at::Tensor dv = k_thd ? at::zeros(v.sizes(), v.options()) : at::empty(v.sizes(), v.options());
+  p.dq_rows = q.numel() / p.d;
+  p.deterministic = deterministic;
+  // The family plans its shared memory and workspace (the dq_accum layout, the splits).
+  tf::BwdPlan plan{};
+  TORCH_CHECK(tf::dispatch_plan_bwd(family, bf16, hd, p, dev, plan),
+              "flash_attn_bwd: this build has no ", kernel_name(q.scalar_type(), hd),
+              " kernel (see TRANSFORMER_FA_FLASH_KERNELS in setup.py)");
+  TORCH_CHECK(plan.smem_bytes <= dev.smem_optin, "flash_attn_bwd: head dim ", num(p.d),
+              " needs ", num(plan.smem_bytes), " bytes of shared memory per block; this GPU has ",
+              num(dev.smem_optin));
   if (q.numel() == 0 || k.numel() == 0) {
     dq.zero_();
     if (!k_thd) { dk.zero_(); dv.zero_(); }
     return {dq, dk, dv};
   }
 
-  // Deterministic: enough splits to fill the GPU twice over the (kv head, batch) grid.
-  const int num_n = (p.seqlen_k + 63) / 64;  // an upper bound of the kernel's key blocks
-  int splits = 1;
-  if (deterministic) {
-    const int64_t per_split = std::max<int64_t>(1, int64_t(p.h_k) * b);
-    splits = static_cast<int>(std::min<int64_t>(std::max<int64_t>(num_n, 1),
-                                                (2 * dev.sms + per_split - 1) / per_split));
-  }
-  // dq_accum [splits][b][h][rows rounded up to 8][hd] (thd: [splits][h][tokens ...][hd]),
-  // in flash.h's row-group layout.
-  const int64_t acc_rows = q_thd ? q.size(0) : p.seqlen_q;
-  const int64_t acc_rows8 = (acc_rows + 7) / 8 * 8;
-  const std::vector<int64_t> acc_shape =
-      q_thd ? std::vector<int64_t>{splits, p.h, acc_rows8, hd}
-            : std::vector<int64_t>{splits, b, p.h, acc_rows8, hd};
-  // Zeroed here only for thd (rows of tokens past the last sequence); otherwise the dsum
-  // kernel zeroes every row as it goes.
-  at::Tensor dq_accum = q_thd ? at::zeros(acc_shape, q.options().dtype(at::kFloat))
-                              : at::empty(acc_shape, q.options().dtype(at::kFloat));
-  at::Tensor dsum = at::empty(lse_shape, q.options().dtype(at::kFloat));
+  const auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor dq_accum = plan.dq_accum_zeroed ? at::zeros({plan.dq_accum_floats}, f32)
+                                             : at::empty({plan.dq_accum_floats}, f32);
+  at::Tensor dsum = at::empty(lse_shape, f32);
 
   p.o = const_cast<void*>(out.data_ptr());
   const Strides so = strides_of(out, q_format), sd = strides_of(dout, q_format),
@@ -331,28 +322,20 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
   p.dk_batch_stride = sdk.batch; p.dk_row_stride = sdk.row; p.dk_head_stride = sdk.head;
   p.dv_batch_stride = sdv.batch; p.dv_row_stride = sdv.row; p.dv_head_stride = sdv.head;
   p.dq_accum = dq_accum.data_ptr<float>();
-  p.dqa_batch_stride = q_thd ? 0 : dq_accum.stride(1);
-  p.dqa_head_stride = dq_accum.stride(q_thd ? 1 : 2);
-  p.dqa_row_stride = hd;
-  p.dqa_split_stride = dq_accum.stride(0);
-  p.dqa_rows = acc_rows;
-  p.dqa_zeroed = q_thd;
   const Strides sdq = strides_of(dq, q_format);
   p.dq = dq.data_ptr();
   p.dq_batch_stride = sdq.batch; p.dq_row_stride = sdq.row; p.dq_head_stride = sdq.head;
-  p.dq_rows = q.numel() / p.d;
   p.dsum = dsum.data_ptr<float>();
-  p.deterministic = deterministic;
-  p.num_splits = splits;
 
-  TORCH_CHECK(tf::dispatch_bwd(bf16, hd, p, c10::cuda::getCurrentCUDAStream().stream()),
+  TORCH_CHECK(tf::dispatch_bwd(family, bf16, hd, p, dev,
+                               c10::cuda::getCurrentCUDAStream().stream()),
               "flash_attn_bwd: this build has no ", kernel_name(q.scalar_type(), hd), " kernel");
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {dq, dk, dv};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "transformer_fa flash attention kernels (sm80-class forward and backward)";
+  m.doc() = "transformer_fa flash attention kernels (forward and backward; families: flash/)";
   m.def("fwd", &fwd, "Flash attention forward", py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("q_format"),
         py::arg("kv_format"), py::arg("max_seqlen_q"), py::arg("max_seqlen_k"),

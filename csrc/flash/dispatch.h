@@ -12,163 +12,191 @@ namespace flash {
 // The kernel head dims, ascending: a head dim d runs on the first one >= d.
 constexpr int kKernelHeadDims[] = {64, 128, 192, 256};
 
-// Each runs this build's kernel for (dtype, kernel head dim); false if the build lacks it.
-inline bool dispatch_fwd(bool bf16, int hd, FwdParams& params, cudaStream_t stream) {
-#ifdef TFA_FLASH_FP16_HDIM64
-  if (!bf16 && hd == 64) {
-    run_fwd<DType::kFP16, 64>(params, stream);
+// Each runs (or plans) this build's kernel for (family, dtype, kernel head dim); false if the
+// build lacks it.
+inline bool dispatch_fwd(Arch arch, bool bf16, int hd, const FwdParams& params,
+                         const Device& device, cudaStream_t stream) {
+#ifdef TFA_FLASH_SM80_FP16_HDIM64
+  if (arch == Arch::kSm80 && !bf16 && hd == 64) {
+    run_fwd<Arch::kSm80, DType::kFP16, 64>(params, device, stream);
     return true;
   }
 #endif
-#ifdef TFA_FLASH_FP16_HDIM128
-  if (!bf16 && hd == 128) {
-    run_fwd<DType::kFP16, 128>(params, stream);
+#ifdef TFA_FLASH_SM80_FP16_HDIM128
+  if (arch == Arch::kSm80 && !bf16 && hd == 128) {
+    run_fwd<Arch::kSm80, DType::kFP16, 128>(params, device, stream);
     return true;
   }
 #endif
-#ifdef TFA_FLASH_FP16_HDIM192
-  if (!bf16 && hd == 192) {
-    run_fwd<DType::kFP16, 192>(params, stream);
+#ifdef TFA_FLASH_SM80_FP16_HDIM192
+  if (arch == Arch::kSm80 && !bf16 && hd == 192) {
+    run_fwd<Arch::kSm80, DType::kFP16, 192>(params, device, stream);
     return true;
   }
 #endif
-#ifdef TFA_FLASH_FP16_HDIM256
-  if (!bf16 && hd == 256) {
-    run_fwd<DType::kFP16, 256>(params, stream);
+#ifdef TFA_FLASH_SM80_FP16_HDIM256
+  if (arch == Arch::kSm80 && !bf16 && hd == 256) {
+    run_fwd<Arch::kSm80, DType::kFP16, 256>(params, device, stream);
     return true;
   }
 #endif
-#ifdef TFA_FLASH_BF16_HDIM64
-  if (bf16 && hd == 64) {
-    run_fwd<DType::kBF16, 64>(params, stream);
+#ifdef TFA_FLASH_SM80_BF16_HDIM64
+  if (arch == Arch::kSm80 && bf16 && hd == 64) {
+    run_fwd<Arch::kSm80, DType::kBF16, 64>(params, device, stream);
     return true;
   }
 #endif
-#ifdef TFA_FLASH_BF16_HDIM128
-  if (bf16 && hd == 128) {
-    run_fwd<DType::kBF16, 128>(params, stream);
+#ifdef TFA_FLASH_SM80_BF16_HDIM128
+  if (arch == Arch::kSm80 && bf16 && hd == 128) {
+    run_fwd<Arch::kSm80, DType::kBF16, 128>(params, device, stream);
     return true;
   }
 #endif
-#ifdef TFA_FLASH_BF16_HDIM192
-  if (bf16 && hd == 192) {
-    run_fwd<DType::kBF16, 192>(params, stream);
+#ifdef TFA_FLASH_SM80_BF16_HDIM192
+  if (arch == Arch::kSm80 && bf16 && hd == 192) {
+    run_fwd<Arch::kSm80, DType::kBF16, 192>(params, device, stream);
     return true;
   }
 #endif
-#ifdef TFA_FLASH_BF16_HDIM256
-  if (bf16 && hd == 256) {
-    run_fwd<DType::kBF16, 256>(params, stream);
-    return true;
-  }
-#endif
-  return false;
-}
-inline bool dispatch_bwd(bool bf16, int hd, BwdParams& params, cudaStream_t stream) {
-#ifdef TFA_FLASH_FP16_HDIM64
-  if (!bf16 && hd == 64) {
-    run_bwd<DType::kFP16, 64>(params, stream);
-    return true;
-  }
-#endif
-#ifdef TFA_FLASH_FP16_HDIM128
-  if (!bf16 && hd == 128) {
-    run_bwd<DType::kFP16, 128>(params, stream);
-    return true;
-  }
-#endif
-#ifdef TFA_FLASH_FP16_HDIM192
-  if (!bf16 && hd == 192) {
-    run_bwd<DType::kFP16, 192>(params, stream);
-    return true;
-  }
-#endif
-#ifdef TFA_FLASH_FP16_HDIM256
-  if (!bf16 && hd == 256) {
-    run_bwd<DType::kFP16, 256>(params, stream);
-    return true;
-  }
-#endif
-#ifdef TFA_FLASH_BF16_HDIM64
-  if (bf16 && hd == 64) {
-    run_bwd<DType::kBF16, 64>(params, stream);
-    return true;
-  }
-#endif
-#ifdef TFA_FLASH_BF16_HDIM128
-  if (bf16 && hd == 128) {
-    run_bwd<DType::kBF16, 128>(params, stream);
-    return true;
-  }
-#endif
-#ifdef TFA_FLASH_BF16_HDIM192
-  if (bf16 && hd == 192) {
-    run_bwd<DType::kBF16, 192>(params, stream);
-    return true;
-  }
-#endif
-#ifdef TFA_FLASH_BF16_HDIM256
-  if (bf16 && hd == 256) {
-    run_bwd<DType::kBF16, 256>(params, stream);
+#ifdef TFA_FLASH_SM80_BF16_HDIM256
+  if (arch == Arch::kSm80 && bf16 && hd == 256) {
+    run_fwd<Arch::kSm80, DType::kBF16, 256>(params, device, stream);
     return true;
   }
 #endif
   return false;
 }
-// Dynamic shared memory of the backward kernel on an sm90 GPU or not (0 if the build lacks it).
-inline int dispatch_bwd_smem(bool bf16, int hd, bool sm90) {
-#ifdef TFA_FLASH_FP16_HDIM64
-  if (!bf16 && hd == 64) return bwd_smem_bytes<DType::kFP16, 64>(sm90);
+inline bool dispatch_plan_bwd(Arch arch, bool bf16, int hd, BwdParams& params,
+                              const Device& device, BwdPlan& plan) {
+#ifdef TFA_FLASH_SM80_FP16_HDIM64
+  if (arch == Arch::kSm80 && !bf16 && hd == 64) {
+    plan = plan_bwd<Arch::kSm80, DType::kFP16, 64>(params, device);
+    return true;
+  }
 #endif
-#ifdef TFA_FLASH_FP16_HDIM128
-  if (!bf16 && hd == 128) return bwd_smem_bytes<DType::kFP16, 128>(sm90);
+#ifdef TFA_FLASH_SM80_FP16_HDIM128
+  if (arch == Arch::kSm80 && !bf16 && hd == 128) {
+    plan = plan_bwd<Arch::kSm80, DType::kFP16, 128>(params, device);
+    return true;
+  }
 #endif
-#ifdef TFA_FLASH_FP16_HDIM192
-  if (!bf16 && hd == 192) return bwd_smem_bytes<DType::kFP16, 192>(sm90);
+#ifdef TFA_FLASH_SM80_FP16_HDIM192
+  if (arch == Arch::kSm80 && !bf16 && hd == 192) {
+    plan = plan_bwd<Arch::kSm80, DType::kFP16, 192>(params, device);
+    return true;
+  }
 #endif
-#ifdef TFA_FLASH_FP16_HDIM256
-  if (!bf16 && hd == 256) return bwd_smem_bytes<DType::kFP16, 256>(sm90);
+#ifdef TFA_FLASH_SM80_FP16_HDIM256
+  if (arch == Arch::kSm80 && !bf16 && hd == 256) {
+    plan = plan_bwd<Arch::kSm80, DType::kFP16, 256>(params, device);
+    return true;
+  }
 #endif
-#ifdef TFA_FLASH_BF16_HDIM64
-  if (bf16 && hd == 64) return bwd_smem_bytes<DType::kBF16, 64>(sm90);
+#ifdef TFA_FLASH_SM80_BF16_HDIM64
+  if (arch == Arch::kSm80 && bf16 && hd == 64) {
+    plan = plan_bwd<Arch::kSm80, DType::kBF16, 64>(params, device);
+    return true;
+  }
 #endif
-#ifdef TFA_FLASH_BF16_HDIM128
-  if (bf16 && hd == 128) return bwd_smem_bytes<DType::kBF16, 128>(sm90);
+#ifdef TFA_FLASH_SM80_BF16_HDIM128
+  if (arch == Arch::kSm80 && bf16 && hd == 128) {
+    plan = plan_bwd<Arch::kSm80, DType::kBF16, 128>(params, device);
+    return true;
+  }
 #endif
-#ifdef TFA_FLASH_BF16_HDIM192
-  if (bf16 && hd == 192) return bwd_smem_bytes<DType::kBF16, 192>(sm90);
+#ifdef TFA_FLASH_SM80_BF16_HDIM192
+  if (arch == Arch::kSm80 && bf16 && hd == 192) {
+    plan = plan_bwd<Arch::kSm80, DType::kBF16, 192>(params, device);
+    return true;
+  }
 #endif
-#ifdef TFA_FLASH_BF16_HDIM256
-  if (bf16 && hd == 256) return bwd_smem_bytes<DType::kBF16, 256>(sm90);
+#ifdef TFA_FLASH_SM80_BF16_HDIM256
+  if (arch == Arch::kSm80 && bf16 && hd == 256) {
+    plan = plan_bwd<Arch::kSm80, DType::kBF16, 256>(params, device);
+    return true;
+  }
 #endif
-  return 0;
+  return false;
+}
+inline bool dispatch_bwd(Arch arch, bool bf16, int hd, const BwdParams& params,
+                         const Device& device, cudaStream_t stream) {
+#ifdef TFA_FLASH_SM80_FP16_HDIM64
+  if (arch == Arch::kSm80 && !bf16 && hd == 64) {
+    run_bwd<Arch::kSm80, DType::kFP16, 64>(params, device, stream);
+    return true;
+  }
+#endif
+#ifdef TFA_FLASH_SM80_FP16_HDIM128
+  if (arch == Arch::kSm80 && !bf16 && hd == 128) {
+    run_bwd<Arch::kSm80, DType::kFP16, 128>(params, device, stream);
+    return true;
+  }
+#endif
+#ifdef TFA_FLASH_SM80_FP16_HDIM192
+  if (arch == Arch::kSm80 && !bf16 && hd == 192) {
+    run_bwd<Arch::kSm80, DType::kFP16, 192>(params, device, stream);
+    return true;
+  }
+#endif
+#ifdef TFA_FLASH_SM80_FP16_HDIM256
+  if (arch == Arch::kSm80 && !bf16 && hd == 256) {
+    run_bwd<Arch::kSm80, DType::kFP16, 256>(params, device, stream);
+    return true;
+  }
+#endif
+#ifdef TFA_FLASH_SM80_BF16_HDIM64
+  if (arch == Arch::kSm80 && bf16 && hd == 64) {
+    run_bwd<Arch::kSm80, DType::kBF16, 64>(params, device, stream);
+    return true;
+  }
+#endif
+#ifdef TFA_FLASH_SM80_BF16_HDIM128
+  if (arch == Arch::kSm80 && bf16 && hd == 128) {
+    run_bwd<Arch::kSm80, DType::kBF16, 128>(params, device, stream);
+    return true;
+  }
+#endif
+#ifdef TFA_FLASH_SM80_BF16_HDIM192
+  if (arch == Arch::kSm80 && bf16 && hd == 192) {
+    run_bwd<Arch::kSm80, DType::kBF16, 192>(params, device, stream);
+    return true;
+  }
+#endif
+#ifdef TFA_FLASH_SM80_BF16_HDIM256
+  if (arch == Arch::kSm80 && bf16 && hd == 256) {
+    run_bwd<Arch::kSm80, DType::kBF16, 256>(params, device, stream);
+    return true;
+  }
+#endif
+  return false;
 }
 
-// The instantiations this build has, as "<dtype>_hdim<d>".
+// The kernels this build has of the family that serves every GPU (sm80), as
+// "<dtype>_hdim<d>".
 inline std::vector<std::string> built_instantiations() {
   std::vector<std::string> built;
-#ifdef TFA_FLASH_FP16_HDIM64
+#ifdef TFA_FLASH_SM80_FP16_HDIM64
   built.push_back("fp16_hdim64");
 #endif
-#ifdef TFA_FLASH_FP16_HDIM128
+#ifdef TFA_FLASH_SM80_FP16_HDIM128
   built.push_back("fp16_hdim128");
 #endif
-#ifdef TFA_FLASH_FP16_HDIM192
+#ifdef TFA_FLASH_SM80_FP16_HDIM192
   built.push_back("fp16_hdim192");
 #endif
-#ifdef TFA_FLASH_FP16_HDIM256
+#ifdef TFA_FLASH_SM80_FP16_HDIM256
   built.push_back("fp16_hdim256");
 #endif
-#ifdef TFA_FLASH_BF16_HDIM64
+#ifdef TFA_FLASH_SM80_BF16_HDIM64
   built.push_back("bf16_hdim64");
 #endif
-#ifdef TFA_FLASH_BF16_HDIM128
+#ifdef TFA_FLASH_SM80_BF16_HDIM128
   built.push_back("bf16_hdim128");
 #endif
-#ifdef TFA_FLASH_BF16_HDIM192
+#ifdef TFA_FLASH_SM80_BF16_HDIM192
   built.push_back("bf16_hdim192");
 #endif
-#ifdef TFA_FLASH_BF16_HDIM256
+#ifdef TFA_FLASH_SM80_BF16_HDIM256
   built.push_back("bf16_hdim256");
 #endif
   return built;

@@ -8,7 +8,23 @@
 namespace transformer_fa {
 namespace flash {
 
+// Kernel families, named by the oldest GPU architecture they run on. A family has its own
+// folder (sm80/, ...), launch templates and tile configs; csrc/generate.py instantiates each
+// (family, dtype, head dim) in its own file, built for the family's nvcc targets.
+//   kSm80: mma.sync, ldmatrix, cp.async; runs on every sm80+ GPU (on sm_90a it adds Hopper's
+//          bulk dQ reduction in the backward, sm90/bulk_copy.cuh).
+enum class Arch : int { kSm80 = 80 };
+
 enum class DType : int { kFP16 = 0, kBF16 = 1 };
+
+// The GPU a call runs on (the binding queries it once per device). Families plan their
+// launches, shared memory and workspace from it.
+struct Device {
+  int arch;        // compute capability, major * 10 + minor (80, 86, 90, ...)
+  int sms;         // streaming multiprocessors
+  int smem_optin;  // dynamic shared memory a block may opt into, in bytes
+  int l2_bytes;    // L2 cache size in bytes (0: unknown)
+};
 
 struct FwdParams {
   // Tensors. Strides are in elements; the last (head-dim) stride is 1 for every tensor.
@@ -70,11 +86,6 @@ struct FwdParams {
   const int64_t* __restrict__ rng_state;
   uint32_t dropout_threshold;
   float dropout_scale;  // 1 / (1 - p)
-
-  // Grid order (sm80_common.cuh, grid_tile): the GPU's L2 size in bytes (set by the binding;
-  // 0: unknown), and the (batch, head) pairs per group of the grid (set by the launch).
-  int l2_bytes;
-  int group_heads;
 };
 
 // Backward: the forward's tensors and mask, plus the gradients.
@@ -87,11 +98,13 @@ struct BwdParams : FwdParams {
   void* __restrict__ dv;
   int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
   int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
+  // Workspace: the family's planner (plan_bwd) sets the layout fields below and num_splits;
+  // the binding allocates what the plan asks for and sets the pointers.
   // dQ: float32 accumulator, per (split, sequence, head) a block of dqa_rows rows
   // (seqlen_q; thd: all tokens, the sequences one after another) rounded up to 8, of
   // D = dqa_row_stride floats each (the kernel head dim). Inside a block, groups of 8 rows in
   // mma accumulator order: (row, col) at (row & ~7) * D + (col / 8) * 64 + (row % 8) * 8 +
-  // col % 8 (bwd_kernel_sm80.cuh, dqa_offset). dq (the T output, q's format) is written from
+  // col % 8 (sm80/bwd_kernel.cuh, dqa_offset). dq (the T output, q's format) is written from
   // it at the end with its own strides; dq_rows = b * h * dqa_rows (thd: h * dqa_rows).
   // dqa_zeroed: the caller zeroed it (thd, where tokens past the last sequence have rows);
   // otherwise the dsum kernel zeroes every block, row group by row group, before the main
@@ -102,9 +115,6 @@ struct BwdParams : FwdParams {
   void* __restrict__ dq;
   int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
   int64_t dq_rows;
-  // The GPU is sm90 (Hopper): the launch gives the backward the shared memory of its sm90
-  // path (the bulk dQ tile). dqa_row_stride is the kernel head dim D (the layout above).
-  bool sm90;
   // rowsum(dO * O) per query row, float32, laid out as lse (written by the backward).
   float* __restrict__ dsum;
   // Deterministic: num_splits CTAs per (kv head, batch) each own a dq_accum split and add
@@ -118,15 +128,23 @@ struct BwdParams : FwdParams {
 // 65535 there); the binding rejects calls with more.
 constexpr int kMaxGridYZ = 65535;
 
-// One definition per (dtype, head dim), each in its own generated .cu file.
-template <DType kDType, int kHeadDim>
-void run_fwd(FwdParams& params, cudaStream_t stream);
-template <DType kDType, int kHeadDim>
-void run_bwd(BwdParams& params, cudaStream_t stream);
-// Dynamic shared memory the backward needs on an sm90 GPU or not (the binding checks it
-// against the device).
-template <DType kDType, int kHeadDim>
-int bwd_smem_bytes(bool sm90);
+// What a family's backward needs beside the params, from its planner: the binding checks
+// the shared memory against the device and allocates the workspace.
+struct BwdPlan {
+  int smem_bytes;           // dynamic shared memory per CTA of the main kernel
+  int64_t dq_accum_floats;  // size of dq_accum (float32)
+  bool dq_accum_zeroed;     // the binding zero-fills dq_accum (BwdParams::dqa_zeroed)
+};
+
+// One definition per (family, dtype, head dim), each in its own generated .cu file
+// (csrc/flash/instantiations/; the generated dispatch.h calls them).
+template <Arch kArch, DType kDType, int kHeadDim>
+void run_fwd(const FwdParams& params, const Device& device, cudaStream_t stream);
+// Sets the workspace layout fields of params (see BwdParams) and says what to allocate.
+template <Arch kArch, DType kDType, int kHeadDim>
+BwdPlan plan_bwd(BwdParams& params, const Device& device);
+template <Arch kArch, DType kDType, int kHeadDim>
+void run_bwd(const BwdParams& params, const Device& device, cudaStream_t stream);
 
 }  // namespace flash
 }  // namespace transformer_fa

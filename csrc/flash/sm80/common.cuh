@@ -1,7 +1,7 @@
-// Building blocks shared by the sm80-class forward and backward kernels: PTX wrappers
+// Building blocks shared by the sm80 family's forward and backward kernels: PTX wrappers
 // (mma.sync, ldmatrix, cp.async), the swizzled shared-memory tile, tile loads with zero-fill,
-// the per-sequence offsets, the mask / ALiBi / dropout of one S tile, and a warp-level GEMM
-// over shared-memory operands.
+// the mask / ALiBi / dropout of one S tile in mma layout, and a warp-level GEMM over
+// shared-memory operands. (Sequences, the mask band and Philox: common/sequence.cuh.)
 #pragma once
 
 #include <cuda_bf16.h>
@@ -9,7 +9,9 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "flash.h"
+#include "flash/flash.h"
+#include "flash/common/launch.cuh"
+#include "flash/common/sequence.cuh"
 
 namespace transformer_fa {
 namespace flash {
@@ -108,33 +110,6 @@ __device__ __forceinline__ void atomic_add2(float* ptr, float a, float b) {
 #endif
 }
 
-// Bulk-copy engine (sm90; callers use it only when __CUDA_ARCH__ >= 900, elsewhere these
-// trap). One thread adds `bytes` (a multiple of 16, 16-byte aligned) of float32 from shared
-// into global memory, asynchronously, and waits for its own committed copies.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define TFA_SM90(...) asm volatile(__VA_ARGS__)
-#else
-#define TFA_SM90(...) __trap()
-#endif
-__device__ __forceinline__ void bulk_reduce_add_f32(float* gdst, uint32_t ssrc, uint32_t bytes) {
-  TFA_SM90("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-           "cp.async.bulk.commit_group;\n" ::"l"(gdst), "r"(ssrc), "r"(bytes) : "memory");
-}
-// The shared-memory sources of this thread's bulk copies have been read.
-__device__ __forceinline__ void bulk_wait_read() {
-  TFA_SM90("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-}
-// This thread's bulk copies have completed.
-__device__ __forceinline__ void bulk_wait_all() {
-  TFA_SM90("cp.async.bulk.wait_group 0;\n" ::: "memory");
-}
-// Orders this thread's (generic proxy) shared-memory writes before bulk-copy (async proxy)
-// reads of them.
-__device__ __forceinline__ void fence_proxy_async_smem() {
-  TFA_SM90("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-#undef TFA_SM90
-
 // ---------------------------------------------------------------------------------------
 // Shared-memory tiles
 // ---------------------------------------------------------------------------------------
@@ -150,11 +125,6 @@ __device__ __forceinline__ int swz(int row, int col) {
 template <int kLd>
 constexpr bool kPow2 = (kLd & (kLd - 1)) == 0;
 
-// A value the compiler must not hoist out of the loop it is computed in.
-__device__ __forceinline__ int opaque(int x) {
-  asm volatile("" : "+r"(x));
-  return x;
-}
 
 // ldmatrix addresses of one lane in a swizzled [rows][kLd] shared tile: the lane's own
 // position (row, col), then fragments at (row + dr, col + dc), dr and dc multiples of 8.
@@ -376,74 +346,10 @@ __device__ __forceinline__ void zero(float (&acc)[MF][NF][4]) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Sequences
-// ---------------------------------------------------------------------------------------
-struct SeqInfo {
-  int bidb;
-  int len_q, len_k;      // actual lengths
-  int rows_q, rows_k;    // rows of the tensors this sequence owns (len, or padded length)
-  int start_q, start_k;  // first token of a packed (thd) sequence
-  bool q_packed, k_packed;
-  // Element offset of row 0 (head 0) of this sequence in a q-side / k-side tensor.
-  __device__ __forceinline__ int64_t q_off(int64_t batch_stride, int64_t row_stride) const {
-    return q_packed ? int64_t(start_q) * row_stride : int64_t(bidb) * batch_stride;
-  }
-  __device__ __forceinline__ int64_t k_off(int64_t batch_stride, int64_t row_stride) const {
-    return k_packed ? int64_t(start_k) * row_stride : int64_t(bidb) * batch_stride;
-  }
-  // Copies whose q-side / k-side position is opaque to the compiler: offsets taken from them
-  // inside a main loop are recomputed there (a few integer ops) instead of being hoisted out
-  // as 64-bit values that stay live, and spill, across the loop.
-  __device__ __forceinline__ SeqInfo in_loop_q() const {
-    SeqInfo s = *this;
-    s.bidb = opaque(bidb);
-    s.start_q = opaque(start_q);
-    return s;
-  }
-  __device__ __forceinline__ SeqInfo in_loop_k() const {
-    SeqInfo s = *this;
-    s.bidb = opaque(bidb);
-    s.start_k = opaque(start_k);
-    return s;
-  }
-};
-
-__device__ __forceinline__ SeqInfo seq_info(const FwdParams& p, int bidb) {
-  SeqInfo s;
-  s.bidb = bidb;
-  s.start_q = p.cu_seqlens_q != nullptr ? p.cu_seqlens_q[bidb] : 0;
-  s.start_k = p.cu_seqlens_k != nullptr ? p.cu_seqlens_k[bidb] : 0;
-  s.len_q = p.cu_seqlens_q != nullptr ? p.cu_seqlens_q[bidb + 1] - s.start_q : p.seqlen_q;
-  s.len_k = p.cu_seqlens_k != nullptr ? p.cu_seqlens_k[bidb + 1] - s.start_k : p.seqlen_k;
-  s.q_packed = p.q_packed;
-  s.k_packed = p.k_packed;
-  s.rows_q = p.q_packed ? s.len_q : p.seqlen_q;
-  s.rows_k = p.k_packed ? s.len_k : p.seqlen_k;
-  return s;
-}
-
-// ---------------------------------------------------------------------------------------
-// The mask, ALiBi and dropout of one S tile (mma C layout: element e of acc[mf][nf] is
+// ALiBi, the mask and dropout of one S tile (mma C layout: element e of acc[mf][nf] is
 // row i0 + 16 mf + g + 8 (e / 2), column j0 + 8 nf + 2 t + e % 2; i0 is a multiple of 16
 // and j0 of 8, both per-sequence positions).
 // ---------------------------------------------------------------------------------------
-struct Band {
-  int len_k;       // keys j >= len_k are masked
-  int off;         // diagonal offset: len_k - len_q (bottom-right) or 0
-  int left, right; // window (-1: unbounded)
-};
-
-__device__ __forceinline__ Band band_of(const FwdParams& p, const SeqInfo& si) {
-  return Band{si.len_k, p.bottom_right ? si.len_k - si.len_q : 0, p.window_left,
-              p.window_right};
-}
-
-// True if some element of rows [i_lo, i_hi] x columns [j_lo, j_hi] is masked.
-__device__ __forceinline__ bool band_cuts(const Band& b, int i_lo, int i_hi, int j_lo, int j_hi) {
-  return j_hi >= b.len_k || (b.right >= 0 && j_hi > i_lo + b.off + b.right) ||
-         (b.left >= 0 && j_lo < i_hi + b.off - b.left);
-}
-
 // ALiBi (when alibi_coef != 0: -slope / softmax_scale, added to the raw q.k) and the band
 // mask (-inf), on the raw scores.
 template <int MF, int NF>
@@ -470,36 +376,6 @@ __device__ __forceinline__ void bias_and_mask(float (&acc)[MF][NF][4], int i0, i
     }
 }
 
-// Philox4x32-10 (Salmon et al., Random123 constants).
-__device__ __forceinline__ uint4 philox(uint32_t k0, uint32_t k1, uint4 c) {
-#pragma unroll
-  for (int round = 0; round < 10; ++round) {
-    const uint32_t lo0 = 0xD2511F53u * c.x, hi0 = __umulhi(0xD2511F53u, c.x);
-    const uint32_t lo1 = 0xCD9E8D57u * c.z, hi1 = __umulhi(0xCD9E8D57u, c.z);
-    c = make_uint4(hi1 ^ c.y ^ k0, lo1, hi0 ^ c.w ^ k1, lo0);
-    k0 += 0x9E3779B9u;
-    k1 += 0xBB67AE85u;
-  }
-  return c;
-}
-
-struct Dropout {
-  uint32_t k0, k1, offset, bh, threshold;
-  float scale;  // 1 / (1 - p)
-};
-
-__device__ __forceinline__ Dropout dropout_of(const FwdParams& p, int bidb, int bidh) {
-  Dropout d;
-  const uint64_t seed = static_cast<uint64_t>(p.rng_state[0]);
-  d.k0 = static_cast<uint32_t>(seed);
-  d.k1 = static_cast<uint32_t>(seed >> 32);
-  d.offset = static_cast<uint32_t>(p.rng_state[1]);
-  d.bh = static_cast<uint32_t>(bidb * p.h + bidh);
-  d.threshold = p.dropout_threshold;
-  d.scale = p.dropout_scale;
-  return d;
-}
-
 // Bit e: element e of the mma C tile at rows i0 + g (+8), columns j0 + 2t (+1) is kept
 // (flash.h defines the mask). One 16 x 8 tile per call, so that callers apply it at once
 // instead of holding the bits of a whole warp tile in registers.
@@ -510,69 +386,6 @@ __device__ __forceinline__ uint32_t dropout_bits(const Dropout& d, int i0, int j
       philox(d.k0, d.k1, make_uint4(j >> 3, ((i >> 4) << 5) | (g << 2) | t, d.bh, d.offset));
   return uint32_t(w.x < d.threshold) | (uint32_t(w.y < d.threshold) << 1) |
          (uint32_t(w.z < d.threshold) << 2) | (uint32_t(w.w < d.threshold) << 3);
-}
-
-// ---------------------------------------------------------------------------------------
-// Grid order
-// ---------------------------------------------------------------------------------------
-// num_tiles x heads x batches CTAs, numbered in the order the GPU starts them (`linear`: a 1-D
-// grid's blockIdx.x, or x + X (y + Y z) of a 3-D one). Consecutive (batch, head) pairs form
-// groups of `group`; inside a group the CTAs go tile-major (tile 0 of every head of the
-// group, then tile 1, ...); groups of one pair give the plain (tile, head, batch) order.
-// Callers number the tiles heaviest first: under a causal mask the work per tile varies up to
-// num_tiles-fold, and with the light tiles last the GPU's tail is short. The group bounds the
-// data that running CTAs share in L2.
-struct GridTile {
-  int tile, head, batch;
-};
-__device__ __forceinline__ GridTile grid_tile(int linear, int num_tiles, int heads, int batches,
-                                              int group) {
-  const int per_group = group * num_tiles;
-  const int first = linear / per_group * group;  // first (batch, head) of the group
-  const int rest = linear % per_group;
-  const int size = min(group, heads * batches - first);  // the last group may be smaller
-  const int tile = rest / size;
-  const int bh = first + rest % size;
-  return {tile, bh % heads, bh / heads};
-}
-
-// Whether a tile's work grows with its position along the grid's tile axis: a causal-like mask
-// (a right bound, no left one). The launches then order the grid heavy first, in head groups.
-inline bool work_grows(const FwdParams& p) { return p.window_right >= 0 && p.window_left < 0; }
-
-// Whether a call uses dropout or ALiBi: the launches then take the kernels built with them
-// (Traits), the others those built without (PlainTraits).
-inline bool uses_extras(const FwdParams& p) {
-  return p.rng_state != nullptr || p.alibi_slopes != nullptr;
-}
-
-// (batch, head) pairs per group: as many as keep what the CTAs of one pair share
-// (bytes_per_head) within a third of the L2 cache, as whole batches or an equal share of one
-// batch's heads. A token's row holds all of its heads, so a group of neighbouring heads reads
-// whole or like parts of rows; groups that split rows unevenly ran 5-10% slower, and a
-// half-L2 budget also lost to a third (H100, NOTES.md).
-inline int heads_per_group(int64_t bytes_per_head, int l2_bytes, int heads, int pairs) {
-  const int64_t budget = (l2_bytes > 0 ? int64_t(l2_bytes) : int64_t(40) << 20) / 3;
-  int64_t group = budget / (bytes_per_head > 0 ? bytes_per_head : 1);
-  if (group >= pairs) return pairs;
-  if (group >= heads) return int(group / heads * heads);
-  while (group > 1 && heads % group != 0) --group;
-  return group < 1 ? 1 : int(group);
-}
-
-// Lets kKernel use `smem` bytes of dynamic shared memory (above the 48 KB default), once per
-// device and kernel (the attribute is per device and kernel).
-template <auto kKernel>
-void allow_dynamic_smem(int smem) {
-  if (smem < 48 * 1024) return;
-  static unsigned long long configured = 0;  // one per kernel (template argument)
-  int device = 0;
-  cudaGetDevice(&device);
-  const unsigned long long bit = 1ull << (device & 63);
-  if (!(configured & bit)) {
-    cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    configured |= bit;
-  }
 }
 
 }  // namespace sm80

@@ -24,35 +24,49 @@
 // (kDqInStage), and the next step's loads wait for the middle barrier.
 #pragma once
 
-#include "sm80_common.cuh"
+#include "flash/sm80/common.cuh"
+#include "flash/sm90/bulk_copy.cuh"
 
 namespace transformer_fa {
 namespace flash {
 namespace sm80 {
 
-template <typename T, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kWarpsMS,
-          int kWarpsNdKV, int kWarpsMdQ, int kSSlices_ = 1, int kQSlices_ = 1,
-          bool kBulkDq_ = false, bool kDqInStage_ = false, bool kZfillFromBase_ = true,
-          bool kGridOrder_ = false, bool kExtras_ = true>
+// A backward tile config: a struct that derives from BwdTile, sets kHeadDim, kBlockM (query
+// rows), kBlockN (key rows), kNWarps and the warp tilings kWarpsMS (warps along M of S / dP),
+// kWarpsNdKV (along N of dK / dV), kWarpsMdQ (along M of dQ), and overrides the defaults it
+// changes (sm80/bwd_launch.cuh names one per head dim, with the measurements behind them).
+struct BwdTile {
+  static constexpr int kSSlices = 1;             // S / dP column slices
+  static constexpr int kQSlices = 1;             // dQ column slices
+  static constexpr bool kBulkDq = false;         // dQ through sm90's bulk-copy reduction
+  static constexpr bool kDqInStage = false;      // the bulk dQ tile in the step's Q / dO buffers
+  static constexpr bool kZfillFromBase = true;   // zero-filled loads from the tile base
+  static constexpr bool kGridOrder = false;      // CTAs in grid_tile's order
+  static constexpr bool kExtras = true;          // dropout and ALiBi compiled in
+};
+// Tile with dropout and ALiBi compiled in or not.
+template <typename Tile, bool kWith>
+struct WithExtras : Tile {
+  static constexpr bool kExtras = kWith;
+};
+
+template <typename T, typename Tile>
 struct BwdTraits {
   using Element = T;
-  // Dropout and ALiBi compiled in (as FwdTraits::kExtras); WithExtras<false> is the same
-  // kernel without them.
-  static constexpr bool kExtras = kExtras_;
-  template <bool kWith>
-  using WithExtras = BwdTraits<T, kHeadDim_, kBlockM_, kBlockN_, kNWarps_, kWarpsMS, kWarpsNdKV,
-                               kWarpsMdQ, kSSlices_, kQSlices_, kBulkDq_, kDqInStage_,
-                               kZfillFromBase_, kGridOrder_, kWith>;
-  static constexpr int D = kHeadDim_;
-  static constexpr int BM = kBlockM_;
-  static constexpr int BN = kBlockN_;
-  static constexpr int kNWarps = kNWarps_;
+  // Dropout and ALiBi compiled in (as FwdTraits::kExtras).
+  static constexpr bool kExtras = Tile::kExtras;
+  static constexpr int kWarpsMS = Tile::kWarpsMS, kWarpsNdKV = Tile::kWarpsNdKV,
+                       kWarpsMdQ = Tile::kWarpsMdQ;
+  static constexpr int D = Tile::kHeadDim;
+  static constexpr int BM = Tile::kBlockM;
+  static constexpr int BN = Tile::kBlockN;
+  static constexpr int kNWarps = Tile::kNWarps;
   static constexpr int kNThreads = kNWarps * 32;
   // S / dP warp tile
   static constexpr int S_M = BM / kWarpsMS, S_N = BN / (kNWarps / kWarpsMS);
   static constexpr int S_MF = S_M / 16, S_NF = S_N / 8;
   // S / dP are computed in this many column slices of the warp tile (register pressure)
-  static constexpr int kSSlices = kSSlices_;
+  static constexpr int kSSlices = Tile::kSSlices;
   static_assert(S_NF % (2 * kSSlices) == 0, "slices of whole n16 fragment pairs");
   // dK / dV warp tile
   static constexpr int KV_M = BN / kWarpsNdKV, KV_N = D / (kNWarps / kWarpsNdKV);
@@ -60,24 +74,24 @@ struct BwdTraits {
   // dQ warp tile
   static constexpr int Q_M = BM / kWarpsMdQ, Q_N = D / (kNWarps / kWarpsMdQ);
   static constexpr int Q_MF = Q_M / 16, Q_NF = Q_N / 8;
-  static constexpr int kQSlices = kQSlices_;  // dQ column slices, as kSSlices
+  static constexpr int kQSlices = Tile::kQSlices;  // dQ column slices, as kSSlices
   static_assert(Q_NF % (2 * kQSlices) == 0, "slices of whole n16 fragment pairs");
   static_assert(S_M % 16 == 0 && S_N % 16 == 0 && KV_M % 16 == 0 && KV_N % 16 == 0 &&
                     Q_M % 16 == 0 && Q_N % 16 == 0,
                 "warp tiles are whole 16 x 16 MMA tiles");
   static_assert(D % 64 == 0 && BN % 64 == 0, "tile rows are multiples of 64 (swizzle)");
-  static constexpr bool kBulkDq = kBulkDq_;
+  static constexpr bool kBulkDq = Tile::kBulkDq;
   // The bulk dQ tile takes the Q / dO buffers of the step that computed it (free once its
   // dK GEMM is done) instead of its own shared memory: for head dims where (BM + 8) x D
   // floats do not fit beside the rest. Costs a barrier per step, the next step's Q / dO load
   // issued at the middle barrier instead of the top, and tiles of rows that start inside an
   // 8-row group of dq_accum (packed sequences) go out from registers.
-  static constexpr bool kDqInStage = kDqInStage_;
+  static constexpr bool kDqInStage = Tile::kDqInStage;
   static_assert(!kDqInStage || (kBulkDq && kQSlices == 1), "an alias of the whole bulk dQ tile");
-  static constexpr bool kZfillFromBase = kZfillFromBase_;  // load_tile's choice
+  static constexpr bool kZfillFromBase = Tile::kZfillFromBase;  // load_tile's choice
   // The CTAs take their (key block, kv head, batch) in grid_tile's order (so that the launch
   // can run causal key blocks heavy first across head groups), or straight from blockIdx.
-  static constexpr bool kGridOrder = kGridOrder_;
+  static constexpr bool kGridOrder = Tile::kGridOrder;
   // Shared memory (elements): Q and dO double-buffered, K, V, P and dS; then the LSE and dsum
   // of the query block, double-buffered with Q (float).
   static constexpr int kSmemQ = BM * D, kSmemKV = BN * D, kSmemP = BM * BN;
@@ -313,7 +327,7 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
     if (kBulk && tid == 0) dq_pending = nullptr;
     auto issue_dq = [&]() {
       if (bulk && tid == 0 && dq_pending != nullptr) {
-        bulk_reduce_add_f32(dq_pending, dq_pending_src, dq_pending_bytes);
+        sm90::bulk_reduce_add_f32(dq_pending, dq_pending_src, dq_pending_bytes);
       }
     };
 
@@ -404,7 +418,8 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
         store_acc<T, BN>(sP, acc_s, s_m, col0, lane);
         store_acc<T, BN>(sdS, acc_dp, s_m, col0, lane);
       }
-      if (bulk && tid == 0) bulk_wait_read();  // the dQ tile's buffer is free after the barrier
+      // the dQ tile's buffer is free after the barrier
+      if (bulk && tid == 0) sm90::bulk_wait_read();
       __syncthreads();  // P and dS visible
       if (kInStage && it + 1 < total) {
         load_q_do(next_head, next_m, stage ^ 1);
@@ -460,7 +475,7 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
         }
       }
       if (bulk) {
-        fence_proxy_async_smem();  // the bulk copy (async proxy) reads what this thread wrote
+        sm90::fence_proxy_async_smem();  // the bulk copy (async proxy) reads what it wrote
         // Whole 8-row groups: the rows around this tile's (past len_q, or another sequence's
         // in a packed batch) get exact zeros added.
         if (tid == 0) {
@@ -476,7 +491,7 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
     if constexpr (kBulk) {
       __syncthreads();  // the last step's dQ tile is visible
       issue_dq();
-      if (tid == 0) bulk_wait_all();  // complete before sdQ is reused or the CTA exits
+      if (tid == 0) sm90::bulk_wait_all();  // complete before sdQ is reused or the CTA exits
     }
   }
 
@@ -498,13 +513,15 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
 // Grid (key blocks, or num_splits in deterministic mode; kv heads; batch), its blocks taken in
 // grid_tile's order with kGridOrder. Under a causal mask the first key blocks see the most
 // queries. Each CTA walks key blocks tile, tile + gridDim.x, ... (one unless deterministic).
+// group_heads: grid_tile's group size, planned by the launch.
 template <typename Tr>
-__global__ void __launch_bounds__(Tr::kNThreads, 1) bwd_kernel(const BwdParams p) {
+__global__ void __launch_bounds__(Tr::kNThreads, 1)
+    bwd_kernel(const BwdParams p, const int group_heads) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   GridTile gt{int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
   if constexpr (Tr::kGridOrder) {
     gt = grid_tile(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z), gridDim.x,
-                   p.h_k, p.b, p.group_heads);
+                   p.h_k, p.b, group_heads);
   }
   const SeqInfo si = seq_info(p, gt.batch);
   const int num_n = (p.seqlen_k + Tr::BN - 1) / Tr::BN;

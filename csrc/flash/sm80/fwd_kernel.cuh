@@ -7,37 +7,47 @@
 // Blocks are visited from the last to the first, so the masked blocks come first.
 #pragma once
 
-#include "sm80_common.cuh"
+#include "flash/sm80/common.cuh"
 
 namespace transformer_fa {
 namespace flash {
 namespace sm80 {
 
-template <typename T, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kMinBlocks_,
-          bool kSXorAddressing_, int kSAhead_, bool kZfillFromBase_, bool kExtras_,
-          bool kLazyRescale_>
+// A forward tile config: a struct that derives from FwdTile, sets kHeadDim, kBlockM (query
+// rows), kBlockN (key rows) and kNWarps, and overrides the defaults it changes
+// (sm80/fwd_launch.cuh names one per head dim, with the measurements behind them).
+struct FwdTile {
+  static constexpr int kMinBlocks = 2;            // CTAs per SM (__launch_bounds__ hint)
+  static constexpr bool kSXorAddressing = false;  // S GEMM through XOR base addresses
+  static constexpr int kSAhead = 1;               // S GEMM B fragments loaded this far ahead
+  static constexpr bool kZfillFromBase = true;    // zero-filled loads from the tile base
+  static constexpr bool kExtras = true;           // dropout and ALiBi compiled in
+  static constexpr bool kLazyRescale = false;     // the lazy O rescale (below)
+};
+
+template <typename T, typename Tile>
 struct FwdTraits {
-  static constexpr int kMinBlocks = kMinBlocks_;  // __launch_bounds__ occupancy hint
+  static constexpr int kMinBlocks = Tile::kMinBlocks;  // __launch_bounds__ occupancy hint
   // Dropout and ALiBi are compiled in only where a call uses them: their state, live across
   // the key-block loop, made ptxas spill in the loop of the kernel without them (d64).
-  static constexpr bool kExtras = kExtras_;
+  static constexpr bool kExtras = Tile::kExtras;
   // The softmax's reference max moves only when a row max grows by more than
   // 2^kRescaleLog2 (below); off, with every key block, as in FlashAttention-2 (the kernels
-  // whose loop it would make spill: fwd_launch_sm80.cuh).
-  static constexpr bool kLazyRescale = kLazyRescale_;
+  // whose loop it would make spill: sm80/fwd_launch.cuh).
+  static constexpr bool kLazyRescale = Tile::kLazyRescale;
   using Element = T;
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = kBlockM_;
-  static constexpr int kBlockN = kBlockN_;
-  static constexpr int kNWarps = kNWarps_;
+  static constexpr int kHeadDim = Tile::kHeadDim;
+  static constexpr int kBlockM = Tile::kBlockM;
+  static constexpr int kBlockN = Tile::kBlockN;
+  static constexpr int kNWarps = Tile::kNWarps;
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr int kMFrags = kBlockM / (16 * kNWarps);  // 16-row MMA tiles per warp
   // S = Q K^T: Q / K fragment addresses as one XOR-swizzled base per lane and operand
   // (kSXorAddressing, power-of-two head dims) or through warp_gemm's LaneTiles; B fragments
-  // loaded kSAhead MMA steps ahead (mma_pipeline). Measured per head dim (fwd_launch_sm80.cuh).
-  static constexpr bool kSXorAddressing = kSXorAddressing_;
-  static constexpr int kSAhead = kSAhead_;
-  static_assert(!kSXorAddressing || (kHeadDim_ & (kHeadDim_ - 1)) == 0,
+  // loaded kSAhead MMA steps ahead (mma_pipeline). Measured per head dim (sm80/fwd_launch.cuh).
+  static constexpr bool kSXorAddressing = Tile::kSXorAddressing;
+  static constexpr int kSAhead = Tile::kSAhead;
+  static_assert(!kSXorAddressing || (kHeadDim & (kHeadDim - 1)) == 0,
                 "the XOR step needs a power-of-two row length");
   static constexpr int kChunks = kHeadDim / 8;              // 16-byte chunks per row
   static constexpr int kSmemQ = kBlockM * kHeadDim;         // elements
@@ -49,8 +59,8 @@ struct FwdTraits {
   static __device__ __forceinline__ void load(Element* smem, const Element* gmem,
                                               int64_t row_stride, int valid_rows, int d,
                                               int tid) {
-    load_tile<Element, kHeadDim, kRows, kNThreads, kZfillFromBase_>(smem, gmem, row_stride,
-                                                                     valid_rows, d, tid);
+    load_tile<Element, kHeadDim, kRows, kNThreads, Tile::kZfillFromBase>(smem, gmem, row_stride,
+                                                                          valid_rows, d, tid);
   }
   static_assert(kBlockN % 16 == 0, "key blocks are multiples of 16");
 };
@@ -62,8 +72,10 @@ struct FwdTraits {
 // fp32 sums.
 constexpr float kRescaleLog2 = 8.f;
 
+// group_heads: grid_tile's group size (1: the 3-D launch order), planned by the launch.
 template <typename Tr>
-__global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(const FwdParams p) {
+__global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
+    fwd_kernel(const FwdParams p, const int group_heads) {
   using T = typename Tr::Element;
   constexpr int D = Tr::kHeadDim;
   constexpr int BM = Tr::kBlockM;
@@ -86,7 +98,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
   const int num_m_blocks = (p.seqlen_q + BM - 1) / BM;
   const GridTile gt = gridDim.y * gridDim.z > 1
                           ? GridTile{int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)}
-                          : grid_tile(blockIdx.x, num_m_blocks, p.h, p.b, p.group_heads);
+                          : grid_tile(blockIdx.x, num_m_blocks, p.h, p.b, group_heads);
   const int m_block = num_m_blocks - 1 - gt.tile;
   const int bidh = gt.head;
   const int bidb = gt.batch;

@@ -1,0 +1,41 @@
+// Hopper-only device code: the bulk-copy engine's float reduction into global memory
+// (cp.reduce.async.bulk), with which the sm80 family's backward adds its dQ tile on sm_90a.
+#pragma once
+
+#include <cstdint>
+
+namespace transformer_fa {
+namespace flash {
+
+namespace sm90 {
+
+// Bulk-copy engine (sm90; callers use it only when __CUDA_ARCH__ >= 900, elsewhere these
+// trap). One thread adds `bytes` (a multiple of 16, 16-byte aligned) of float32 from shared
+// into global memory, asynchronously, and waits for its own committed copies.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define TFA_SM90(...) asm volatile(__VA_ARGS__)
+#else
+#define TFA_SM90(...) __trap()
+#endif
+__device__ __forceinline__ void bulk_reduce_add_f32(float* gdst, uint32_t ssrc, uint32_t bytes) {
+  TFA_SM90("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+           "cp.async.bulk.commit_group;\n" ::"l"(gdst), "r"(ssrc), "r"(bytes) : "memory");
+}
+// The shared-memory sources of this thread's bulk copies have been read.
+__device__ __forceinline__ void bulk_wait_read() {
+  TFA_SM90("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+// This thread's bulk copies have completed.
+__device__ __forceinline__ void bulk_wait_all() {
+  TFA_SM90("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
+// Orders this thread's (generic proxy) shared-memory writes before bulk-copy (async proxy)
+// reads of them.
+__device__ __forceinline__ void fence_proxy_async_smem() {
+  TFA_SM90("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+#undef TFA_SM90
+
+}  // namespace sm90
+}  // namespace flash
+}  // namespace transformer_fa
