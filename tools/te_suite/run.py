@@ -61,6 +61,7 @@ def copy_suite(te_repo: Path, suites, dest: Path, rev: str = "HEAD") -> list[Pat
 
 def pytest_command(test_files, pytest_args) -> list[str]:
     return [sys.executable, "-m", "pytest", "-p", "te_suite_plugin", "-p", "no:cacheprovider",
+            "--continue-on-collection-errors",
             *map(str, test_files), *pytest_args]
 
 

@@ -108,6 +108,12 @@ def _first_line(report) -> str:
     return text.strip().splitlines()[0][:300] if text.strip() else "failed"
 
 
+def _last_line(report) -> str:
+    """The error itself: a collection report's traceback ends with it."""
+    lines = [line for line in str(report.longrepr).splitlines() if line.strip()]
+    return lines[-1].strip()[:300] if lines else "collection error"
+
+
 def pytest_sessionfinish(session, exitstatus):
     path = os.environ.get("TE_SUITE_REPORT")
     if path:
@@ -119,4 +125,4 @@ def pytest_collectreport(report):
     if report.failed:
         _outcomes[report.nodeid] = {"suite": suite_of(os.path.basename(report.nodeid)),
                                     "outcome": "collection error",
-                                    "detail": _first_line(report)}
+                                    "detail": _last_line(report)}
