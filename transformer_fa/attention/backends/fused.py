@@ -11,7 +11,7 @@ How a call runs
 - Masks (TE semantics) map to cuDNN's diagonal band: ``left_bound = left + 1``,
   ``right_bound = right`` (causal: 0); top-left alignment for "causal"/"padding_causal",
   bottom-right (per-sequence actual lengths) for every other type. ALiBi becomes a
-  post-scale bias ``-slope * |i + off - j|`` in the input dtype (as TE does for cuDNN).
+  post-scale bias ``-slope * |i + off - j|`` less its row maximum, in the input dtype.
 - Graphs are cached (LRU) by a key made of the call's scalars and the tensors' shapes and
   strides, so a configuration is built once per process; the build time goes to the debug
   log. Graphs run on torch's current stream, with their workspace from torch's allocator
@@ -914,7 +914,8 @@ _register_ops()
 # The backend entry point
 # --------------------------------------------------------------------------------------------
 def _alibi_bias(slopes: torch.Tensor, params: AttentionParams, cu_q, cu_kv) -> torch.Tensor:
-    """The ALiBi bias (masks.alibi_bias) as a post-scale bias ``[b|1, h, sq, skv]`` in q's dtype."""
+    """The ALiBi bias (masks.alibi_bias) less each row's maximum, as a post-scale bias
+    ``[b|1, h, sq, skv]`` in q's dtype."""
     p = params
     if p.is_padding:
         lens_q, lens_kv = padding.seqlens_from_cu(cu_q), padding.seqlens_from_cu(cu_kv)
@@ -923,6 +924,11 @@ def _alibi_bias(slopes: torch.Tensor, params: AttentionParams, cu_q, cu_kv) -> t
         lens_kv = torch.full((1,), p.max_seqlen_kv, device=slopes.device)
     bias = masks.alibi_bias(slopes, p.attn_mask_type, lens_q, lens_kv, p.max_seqlen_q,
                             p.max_seqlen_kv)
+    # Relative to each row's maximum (a per-row constant leaves the softmax unchanged): the
+    # keys that carry the weight get small values, which fp16/bf16 hold exactly or nearly.
+    # As absolute values, rows far from the diagonal (sq > skv) rounded by up to 2^-9 of a
+    # bias in the thousands.
+    bias = bias - bias.amax(dim=-1, keepdim=True)
     return bias.to(p.dtype).contiguous()
 
 
