@@ -376,20 +376,18 @@ def test_deterministic_backward():
             assert torch.equal(a, b), "deterministic backward gave different gradients"
 
 
-def test_fast_and_public_execute_agree():
+def test_fast_and_public_execute_agree(monkeypatch):
     c = Case(b=2, sq=128, hq=4, mask="causal")
     (_, _, _), (q, k, v), _ = build_inputs(c)
     results = []
-    saved = fused.FAST_EXECUTE
     try:
         for fast in (True, False):
-            fused.FAST_EXECUTE = fast
+            monkeypatch.setattr(fused.CACHE, "fast_execute", fast)
             fused.clear_cache()
             out, _ = run_fused(c, q, k, v)
             results.append((out,) + torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
     finally:
-        fused.FAST_EXECUTE = saved
-        fused.clear_cache()
+        fused.clear_cache()  # no plan built with the public execute stays
     for a, b in zip(*results):
         assert torch.equal(a, b)
 
@@ -471,8 +469,8 @@ def test_opcheck():
     c = Case(b=2, sq=64, hq=2, mask="causal", dtype=torch.float16)
     (_, _, _), (q, k, v), _ = build_inputs(c)
     q, k, v = (x.detach().contiguous().requires_grad_() for x in (q, k, v))
-    args = (q, k, v, None, None, None, None, "bshd", "bshd", 64, 64, "causal", -1, 0, 0.125,
-            0.0, False, True)
+    call = fused.FusedCall("bshd", "bshd", 64, 64, "causal", -1, 0, 0.125, 0.0, False, True)
+    args = (q, k, v, None, None, None, None, *call)
     torch.library.opcheck(torch.ops.transformer_fa.fused_attn_fwd.default, args,
                           test_utils=("test_schema", "test_autograd_registration",
                                       "test_faketensor", "test_aot_dispatch_dynamic"))
@@ -490,7 +488,10 @@ def test_plain_reasons_never_raise():
                           ({"device_type": "cpu", "compute_capability": None}, "CUDA"),
                           ({"head_dim_qk": 72, "head_dim_v": 72}, "head_dim"),
                           ({"attn_mask_type": "arbitrary"}, "arbitrary"),
-                          ({"compute_capability": (7, 5)}, "compute capability")]:
+                          ({"compute_capability": (7, 5)}, "compute capability"),
+                          ({"softmax_type": "off-by-one"}, "softmax_type"),
+                          ({"return_max_logit": True}, "return_max_logit"),
+                          ({"softcap": 30.0}, "softcap")]:
         reasons = fused.not_supported_reasons(dataclasses.replace(base, **change))
         assert reasons and words in reasons[0], (change, reasons)
     # cuDNN's own rejection becomes a reason: dropout with a bottom-right causal mask
