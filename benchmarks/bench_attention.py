@@ -345,7 +345,7 @@ class Bench:
                                **res)
                     self.data["decode"].append(rec)
                     log_row(rec)
-                del q, k, v
+                q = k = v = None  # freed before the next size (the lambdas above hold names)
                 self.free()
 
     def overhead(self):

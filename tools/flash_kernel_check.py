@@ -107,28 +107,30 @@ def bench(dims, dt, peers=True, fwd=True, bwd=True):
 def long_sequence(s=131072, h=8, d=128):
     """Forward + backward at b=1, h=8, d=128, s=131072: peak memory above the inputs and time."""
     for causal in (False, True):
-        q, k, v, do = (torch.randn(1, s, h, d, device=DEV, dtype=torch.bfloat16)
-                       for _ in range(4))
-        scale, wr = 1 / math.sqrt(d), (0 if causal else -1)
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        res = {}
+        _long_sequence_once(s, h, d, causal)  # its tensors are freed on return
 
-        def fwd_bwd():
-            res["out"], res["lse"] = ext.fwd(q, k, v, None, None, 0, 0, s, s, scale, -1, wr,
-                                             False, True)
-            res["grads"] = ext.bwd(do, q, k, v, res["out"], res["lse"], None, None, 0, 0, s, s,
-                                   scale, -1, wr, False)
 
-        elapsed = once_ms(fwd_bwd)
-        out, lse, (dq, dk, dv) = res["out"], res["lse"], res["grads"]
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-        finite = all(torch.isfinite(t).all().item() for t in (out, dq, dk, dv))
-        print(f"s={s} b=1 h={h} d={d} causal={causal}: fwd+bwd {elapsed:.0f} ms, "
-              f"peak memory above the inputs {peak:.2f} GiB (inputs {4 * q.numel() * 2 / 2**30:.2f}"
-              f" GiB), finite={finite}")
-        del q, k, v, do, out, lse, dq, dk, dv, res
+def _long_sequence_once(s, h, d, causal):
+    q, k, v, do = (torch.randn(1, s, h, d, device=DEV, dtype=torch.bfloat16) for _ in range(4))
+    scale, wr = 1 / math.sqrt(d), (0 if causal else -1)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    res = {}
+
+    def fwd_bwd():
+        res["out"], res["lse"] = ext.fwd(q, k, v, None, None, 0, 0, s, s, scale, -1, wr, False,
+                                         True)
+        res["grads"] = ext.bwd(do, q, k, v, res["out"], res["lse"], None, None, 0, 0, s, s,
+                               scale, -1, wr, False)
+
+    elapsed = once_ms(fwd_bwd)
+    out, (dq, dk, dv) = res["out"], res["grads"]
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    finite = all(torch.isfinite(t).all().item() for t in (out, dq, dk, dv))
+    print(f"s={s} b=1 h={h} d={d} causal={causal}: fwd+bwd {elapsed:.0f} ms, "
+          f"peak memory above the inputs {peak:.2f} GiB (inputs {4 * q.numel() * 2 / 2**30:.2f}"
+          f" GiB), finite={finite}")
 
 
 def main():

@@ -6,8 +6,6 @@ import collections
 import dataclasses
 from typing import NamedTuple, Optional, Tuple
 
-import torch
-
 from ...params import AttentionParams
 
 THD_SEQLEN_BUCKET = 128  # thd max_seqlen is rounded up to this, so varlen batches share graphs
