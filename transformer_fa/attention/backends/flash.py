@@ -26,7 +26,7 @@ from typing import List, NamedTuple, Optional
 import torch
 
 from .. import masks
-from ..constants import FLASH_FORMAT_CODES, FLASH_MAX_HEAD_DIM, MAX_GRID_YZ
+from ..constants import ENV_FLASH_KERNELS, FLASH_FORMAT_CODES, FLASH_MAX_HEAD_DIM, MAX_GRID_YZ
 from ..params import AttentionInputs, AttentionParams
 from .support import aligned, dropout_rng_state, fresh, never_raises, op_schema
 
@@ -84,7 +84,7 @@ def _reasons(p: AttentionParams) -> List[str]:
         if kernel not in ext.INSTANTIATIONS:
             reasons.append(f"as this build has no {kernel} kernel for head dim {d} (built: "
                            f"{', '.join(ext.INSTANTIATIONS) or 'none'}; see "
-                           f"TRANSFORMER_FA_FLASH_KERNELS)")
+                           f"{ENV_FLASH_KERNELS})")
     if max(p.batch_size, p.num_heads) > MAX_BATCH_OR_HEADS:
         reasons.append(f"as it supports at most {MAX_BATCH_OR_HEADS} sequences and heads per "
                        f"call, got batch_size = {p.batch_size}, num_heads = {p.num_heads}")
