@@ -115,11 +115,11 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["transformer_fa", "transformer_fa.*"]),
     python_requires=">=3.9",
-    install_requires=["torch>=2.4", "einops"],
+    install_requires=["torch>=2.4"],
     extras_require={
-        # fused.py executes plans through the frontend's own path, tested with 1.32.
+        # backends/fused executes plans through the frontend's own path, tested with 1.32.
         "cudnn": ["nvidia-cudnn-frontend>=1.32,<1.33"],
-        "test": ["pytest", "hypothesis", "tqdm", "matplotlib"],
+        "test": ["pytest", "hypothesis", "tqdm", "matplotlib", "ruff>=0.4"],
         "bench": ["matplotlib"],
     },
     ext_modules=ext_modules,

@@ -30,7 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import report  # noqa: E402
+from benchmarks import report, timing  # noqa: E402
 
 # our backend names -> the env switch that enables each
 OURS = dict(zip(report.OURS, ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")))
@@ -187,14 +187,8 @@ class Bench:
         return torch.randn(*shape, dtype=dtype, device=self.device, requires_grad=grad)
 
     def time_ms(self, fn, grad_to_none=None):
-        """Median time of fn in ms: CUDA events via triton's do_bench, else wall clock."""
-        if self.device == "cuda":
-            from triton.testing import do_bench
-            return do_bench(fn, warmup=self.p.warmup_ms, rep=self.p.rep_ms,
-                            grad_to_none=grad_to_none, return_mode="median")
-        start = time.perf_counter()  # CPU (smoke test): one call
-        fn()
-        return (time.perf_counter() - start) * 1e3
+        """Median time of fn in ms (timing.median_ms)."""
+        return timing.median_ms(fn, self.p.warmup_ms, self.p.rep_ms, grad_to_none, self.device)
 
     def sync(self):
         if self.device == "cuda":
@@ -351,7 +345,7 @@ class Bench:
                                **res)
                     self.data["decode"].append(rec)
                     log_row(rec)
-                del q, k, v
+                q = k = v = None  # freed before the next size (the lambdas above hold names)
                 self.free()
 
     def overhead(self):
@@ -377,17 +371,7 @@ class Bench:
 
     def host_us(self, fn, calls=50, trials=5):
         """Best-of-trials mean wall time per call (µs), synchronizing once per trial."""
-        if self.device != "cuda":  # smoke test: keep it short
-            calls, trials = min(calls, 3), 1
-        best = float("inf")
-        for _ in range(trials):
-            self.sync()
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            self.sync()
-            best = min(best, (time.perf_counter() - start) / calls)
-        return round(best * 1e6, 1)
+        return round(timing.host_us(fn, calls, trials, device=self.device), 1)
 
     def layer(self):
         """Training step (forward, backward, AdamW) of a GPT-style stack, ours vs plain PyTorch."""

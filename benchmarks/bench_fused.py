@@ -1,7 +1,7 @@
 """FusedAttention vs torch's SDPA CUDNN_ATTENTION: kernel speed and host overhead.
 
 Run on a GPU machine: ``python benchmarks/bench_fused.py``. Prints one table. Times are
-medians of CUDA-event timings (triton.testing.do_bench) after warm-up, on random data.
+medians of CUDA-event timings (benchmarks/timing.py) after warm-up, on random data.
 Host overhead: wall time per call of a loop of calls at a tiny shape, without
 synchronizing (the GPU work is far shorter than the host's), so it measures the Python and
 dispatch cost of a cached call.
@@ -9,14 +9,17 @@ dispatch cost of a cached call.
 import logging
 import math
 import sys
-import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from transformer_fa.attention.backends import fused
-from transformer_fa.attention.params import AttentionInputs, AttentionParams
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import timing  # noqa: E402
+from transformer_fa.attention.backends import fused  # noqa: E402
+from transformer_fa.attention.params import AttentionInputs, AttentionParams  # noqa: E402
 
 
 def params_for(b, s, h, d, causal, dtype, requires_grad=True):
@@ -49,8 +52,7 @@ def theirs(q, k, v, causal):
 
 
 def bench(fn):
-    from triton.testing import do_bench
-    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return timing.median_ms(fn)
 
 
 def speed_rows(shapes, dtype):
@@ -81,22 +83,9 @@ def speed_rows(shapes, dtype):
     return rows
 
 
-def host_us(fn, n=50):
-    """Host time per call: the GPU is held busy (torch.cuda._sleep) while the loop only
-    enqueues work, so the launch queue never fills and the GPU's own time is not measured."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(7):
-        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU clock cycles
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        best = min(best, (t1 - t0) / n * 1e6)
-    return best
+def host_us(fn):
+    """Host time per call of a cached call (the GPU kept busy: its time is not measured)."""
+    return timing.host_us(fn, calls=50, trials=7, warmup=20, busy_gpu=True)
 
 
 def overhead_rows(dtype):
@@ -107,7 +96,8 @@ def overhead_rows(dtype):
     p_inf = params_for(b, s, h, d, True, dtype, False)
     fused.not_supported_reasons(p_grad)
     fused.not_supported_reasons(p_inf)
-    cfg = ("bshd", "bshd", s, s, "causal", -1, 0, 1 / math.sqrt(d), 0.0, False, False)
+    call = fused.FusedCall("bshd", "bshd", s, s, "causal", -1, 0, 1 / math.sqrt(d), 0.0, False,
+                           False)
     rows = []
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         with torch.no_grad():
@@ -115,14 +105,13 @@ def overhead_rows(dtype):
                          host_us(lambda: theirs(qi, ki, vi, True))))
             rows.append(("  via torch.ops (compile path)",
                          host_us(lambda: torch.ops.transformer_fa.fused_attn_fwd(
-                             qi, ki, vi, None, None, None, None, *cfg)), None))
-            saved = fused.FAST_EXECUTE
-            fused.FAST_EXECUTE = False
+                             qi, ki, vi, None, None, None, None, *call)), None))
+            fused.CACHE.fast_execute = False
             fused.clear_cache()
             fused.not_supported_reasons(p_inf)
             rows.append(("  with public pygraph.execute",
                          host_us(lambda: ours(qi, ki, vi, p_inf)), None))
-            fused.FAST_EXECUTE = saved
+            fused.CACHE.fast_execute = True
             fused.clear_cache()
             fused.not_supported_reasons(p_inf)
             fused.not_supported_reasons(p_grad)

@@ -83,10 +83,6 @@ def test_declines_what_the_build_lacks(monkeypatch):
                        "bf16_hdim64, bf16_hdim128; see TRANSFORMER_FA_FLASH_KERNELS)"], reasons
     reasons = flash.not_supported_reasons(gpu_params(dtype=torch.float16))
     assert reasons and "no fp16_hdim128 kernel" in reasons[0], reasons
-    old = built_extension(monkeypatch)
-    del old.bwd  # a build from before the backward
-    reasons = flash.not_supported_reasons(gpu_params())
-    assert reasons and "older" in reasons[0], reasons
 
 
 def test_a_failing_check_is_a_reason_not_an_exception(monkeypatch):

@@ -135,21 +135,22 @@ def ext(monkeypatch):
     return stand_in
 
 
-_registered = False
-
-
 @pytest.fixture
 def cpu_ops(ext):
     """CPU kernels for the two ops (registered for CUDA only), so torch.compile and opcheck
-    can run them here; they call the same implementations as the CUDA ones."""
-    global _registered
-    if not _registered:
-        torch.library.register_kernel("transformer_fa::flash_attn_fwd", "cpu",
-                                      lambda *args: flash._fwd_impl(*args[:-1]))
-        torch.library.register_kernel("transformer_fa::flash_attn_bwd", "cpu",
-                                      lambda *args: flash._bwd_impl(*args))
-        _registered = True
-    return ext
+    can run them here; they call the same implementations as the CUDA ones. Registered for
+    the test only."""
+    def fwd(q, k, v, cu_q, cu_kv, rng, slopes, *call):
+        return flash._fwd_impl(q, k, v, cu_q, cu_kv, rng, slopes, flash.FlashCall._make(call))
+
+    def bwd(dout, q, k, v, out, lse, cu_q, cu_kv, rng, slopes, *call):
+        return flash._bwd_impl(dout, q, k, v, out, lse, cu_q, cu_kv, rng, slopes,
+                               flash.FlashCall._make(call))
+
+    with torch.library._scoped_library("transformer_fa", "IMPL") as lib:
+        lib.impl("flash_attn_fwd", fwd, "CPU")
+        lib.impl("flash_attn_bwd", bwd, "CPU")
+        yield ext
 
 
 # ------------------------------------------------------------------------------------------
@@ -339,9 +340,10 @@ def test_opcheck(cpu_ops):
     inputs, params, _ = build(CASES["thd-alibi-h"])
     q, k, v = (x.detach().clone().requires_grad_() for x in (inputs.q, inputs.k, inputs.v))
     rng = torch.tensor([12345, 678], dtype=torch.int64)
-    args = (q, k, v, inputs.cu_seqlens_q, inputs.cu_seqlens_kv, "thd", "thd",
-            params.max_seqlen_q, params.max_seqlen_kv, 0.25, -1, -1, True, True, 0.1, rng,
-            inputs.alibi_slopes, False)
+    call = flash.FlashCall("thd", "thd", params.max_seqlen_q, params.max_seqlen_kv, 0.25, -1,
+                           -1, True, 0.1, False, True)
+    args = (q, k, v, inputs.cu_seqlens_q, inputs.cu_seqlens_kv, rng, inputs.alibi_slopes,
+            *call)
     torch.library.opcheck(torch.ops.transformer_fa.flash_attn_fwd.default, args,
                           test_utils=("test_schema", "test_autograd_registration",
                                       "test_faketensor", "test_aot_dispatch_dynamic"))

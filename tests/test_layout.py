@@ -41,7 +41,6 @@ for q_fmt, kv_fmt in (("sbhd", "bshd"), ("bshd", "sbhd"), ("thd", "bshd"), ("thd
 
 def reads_back(layout, fmt, q, k, v):
     """Reads q, k, v from memory the way a backend trusting ``layout`` would."""
-    q_fmt = fmt.split("_2")[0]
     parts = layout.split("_")
     groups = [[q, k, v]] if len(parts) == 1 else ([[q], [k, v]] if len(parts) == 2 else [[q], [k], [v]])
     out = []

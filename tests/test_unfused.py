@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import transformer_fa as tfa
-from cases import cu_seqlens, make_sequences, output_rows, padding_mask, to_format
+from cases import cu_seqlens, make_sequences, output_rows, to_format
 from reference import attention_one
 
 from transformer_fa.attention.masks import check_set_window_size

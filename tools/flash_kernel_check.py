@@ -20,6 +20,7 @@ import transformer_fa_flash as ext
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "gpu")]
 from attention_cases import check, reference_grads  # noqa: E402  (the GPU tests' reference)
+from benchmarks.timing import median_ms, once_ms  # noqa: E402
 from transformer_fa.attention import masks  # noqa: E402
 
 DT = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -70,7 +71,6 @@ def run_case(dt, d, b, sq, sk, h, hk, mask="no_mask", window=(-1, -1), alibi=Fal
 
 
 def bench(dims, dt, peers=True, fwd=True, bwd=True):
-    from triton.testing import do_bench
     from torch.nn.attention import SDPBackend, sdpa_kernel
     print("d causal s | ours fwd/bwd TFLOPS | FA2 fwd/bwd")
     for d in dims:
@@ -85,8 +85,8 @@ def bench(dims, dt, peers=True, fwd=True, bwd=True):
                 out, lse = f()
                 g = lambda: ext.bwd(do, q, k, v, out, lse, None, None, 0, 0, s, s, scale, -1, wr,
                                     False)
-                tf = flops / do_bench(f, return_mode="median") / 1e9 if fwd else 0.0
-                tb = 2.5 * flops / do_bench(g, return_mode="median") / 1e9 if bwd else 0.0
+                tf = flops / median_ms(f) / 1e9 if fwd else 0.0
+                tb = 2.5 * flops / median_ms(g) / 1e9 if bwd else 0.0
                 if not peers:
                     print(f"{d} {int(causal)} {s} | {tf:.0f} / {tb:.0f}", flush=True)
                     continue
@@ -96,8 +96,8 @@ def bench(dims, dt, peers=True, fwd=True, bwd=True):
                     o = ff()
                     dot = do.transpose(1, 2)
                     gg = lambda: torch.autograd.grad(o, (qt, kt, vt), dot, retain_graph=True)
-                    pf = flops / do_bench(ff, return_mode="median") / 1e9 if fwd else 0.0
-                    pb = 2.5 * flops / do_bench(gg, return_mode="median") / 1e9 if bwd else 0.0
+                    pf = flops / median_ms(ff) / 1e9 if fwd else 0.0
+                    pb = 2.5 * flops / median_ms(gg) / 1e9 if bwd else 0.0
                 pairs = (("fwd", tf, pf), ("bwd", tb, pb))
                 ratios = [f"{x} x{ours / peer:.2f}" for x, ours, peer in pairs if ours]
                 print(f"{d} {int(causal)} {s} | {tf:.0f} / {tb:.0f} | {pf:.0f} / {pb:.0f} | "
@@ -107,24 +107,30 @@ def bench(dims, dt, peers=True, fwd=True, bwd=True):
 def long_sequence(s=131072, h=8, d=128):
     """Forward + backward at b=1, h=8, d=128, s=131072: peak memory above the inputs and time."""
     for causal in (False, True):
-        q, k, v, do = (torch.randn(1, s, h, d, device=DEV, dtype=torch.bfloat16)
-                       for _ in range(4))
-        scale, wr = 1 / math.sqrt(d), (0 if causal else -1)
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out, lse = ext.fwd(q, k, v, None, None, 0, 0, s, s, scale, -1, wr, False, True)
-        dq, dk, dv = ext.bwd(do, q, k, v, out, lse, None, None, 0, 0, s, s, scale, -1, wr, False)
-        end.record()
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-        finite = all(torch.isfinite(t).all().item() for t in (out, dq, dk, dv))
-        print(f"s={s} b=1 h={h} d={d} causal={causal}: fwd+bwd {start.elapsed_time(end):.0f} ms, "
-              f"peak memory above the inputs {peak:.2f} GiB (inputs {4 * q.numel() * 2 / 2**30:.2f}"
-              f" GiB), finite={finite}")
-        del q, k, v, do, out, lse, dq, dk, dv
+        _long_sequence_once(s, h, d, causal)  # its tensors are freed on return
+
+
+def _long_sequence_once(s, h, d, causal):
+    q, k, v, do = (torch.randn(1, s, h, d, device=DEV, dtype=torch.bfloat16) for _ in range(4))
+    scale, wr = 1 / math.sqrt(d), (0 if causal else -1)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    res = {}
+
+    def fwd_bwd():
+        res["out"], res["lse"] = ext.fwd(q, k, v, None, None, 0, 0, s, s, scale, -1, wr, False,
+                                         True)
+        res["grads"] = ext.bwd(do, q, k, v, res["out"], res["lse"], None, None, 0, 0, s, s,
+                               scale, -1, wr, False)
+
+    elapsed = once_ms(fwd_bwd)
+    out, (dq, dk, dv) = res["out"], res["grads"]
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    finite = all(torch.isfinite(t).all().item() for t in (out, dq, dk, dv))
+    print(f"s={s} b=1 h={h} d={d} causal={causal}: fwd+bwd {elapsed:.0f} ms, "
+          f"peak memory above the inputs {peak:.2f} GiB (inputs {4 * q.numel() * 2 / 2**30:.2f}"
+          f" GiB), finite={finite}")
 
 
 def main():

@@ -41,26 +41,28 @@ for d in (int(x) for x in args.dims.split(",")):
         k = torch.randn(sum(lens_k), 2, d, device="cuda", dtype=dtype)
         v = torch.randn(sum(lens_k), 2, d, device="cuda", dtype=dtype)
         for left, right, br, p, alibi in masks:
-            mask = ("thd", "thd", max(lens_q), max(lens_k), 1 / math.sqrt(d), left, right, br)
-            extra = (p, rng if p > 0 else None, slopes if alibi else None)
-            out, lse = flash._fwd_impl(q, k, v, cu_q, cu_k, *mask, True, *extra)
+            call = flash.FlashCall("thd", "thd", max(lens_q), max(lens_k), 1 / math.sqrt(d),
+                                   left, right, br, p, False, True)
+            extra = (rng if p > 0 else None, slopes if alibi else None)
+            out, lse = flash._fwd_impl(q, k, v, cu_q, cu_k, *extra, call)
             if args.backward:
                 dout = torch.randn_like(out)
                 for deterministic in ((False, True) if left == -1 and right == 0 else (False,)):
-                    dq, dk, dv = flash._bwd_impl(dout, q, k, v, out, lse, cu_q, cu_k, *mask,
-                                                 *extra, deterministic)
+                    dq, dk, dv = flash._bwd_impl(dout, q, k, v, out, lse, cu_q, cu_k, *extra,
+                                                 call._replace(deterministic=deterministic))
         # bshd: 2 sequences of 70 queries and 100 keys, GQA, no mask and causal bottom-right.
         qb = torch.randn(2, 70, 4, d, device="cuda", dtype=dtype)
         kb = torch.randn(2, 100, 2, d, device="cuda", dtype=dtype)
         vb = torch.randn(2, 100, 2, d, device="cuda", dtype=dtype)
         for right, br in ((-1, False), (0, True)):
-            mask = ("bshd", "bshd", 70, 100, 1 / math.sqrt(d), -1, right, br)
-            out, lse = flash._fwd_impl(qb, kb, vb, None, None, *mask, True, 0.0, None, None)
+            call = flash.FlashCall("bshd", "bshd", 70, 100, 1 / math.sqrt(d), -1, right, br,
+                                   0.0, False, True)
+            out, lse = flash._fwd_impl(qb, kb, vb, None, None, None, None, call)
             if args.backward:
                 dout = torch.randn_like(out)
                 for deterministic in (False, True):
-                    dq, dk, dv = flash._bwd_impl(dout, qb, kb, vb, out, lse, None, None, *mask,
-                                                 0.0, None, None, deterministic)
+                    dq, dk, dv = flash._bwd_impl(dout, qb, kb, vb, out, lse, None, None, None,
+                                                 None, call._replace(deterministic=deterministic))
 torch.cuda.synchronize()
 print("sanitize case done", out.float().abs().sum().item(),
       dq.float().abs().sum().item() if args.backward else "")

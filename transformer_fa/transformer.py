@@ -12,6 +12,7 @@ from typing import Callable, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
+from .attention.constants import TENSOR_FORMATS as _FORMATS
 from .attention.multi_head_attention import MultiheadAttention, check_bool_masks
 from .attention.params import MASK_TYPES
 from .module._common import check_te_only_kwargs, default_init_method, resolve_dtype
@@ -21,7 +22,6 @@ from .module.linear import LayerNormMLP
 __all__ = ["TransformerLayer"]
 
 _LAYER_TYPES = ("encoder", "decoder")
-_FORMATS = ("sbhd", "bshd", "thd")
 
 
 def _check_mask_type(value: str, name: str) -> None:

@@ -163,11 +163,11 @@ def run_case(c: Case, backward=False, dropout=0.0, deterministic=False, check_ls
 
 
 def _check_lse(c, q, k, v, cu_q, cu_kv, params, keep, lse32, dropout, rng, slopes):
-    left, right, bottom_right = flash._mask_args(params)
+    call = flash.FlashCall.from_params(params, return_lse=True)._replace(
+        q_format=c.fmt, kv_format=c.kv_fmt, max_seqlen_q=c.sq, max_seqlen_kv=c.skv,
+        dropout_p=dropout)
     with torch.no_grad():
-        _, lse = flash._fwd_impl(q, k, v, cu_q, cu_kv, c.fmt, c.kv_fmt, c.sq, c.skv,
-                                 params.softmax_scale, left, right, bottom_right, True,
-                                 dropout, rng, slopes)
+        _, lse = flash._fwd_impl(q, k, v, cu_q, cu_kv, rng, slopes, call)
     if c.fmt == "thd":  # [h, t] -> [b, h, sq] (padding slots +inf)
         lse_p = torch.full((c.b, c.hq, c.sq), float("inf"), device=DEV)
         start = 0
@@ -734,7 +734,8 @@ def test_binding_rejects_bad_input(bad):
         match = "at most 65535 sequences and heads per call, got batch 65536"
     assert flash._extension() is not None
     with pytest.raises(RuntimeError, match=match):
-        flash._fwd_ext(q, k, k, cu, cu, fmt, fmt, 8, 8, 0.125, -1, -1, False, True)
+        flash._fwd_ext(q, k, k, cu, cu, None, None,
+                       flash.FlashCall(fmt, fmt, 8, 8, 0.125, -1, -1, False, 0.0, False, True))
     torch.cuda.synchronize()  # nothing was launched that could fail later
 
 
@@ -797,14 +798,14 @@ def test_opcheck():
     q, k, v = (x.detach().contiguous().requires_grad_() for x in (q, k, v))
     rng = torch.tensor([1234, 5678], dtype=torch.int64, device=DEV)
     slopes = torch.rand(2, device=DEV)
-    args = (q, k, v, None, None, "bshd", "bshd", 64, 64, 0.125, -1, 0, False, True, 0.1, rng,
-            slopes, False)
+    call = flash.FlashCall("bshd", "bshd", 64, 64, 0.125, -1, 0, False, 0.1, False, True)
+    args = (q, k, v, None, None, rng, slopes, *call)
     torch.library.opcheck(torch.ops.transformer_fa.flash_attn_fwd.default, args,
                           test_utils=("test_schema", "test_autograd_registration",
                                       "test_faketensor", "test_aot_dispatch_dynamic"))
     with torch.no_grad():
         out, lse = torch.ops.transformer_fa.flash_attn_fwd(*args)
     bwd_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, None,
-                None, "bshd", "bshd", 64, 64, 0.125, -1, 0, False, 0.1, rng, slopes, True)
+                None, rng, slopes, *call._replace(deterministic=True))
     torch.library.opcheck(torch.ops.transformer_fa.flash_attn_bwd.default, bwd_args,
                           test_utils=("test_schema", "test_faketensor"))

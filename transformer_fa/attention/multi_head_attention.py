@@ -26,11 +26,11 @@ from ..module._common import (
 )
 from ..module.layernorm import LayerNorm, RMSNorm
 from ..module.linear import LayerNormLinear, Linear
+from .constants import TENSOR_FORMATS as _FORMATS
 from .dot_product_attention import DotProductAttention
 from .params import BIAS_TYPES
 from .rope import apply_rotary_pos_emb
 
-_FORMATS = ("sbhd", "bshd", "thd")
 _QK_NORMS = {"RMSNorm": RMSNorm, "LayerNorm": LayerNorm}
 
 

@@ -10,9 +10,9 @@ from typing import Optional
 
 import torch
 
-__all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb"]
+from .constants import TENSOR_FORMATS as _TENSOR_FORMATS
 
-_TENSOR_FORMATS = ("sbhd", "bshd", "thd")
+__all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb"]
 
 
 class RotaryPositionEmbedding(torch.nn.Module):

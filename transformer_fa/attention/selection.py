@@ -16,15 +16,16 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from . import constants
 from .backends import ALL_BACKENDS, flash, fused, unfused
 from .params import AttentionParams
 
 logger = logging.getLogger("DotProductAttention")
 
 SWITCHES = {
-    flash.NAME: "NVTE_FLASH_ATTN",
-    fused.NAME: "NVTE_FUSED_ATTN",
-    unfused.NAME: "NVTE_UNFUSED_ATTN",
+    flash.NAME: constants.ENV_FLASH_ATTN,
+    fused.NAME: constants.ENV_FUSED_ATTN,
+    unfused.NAME: constants.ENV_UNFUSED_ATTN,
 }
 _LOG_LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG}
 _BACKENDS_BY_NAME = {b.NAME: b for b in ALL_BACKENDS}
@@ -35,7 +36,7 @@ _log_level_set = None  # the level last applied to the logger (plain global: che
 
 
 ENV_VARS = tuple(SWITCHES.values()) + (
-    "NVTE_DEBUG", "NVTE_DEBUG_LEVEL", "NVTE_ALLOW_NONDETERMINISTIC_ALGO")
+    constants.ENV_DEBUG, constants.ENV_DEBUG_LEVEL, constants.ENV_ALLOW_NONDETERMINISTIC_ALGO)
 # os.getenv encodes the name on every call (a few microseconds for six variables, on every
 # attention call); os.environ's own dict, keyed by the encoded names, answers at once.
 _ENV_DATA = getattr(os.environ, "_data", None)

@@ -1,6 +1,6 @@
 """Attention backends.
 
-Each module here is one backend and has the same three names:
+Each module (fused: a package) here is one backend and has the same three names:
 
 - ``NAME``: the backend's exact name ("FlashAttention", "FusedAttention",
   "UnfusedDotProductAttention"), used by the env switches and the logs.

@@ -21,24 +21,24 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional
 
 import torch
 
 from .. import masks
+from ..constants import ENV_FLASH_KERNELS, FLASH_FORMAT_CODES, FLASH_MAX_HEAD_DIM, MAX_GRID_YZ
 from ..params import AttentionInputs, AttentionParams
-from .support import aligned, dropout_rng_state, fresh, never_raises
+from .support import aligned, dropout_rng_state, fresh, never_raises, op_schema
 
 NAME = "FlashAttention"
 EXTENSION = "transformer_fa_flash"
 
 # What the GPU tests (tests/gpu/test_flash.py) cover, and so what is claimed.
-MAX_HEAD_DIM = 256  # head dims: multiples of 8 up to this, one for q, k and v
+MAX_HEAD_DIM = FLASH_MAX_HEAD_DIM  # head dims: multiples of 8 up to this, one for q, k and v
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_ARCH_MAJORS = (9,)  # kernels built for sm_80 and sm_90a; only sm_90 (H100) tested
-MAX_BATCH_OR_HEADS = 65535  # the kernels' grids hold heads and sequences in y and z (flash.h)
+MAX_BATCH_OR_HEADS = MAX_GRID_YZ  # the kernels' grids hold heads and sequences in y and z
 
-_FORMATS = {"bshd": 0, "sbhd": 1, "thd": 2}
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}  # as in the kernels' names
 _ext = None
 _ext_error: Optional[str] = None
@@ -67,10 +67,6 @@ def _reasons(p: AttentionParams) -> List[str]:
     ext = _extension()
     if ext is None:
         return [f"as the transformer_fa CUDA kernels failed to load ({_ext_error})"]
-    if not hasattr(ext, "bwd") or not hasattr(ext, "INSTANTIATIONS"):
-        # A build from before the backward: its fwd takes other arguments too.
-        return ["as the built transformer_fa CUDA kernels are older than this Python code "
-                "(no backward); rebuild them"]
     cc = p.compute_capability
     if cc is None or cc[0] not in SUPPORTED_ARCH_MAJORS:
         return [f"as it does not support compute capability {cc} (tested and supported: sm90)"]
@@ -88,7 +84,7 @@ def _reasons(p: AttentionParams) -> List[str]:
         if kernel not in ext.INSTANTIATIONS:
             reasons.append(f"as this build has no {kernel} kernel for head dim {d} (built: "
                            f"{', '.join(ext.INSTANTIATIONS) or 'none'}; see "
-                           f"TRANSFORMER_FA_FLASH_KERNELS)")
+                           f"{ENV_FLASH_KERNELS})")
     if max(p.batch_size, p.num_heads) > MAX_BATCH_OR_HEADS:
         reasons.append(f"as it supports at most {MAX_BATCH_OR_HEADS} sequences and heads per "
                        f"call, got batch_size = {p.batch_size}, num_heads = {p.num_heads}")
@@ -106,48 +102,72 @@ not_supported_reasons = never_raises(_reasons)
 
 
 # --------------------------------------------------------------------------------------------
-# Forward / backward: the binding's calls with format names
+# One call's arguments, and the binding's calls
 # --------------------------------------------------------------------------------------------
+class FlashCall(NamedTuple):
+    """The non-tensor arguments of one call, forward and backward (the binding's, with format
+    names). The tensors that go with them, after q, k, v (and dout, out, lse in the backward):
+    cu_seqlens_q, cu_seqlens_kv (varlen), rng_state (dropout), alibi_slopes (float32 ``[h]``
+    or ``[b, h]``), each None where unused."""
+
+    q_format: str
+    kv_format: str
+    max_seqlen_q: int
+    max_seqlen_kv: int
+    softmax_scale: float
+    window_left: int
+    window_right: int  # 0 for causal masks
+    bottom_right: bool  # the diagonal's alignment (masks and ALiBi)
+    dropout_p: float
+    deterministic: bool  # backward only
+    return_lse: bool  # forward only; the backward needs the LSE
+
+    @classmethod
+    def from_params(cls, p: AttentionParams, return_lse: bool) -> "FlashCall":
+        left, right = p.window_size
+        if p.is_causal:
+            right = 0
+        return cls(p.q_format, p.kv_format, int(p.max_seqlen_q), int(p.max_seqlen_kv),
+                   float(p.softmax_scale), int(left), int(right), bool(p.is_bottom_right),
+                   float(p.attention_dropout), bool(p.deterministic), bool(return_lse))
+
+
 def _ready(t: torch.Tensor) -> torch.Tensor:
     """t, or a contiguous copy where the kernels cannot read t as it is (the binding raises)."""
     return t if aligned(t) else fresh(t)
 
 
-def _fwd_ext(q, k, v, cu_q, cu_kv, q_format: str, kv_format: str, max_seqlen_q: int,
-             max_seqlen_kv: int, softmax_scale: float, window_left: int, window_right: int,
-             bottom_right: bool, return_lse: bool, dropout_p: float = 0.0,
-             rng_state: Optional[torch.Tensor] = None,
-             alibi_slopes: Optional[torch.Tensor] = None):
+def _fwd_ext(q, k, v, cu_q, cu_kv, rng, slopes, call: FlashCall):
     """The binding's fwd on kernel-ready q, k, v: (out in q's format, contiguous; lse float32,
-    ``[h, t]`` for thd q, else ``[b, h, sq]``, or an empty tensor unless return_lse)."""
-    out, lse = _ext.fwd(q, k, v, cu_q, cu_kv, _FORMATS[q_format], _FORMATS[kv_format],
-                        max_seqlen_q, max_seqlen_kv, softmax_scale, window_left, window_right,
-                        bottom_right, return_lse, dropout_p, rng_state, alibi_slopes)
+    ``[h, t]`` for thd q, else ``[b, h, sq]``, or an empty tensor unless call.return_lse)."""
+    c = call
+    out, lse = _ext.fwd(q, k, v, cu_q, cu_kv, FLASH_FORMAT_CODES[c.q_format],
+                        FLASH_FORMAT_CODES[c.kv_format], c.max_seqlen_q, c.max_seqlen_kv,
+                        c.softmax_scale, c.window_left, c.window_right, c.bottom_right,
+                        c.return_lse, c.dropout_p, rng, slopes)
     return out, lse
 
 
-def _fwd_impl(q, k, v, *args, **kwargs):
+def _fwd_impl(q, k, v, cu_q, cu_kv, rng, slopes, call: FlashCall):
     """_fwd_ext on any q, k, v (copies of those the kernels cannot read)."""
-    return _fwd_ext(_ready(q), _ready(k), _ready(v), *args, **kwargs)
+    return _fwd_ext(_ready(q), _ready(k), _ready(v), cu_q, cu_kv, rng, slopes, call)
 
 
-def _bwd_ext(dout, q, k, v, out, lse, cu_q, cu_kv, q_format: str, kv_format: str,
-             max_seqlen_q: int, max_seqlen_kv: int, softmax_scale: float, window_left: int,
-             window_right: int, bottom_right: bool, dropout_p: float,
-             rng_state: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
-             deterministic: bool):
+def _bwd_ext(dout, q, k, v, out, lse, cu_q, cu_kv, rng, slopes, call: FlashCall):
     """The binding's bwd on kernel-ready tensors: (dq, dk, dv), each contiguous with the
     shape of q, k, v."""
-    dq, dk, dv = _ext.bwd(dout, q, k, v, out, lse, cu_q, cu_kv, _FORMATS[q_format],
-                          _FORMATS[kv_format], max_seqlen_q, max_seqlen_kv, softmax_scale,
-                          window_left, window_right, bottom_right, dropout_p, rng_state,
-                          alibi_slopes, deterministic)
+    c = call
+    dq, dk, dv = _ext.bwd(dout, q, k, v, out, lse, cu_q, cu_kv, FLASH_FORMAT_CODES[c.q_format],
+                          FLASH_FORMAT_CODES[c.kv_format], c.max_seqlen_q, c.max_seqlen_kv,
+                          c.softmax_scale, c.window_left, c.window_right, c.bottom_right,
+                          c.dropout_p, rng, slopes, c.deterministic)
     return dq, dk, dv
 
 
-def _bwd_impl(dout, q, k, v, out, *args):
+def _bwd_impl(dout, q, k, v, out, lse, cu_q, cu_kv, rng, slopes, call: FlashCall):
     """_bwd_ext on any dout, q, k, v, out."""
-    return _bwd_ext(_ready(dout), _ready(q), _ready(k), _ready(v), _ready(out), *args)
+    return _bwd_ext(_ready(dout), _ready(q), _ready(k), _ready(v), _ready(out), lse, cu_q,
+                    cu_kv, rng, slopes, call)
 
 
 def _require_extension() -> None:
@@ -158,24 +178,22 @@ def _require_extension() -> None:
 # --------------------------------------------------------------------------------------------
 # Autograd: eager (autograd.Function) and torch.library custom ops (torch.compile)
 # --------------------------------------------------------------------------------------------
-# mask: (q_format, kv_format, max_seqlen_q, max_seqlen_kv, softmax_scale, window_left,
-#        window_right, bottom_right), the arguments forward and backward share.
+# Both save (q, k, v, out, lse, cu_q, cu_kv, rng, slopes) and the FlashCall.
 class _FlashAttnFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_kv, rng, slopes, mask, dropout_p, deterministic):
+    def forward(ctx, q, k, v, cu_q, cu_kv, rng, slopes, call):
         q, k, v = _ready(q), _ready(k), _ready(v)  # saved as read: no copy in the backward
-        out, lse = _fwd_ext(q, k, v, cu_q, cu_kv, *mask, True, dropout_p, rng, slopes)
+        out, lse = _fwd_ext(q, k, v, cu_q, cu_kv, rng, slopes, call)
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_kv, rng, slopes)
-        ctx.args = (mask, dropout_p, deterministic)
+        ctx.call = call
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, cu_q, cu_kv, rng, slopes = ctx.saved_tensors
-        mask, dropout_p, deterministic = ctx.args
-        dq, dk, dv = _bwd_ext(_ready(dout), q, k, v, out, lse, cu_q, cu_kv, *mask, dropout_p,
-                              rng, slopes, deterministic)
-        return (dq, dk, dv) + (None,) * 7
+        dq, dk, dv = _bwd_ext(_ready(dout), q, k, v, out, lse, cu_q, cu_kv, rng, slopes,
+                              ctx.call)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def _lse_shape(q_format: str, q: torch.Tensor, cu_q: Optional[torch.Tensor]):
@@ -188,7 +206,13 @@ def _lse_shape(q_format: str, q: torch.Tensor, cu_q: Optional[torch.Tensor]):
     return (b, h, sq)
 
 
-Tensor = torch.Tensor  # for the op signatures (annotations are strings in this module)
+_OPTIONAL_TENSORS = ("Tensor? cu_seqlens_q, Tensor? cu_seqlens_kv, Tensor? rng_state, "
+                     "Tensor? alibi_slopes")
+FWD_SCHEMA = op_schema(FlashCall, f"Tensor q, Tensor k, Tensor v, {_OPTIONAL_TENSORS}",
+                       "(Tensor, Tensor)")
+BWD_SCHEMA = op_schema(FlashCall, "Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
+                       f"Tensor lse, {_OPTIONAL_TENSORS}", "(Tensor, Tensor, Tensor)")
+_FWD_TENSORS = 7  # the fwd op's tensor arguments, before the FlashCall's fields
 
 
 def _register_ops() -> None:
@@ -198,72 +222,44 @@ def _register_ops() -> None:
     except (AttributeError, RuntimeError):
         pass
 
-    # The binding's arguments with format names; deterministic is for the backward only.
     @torch.library.custom_op("transformer_fa::flash_attn_fwd", mutates_args=(),
-                             device_types="cuda")
-    def flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
-                       cu_seqlens_kv: Optional[Tensor], q_format: str, kv_format: str,
-                       max_seqlen_q: int, max_seqlen_kv: int, softmax_scale: float,
-                       window_left: int, window_right: int, bottom_right: bool,
-                       return_lse: bool, dropout_p: float, rng_state: Optional[Tensor],
-                       alibi_slopes: Optional[Tensor], deterministic: bool
-                       ) -> Tuple[Tensor, Tensor]:
+                             device_types="cuda", schema=FWD_SCHEMA)
+    def flash_attn_fwd(q, k, v, cu_q, cu_kv, rng, slopes, *call):
         _require_extension()
-        return _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_kv, q_format, kv_format,
-                         max_seqlen_q, max_seqlen_kv, softmax_scale, window_left,
-                         window_right, bottom_right, return_lse, dropout_p, rng_state,
-                         alibi_slopes)
+        return _fwd_impl(q, k, v, cu_q, cu_kv, rng, slopes, FlashCall._make(call))
 
     @flash_attn_fwd.register_fake
-    def _(q, k, v, cu_seqlens_q, cu_seqlens_kv, q_format, kv_format, max_seqlen_q,
-          max_seqlen_kv, softmax_scale, window_left, window_right, bottom_right, return_lse,
-          dropout_p, rng_state, alibi_slopes, deterministic):
+    def _(q, k, v, cu_q, cu_kv, rng, slopes, *call):
+        call = FlashCall._make(call)
         out = q.new_empty((*q.shape[:-1], v.shape[-1]))
-        shape = _lse_shape(q_format, q, cu_seqlens_q) if return_lse else (0,)
+        shape = _lse_shape(call.q_format, q, cu_q) if call.return_lse else (0,)
         return out, q.new_empty(shape, dtype=torch.float32)
 
     @torch.library.custom_op("transformer_fa::flash_attn_bwd", mutates_args=(),
-                             device_types="cuda")
-    def flash_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                       lse: Tensor, cu_seqlens_q: Optional[Tensor],
-                       cu_seqlens_kv: Optional[Tensor], q_format: str, kv_format: str,
-                       max_seqlen_q: int, max_seqlen_kv: int, softmax_scale: float,
-                       window_left: int, window_right: int, bottom_right: bool,
-                       dropout_p: float, rng_state: Optional[Tensor],
-                       alibi_slopes: Optional[Tensor], deterministic: bool
-                       ) -> Tuple[Tensor, Tensor, Tensor]:
+                             device_types="cuda", schema=BWD_SCHEMA)
+    def flash_attn_bwd(dout, q, k, v, out, lse, cu_q, cu_kv, rng, slopes, *call):
         _require_extension()
-        return _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, q_format,
-                         kv_format, max_seqlen_q, max_seqlen_kv, softmax_scale, window_left,
-                         window_right, bottom_right, dropout_p, rng_state, alibi_slopes,
-                         deterministic)
+        return _bwd_impl(dout, q, k, v, out, lse, cu_q, cu_kv, rng, slopes,
+                         FlashCall._make(call))
 
     @flash_attn_bwd.register_fake
-    def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, q_format, kv_format,
-          max_seqlen_q, max_seqlen_kv, softmax_scale, window_left, window_right, bottom_right,
-          dropout_p, rng_state, alibi_slopes, deterministic):
+    def _(dout, q, k, v, out, lse, cu_q, cu_kv, rng, slopes, *call):
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
     def setup_context(ctx, inputs, output):
-        (q, k, v, cu_q, cu_kv, q_format, kv_format, max_seqlen_q, max_seqlen_kv, scale,
-         left, right, bottom_right, return_lse, dropout_p, rng, slopes, deterministic) = inputs
+        q, k, v, cu_q, cu_kv, rng, slopes = inputs[:_FWD_TENSORS]
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_kv, rng, slopes)
-        ctx.mask = (q_format, kv_format, max_seqlen_q, max_seqlen_kv, scale, left, right,
-                    bottom_right)
-        ctx.args = (return_lse, dropout_p, deterministic)
-        ctx.num_inputs = len(inputs)
+        ctx.call = FlashCall._make(inputs[_FWD_TENSORS:])
 
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, cu_q, cu_kv, rng, slopes = ctx.saved_tensors
-        return_lse, dropout_p, deterministic = ctx.args
-        if not return_lse:
+        if not ctx.call.return_lse:
             raise RuntimeError("transformer_fa::flash_attn_fwd: the backward needs the LSE; "
                                "call the forward with return_lse=True")
         dq, dk, dv = torch.ops.transformer_fa.flash_attn_bwd(
-            dout, q, k, v, out, lse, cu_q, cu_kv, *ctx.mask, dropout_p, rng, slopes,
-            deterministic)
-        return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
+            dout, q, k, v, out, lse, cu_q, cu_kv, rng, slopes, *ctx.call)
+        return (dq, dk, dv) + (None,) * (_FWD_TENSORS - 3 + len(ctx.call))
 
     torch.library.register_autograd("transformer_fa::flash_attn_fwd", backward,
                                     setup_context=setup_context)
@@ -275,15 +271,6 @@ _register_ops()
 # --------------------------------------------------------------------------------------------
 # The backend entry point
 # --------------------------------------------------------------------------------------------
-def _mask_args(p: AttentionParams) -> Tuple[int, int, bool]:
-    """(window_left, window_right, bottom_right) for the kernel (masks.py semantics; the
-    alignment also places ALiBi's diagonal)."""
-    left, right = p.window_size
-    if p.is_causal:
-        right = 0
-    return left, right, p.is_bottom_right
-
-
 def _alibi_slopes(inputs: AttentionInputs, p: AttentionParams, device) -> torch.Tensor:
     """float32 contiguous ``[h]`` or ``[b, h]`` (the binding's form)."""
     slopes = inputs.alibi_slopes
@@ -300,23 +287,18 @@ def run(inputs: AttentionInputs, params: AttentionParams) -> torch.Tensor:
     cu_q, cu_kv = inputs.cu_seqlens_q, inputs.cu_seqlens_kv
     if not p.is_varlen:
         cu_q = cu_kv = None
-    left, right, bottom_right = _mask_args(p)
-    mask = (p.q_format, p.kv_format, int(p.max_seqlen_q), int(p.max_seqlen_kv),
-            float(p.softmax_scale), int(left), int(right), bool(bottom_right))
-    dropout_p = float(p.attention_dropout)
-    rng = dropout_rng_state(q.device) if dropout_p > 0.0 else None
+    rng = dropout_rng_state(q.device) if p.attention_dropout > 0.0 else None
     slopes = _alibi_slopes(inputs, p, q.device) if p.core_attention_bias_type == "alibi" else None
-    deterministic = bool(p.deterministic)
     need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                              or v.requires_grad)
+    call = FlashCall.from_params(p, return_lse=need_grad)
     if p.is_compiling or torch.compiler.is_compiling():
-        out = torch.ops.transformer_fa.flash_attn_fwd(q, k, v, cu_q, cu_kv, *mask, need_grad,
-                                                      dropout_p, rng, slopes, deterministic)[0]
+        out = torch.ops.transformer_fa.flash_attn_fwd(q, k, v, cu_q, cu_kv, rng, slopes,
+                                                      *call)[0]
     else:
         _require_extension()
         if need_grad:
-            out = _FlashAttnFunction.apply(q, k, v, cu_q, cu_kv, rng, slopes, mask, dropout_p,
-                                           deterministic)
+            out = _FlashAttnFunction.apply(q, k, v, cu_q, cu_kv, rng, slopes, call)
         else:
-            out = _fwd_impl(q, k, v, cu_q, cu_kv, *mask, False, dropout_p, rng, slopes)[0]
+            out = _fwd_impl(q, k, v, cu_q, cu_kv, rng, slopes, call)[0]
     return out.view(*out.shape[:-2], out.shape[-2] * out.shape[-1])

@@ -1,6 +1,8 @@
 """What the backends share: the never-raise support check wrapper, the memory rule their
-kernels need (copies for what breaks it), the dropout RNG draw."""
+kernels need (copies for what breaks it), the dropout RNG draw, and the named call arguments
+that their torch.library ops take as plain values."""
 import functools
+import typing
 from typing import Callable, List
 
 import torch
@@ -45,3 +47,20 @@ def dropout_rng_state(device: torch.device) -> torch.Tensor:
     on ``device`` so that ``torch.manual_seed`` reproduces a run; saved for the backward,
     which regenerates the same mask from it."""
     return torch.randint(0, 2 ** 62, (2,), dtype=torch.int64, device=device)
+
+
+
+# torch.library schema types of call-argument fields.
+_SCHEMA_TYPES = {str: "str", int: "SymInt", float: "float", bool: "bool"}
+
+
+def op_schema(call_type: type, tensors: str, returns: str, extra: str = "") -> str:
+    """A torch.library op schema ``(tensors, <call_type's fields>, extra) -> returns``.
+
+    call_type is a backend's NamedTuple of a call's non-tensor arguments (str, int, float,
+    bool), built once per call. Custom ops take plain values, so its ops take the fields
+    flattened after their tensors (``*call``) and rebuild it with ``call_type._make``; this
+    schema is the one place the names and their order are written out for torch."""
+    types = typing.get_type_hints(call_type)
+    fields = [f"{_SCHEMA_TYPES[types[name]]} {name}" for name in call_type._fields]
+    return f"({', '.join([tensors] + fields + ([extra] if extra else []))}) -> {returns}"
