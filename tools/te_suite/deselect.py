@@ -8,7 +8,7 @@ CUDA on a machine without it are not deselected here: the plugin reports them as
 import fnmatch
 from typing import Any, Dict, NamedTuple, Optional
 
-from reasons import ALL as ALL_REASONS, FP8, KV_CACHE, PARALLELISM, TE_API
+from reasons import FP8, KV_CACHE, PARALLELISM, TE_API
 
 
 class Rule(NamedTuple):
