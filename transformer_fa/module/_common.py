@@ -85,3 +85,27 @@ def check_positive_int(value, name: str) -> None:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value <= 0:
         raise ValueError(f"{name} must be positive, got {value}")
+
+
+def check_device(device) -> None:
+    """A CUDA device on a machine without CUDA is named here, before any allocation fails."""
+    try:
+        device_type = torch.device(device).type
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={device!r} is not a torch device ({exc})") from None
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: CUDA is not available on this machine; pass "
+                         f"device='cpu' (TE's default device is 'cuda')")
+
+
+def check_hidden_states(inp, hidden_size: int, params_dtype: torch.dtype, name: str) -> None:
+    """The input's last dim is hidden_size and its dtype the parameters' (outside autocast,
+    as TE requires), so a mismatch is named here rather than inside a matmul."""
+    if not isinstance(inp, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(inp).__name__}")
+    if inp.dim() == 0 or inp.shape[-1] != hidden_size:
+        raise ValueError(f"{name} has last dim {inp.shape[-1] if inp.dim() else None} "
+                         f"(shape {list(inp.shape)}), expected hidden_size={hidden_size}")
+    if inp.dtype != params_dtype and not torch.is_autocast_enabled(inp.device.type):
+        raise TypeError(f"{name} dtype {inp.dtype} differs from params_dtype {params_dtype}; "
+                        f"cast the input or the module, or run under torch.autocast")
