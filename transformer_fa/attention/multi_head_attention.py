@@ -52,7 +52,8 @@ def split_grouped_heads(
     else:
         grouped = mixed.view(*lead, sum(parts), num_groups, head_dim)
         pieces = torch.split(grouped, list(parts), dim=-3)
-    return tuple(p.reshape(*lead, -1, head_dim) for p in pieces)
+    # Explicit head counts: a -1 would be ambiguous for an empty (s = 0) input.
+    return tuple(p.reshape(*lead, n * num_groups, head_dim) for p, n in zip(pieces, parts))
 
 
 def check_bool_masks(attention_mask, name: str, attn_mask_type: str) -> None:

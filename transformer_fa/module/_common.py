@@ -103,6 +103,9 @@ def check_hidden_states(inp, hidden_size: int, params_dtype: torch.dtype, name: 
     as TE requires), so a mismatch is named here rather than inside a matmul."""
     if not isinstance(inp, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(inp).__name__}")
+    if inp.is_meta:
+        raise ValueError(f"{name} is a meta tensor: meta tensors have no data to run on; "
+                         f"build the module on a real device (or to_empty() it) first")
     if inp.dim() == 0 or inp.shape[-1] != hidden_size:
         raise ValueError(f"{name} has last dim {inp.shape[-1] if inp.dim() else None} "
                          f"(shape {list(inp.shape)}), expected hidden_size={hidden_size}")
