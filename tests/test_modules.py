@@ -80,7 +80,8 @@ def test_linear_parameters_split_is_one_weight_cut_in_pieces():
                  init_method=lambda w: seen.append(tuple(w.shape)) or torch.nn.init.normal_(w))
     assert seen == [(12, 5)]  # the init saw the whole matrix, as in TE
     names = [n for n, _ in lin.named_parameters()]
-    assert names == ["query_weight", "query_bias", "key_weight", "key_bias", "value_weight",
+    # TE's order (all weights, then all biases): optimizer state carries over from TE.
+    assert names == ["query_weight", "key_weight", "value_weight", "query_bias", "key_bias",
                      "value_bias"]
     ref.randomize(lin)
     x = torch.randn(3, 5)

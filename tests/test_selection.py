@@ -123,8 +123,6 @@ BAD_INPUTS = [
     ("mask type", lambda: qkv(), {"attn_mask_type": "diagonal"}, ValueError, "attn_mask_type must"),
     ("window", lambda: qkv(), {"attn_mask_type": "no_mask", "window_size": (-2, 0)}, ValueError,
      "window_size entries"),
-    ("mask unused", lambda: qkv(), {"attention_mask": torch.zeros(2, 1, 1, 6, dtype=torch.bool)},
-     ValueError, "does not use it"),
     ("padding mask shape", lambda: qkv(), {"attn_mask_type": "padding",
                                            "attention_mask": torch.zeros(2, 1, 6, dtype=torch.bool)},
      ValueError, "shape \\[b, 1, 1, s\\]"),

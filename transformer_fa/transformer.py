@@ -12,21 +12,22 @@ from typing import Callable, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
+from .attention import masks
 from .attention.constants import TENSOR_FORMATS as _FORMATS
 from .attention.multi_head_attention import MultiheadAttention, check_bool_masks
-from .attention.params import MASK_TYPES
-from .module._common import check_te_only_kwargs, default_init_method, resolve_dtype
+from .module._common import (
+    check_device,
+    check_hidden_states,
+    check_te_only_kwargs,
+    default_init_method,
+    resolve_dtype,
+)
 from .module.layernorm import LayerNorm, RMSNorm, check_normalization
 from .module.linear import LayerNormMLP
 
 __all__ = ["TransformerLayer"]
 
 _LAYER_TYPES = ("encoder", "decoder")
-
-
-def _check_mask_type(value: str, name: str) -> None:
-    if value not in MASK_TYPES:
-        raise ValueError(f"{name} must be one of {MASK_TYPES}, got {value!r}")
 
 
 def _check_probability(value: float, name: str) -> None:
@@ -77,7 +78,9 @@ class TransformerLayer(torch.nn.Module):
         kv_channels: Optional[int] = None,
         self_attn_mask_type: str = "causal",
         window_size: Optional[Tuple[int, int]] = None,
+        bottom_right_diagonal: Optional[bool] = None,
         enc_dec_attn_mask_type: str = "no_mask",
+        enc_dec_bottom_right_diagonal: Optional[bool] = None,
         enc_dec_window_size: Optional[Tuple[int, int]] = None,
         params_dtype: Optional[torch.dtype] = None,
         apply_residual_connection_post_layernorm: bool = False,
@@ -86,25 +89,36 @@ class TransformerLayer(torch.nn.Module):
         layer_type: str = "encoder",
         drop_path_rate: float = 0.0,
         fuse_qkv_params: bool = False,
+        rotary_pos_interleaved: bool = False,
         zero_centered_gamma: bool = False,
         qkv_weight_interleaved: bool = True,
         bias: bool = True,
         activation: str = "gelu",
+        activation_params: Optional[dict] = None,
         normalization: str = "LayerNorm",
         device: Union[torch.device, str] = "cuda",
         attn_input_format: str = "sbhd",
+        qk_norm_type: Optional[str] = None,
+        qk_norm_eps: float = 1e-6,
+        qk_norm_before_rope: bool = False,
+        softmax_type: str = "vanilla",
         **te_kwargs,
     ) -> None:
         super().__init__()
+        # TE's tensor-parallel, userbuffer and JIT-warmup arguments (tp_group, tp_size,
+        # sequence_parallel, set_parallel_mode, seq_length, micro_batch_size, ub_*, name,
+        # fuse_wgrad_accumulation, get_rng_state_tracker) at their single-device values.
         check_te_only_kwargs(te_kwargs, type(self).__name__)
+        check_device(device)
         if layer_type not in _LAYER_TYPES:
             raise ValueError(f"layer_type must be one of {_LAYER_TYPES}, got {layer_type!r}")
         if attn_input_format not in _FORMATS:
             raise ValueError(
                 f"attn_input_format must be one of {_FORMATS}, got {attn_input_format!r}"
             )
-        _check_mask_type(self_attn_mask_type, "self_attn_mask_type")
-        _check_mask_type(enc_dec_attn_mask_type, "enc_dec_attn_mask_type")
+        self_attn_mask_type = masks.normalize_mask_type(self_attn_mask_type, "self_attn_mask_type")
+        enc_dec_attn_mask_type = masks.normalize_mask_type(
+            enc_dec_attn_mask_type, "enc_dec_attn_mask_type")
         _check_probability(hidden_dropout, "hidden_dropout")
         _check_probability(drop_path_rate, "drop_path_rate")
         check_normalization(normalization)
@@ -122,8 +136,12 @@ class TransformerLayer(torch.nn.Module):
             output_layer_init_method = default_init_method()
         self.self_attn_mask_type = self_attn_mask_type
         self.window_size = window_size
+        self.bottom_right_diagonal = bottom_right_diagonal
         self.enc_dec_attn_mask_type = enc_dec_attn_mask_type
         self.enc_dec_window_size = enc_dec_window_size
+        self.enc_dec_bottom_right_diagonal = enc_dec_bottom_right_diagonal
+        self.hidden_size = hidden_size
+        self.params_dtype = params_dtype
         self.layer_number = layer_number
         self.layer_type = layer_type
         self.output_layernorm = output_layernorm
@@ -153,12 +171,19 @@ class TransformerLayer(torch.nn.Module):
             bias=bias,
             normalization=normalization,
             device=device,
+            rotary_pos_interleaved=rotary_pos_interleaved,
+            qk_norm_type=qk_norm_type,
+            qk_norm_eps=qk_norm_eps,
+            qk_norm_before_rope=qk_norm_before_rope,
+            softmax_type=softmax_type,
+            get_rng_state_tracker=te_kwargs.get("get_rng_state_tracker"),
         )
         self.self_attention = MultiheadAttention(
             *attention_args,
             **attention_kwargs,
             attn_mask_type=self_attn_mask_type,
             window_size=window_size,
+            bottom_right_diagonal=bottom_right_diagonal,
             input_layernorm=not output_layernorm,
             attention_type="self",
             return_bias=not parallel_attention_mlp,
@@ -170,6 +195,7 @@ class TransformerLayer(torch.nn.Module):
                 **attention_kwargs,
                 attn_mask_type=enc_dec_attn_mask_type,
                 window_size=enc_dec_window_size,
+                bottom_right_diagonal=enc_dec_bottom_right_diagonal,
                 input_layernorm=True,
                 attention_type="cross",
                 return_bias=True,
@@ -186,6 +212,7 @@ class TransformerLayer(torch.nn.Module):
             return_layernorm_output=apply_residual_connection_post_layernorm,
             zero_centered_gamma=zero_centered_gamma,
             activation=activation,
+            activation_params=activation_params,
             normalization=normalization,
             device=device,
         )
@@ -216,10 +243,12 @@ class TransformerLayer(torch.nn.Module):
         attention_mask: Optional[torch.Tensor] = None,
         self_attn_mask_type: Optional[str] = None,
         window_size: Optional[Tuple[int, int]] = None,
+        bottom_right_diagonal: Optional[bool] = None,
         encoder_output: Optional[torch.Tensor] = None,
         enc_dec_attn_mask: Optional[Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]] = None,
         enc_dec_attn_mask_type: Optional[str] = None,
         enc_dec_window_size: Optional[Tuple[int, int]] = None,
+        enc_dec_bottom_right_diagonal: Optional[bool] = None,
         is_first_microbatch: Optional[bool] = None,
         checkpoint_core_attention: bool = False,
         inference_params=None,
@@ -229,29 +258,33 @@ class TransformerLayer(torch.nn.Module):
         alibi_slopes: Optional[torch.Tensor] = None,
         cu_seqlens_q: Optional[torch.Tensor] = None,
         cu_seqlens_kv: Optional[torch.Tensor] = None,
+        cu_seqlens_q_padded: Optional[torch.Tensor] = None,
+        cu_seqlens_kv_padded: Optional[torch.Tensor] = None,
         max_seqlen_q: Optional[int] = None,
         max_seqlen_kv: Optional[int] = None,
         fast_zero_fill: bool = True,
         pad_between_seqs: Optional[bool] = None,
     ) -> torch.Tensor:
-        """Run the layer; masks are bool with True = masked out (see MultiheadAttention)."""
-        if inference_params is not None:
-            raise ValueError("inference_params: KV-cache inference is not supported yet; pass None")
-        self_attn_mask_type = (
-            self.self_attn_mask_type if self_attn_mask_type is None else self_attn_mask_type
-        )
-        window_size = self.window_size if window_size is None else window_size
+        """Run the layer; masks are bool with True = masked out (see MultiheadAttention).
+
+        As TE: self attention runs over the queries' lengths (``cu_seqlens_q``,
+        ``max_seqlen_q``); a decoder's cross attention gets ``cu_seqlens_q``/``cu_seqlens_kv``
+        and ``max_seqlen_q``/``max_seqlen_kv``; ``attention_mask`` is read only by padding and
+        arbitrary mask types. ``fast_zero_fill`` has no effect.
+        """
+        self_attn_mask_type = masks.normalize_mask_type(
+            self.self_attn_mask_type if self_attn_mask_type is None else self_attn_mask_type,
+            "self_attn_mask_type")
         if enc_dec_attn_mask_type is None:
             enc_dec_attn_mask_type = self.enc_dec_attn_mask_type
-        if enc_dec_window_size is None:
-            enc_dec_window_size = self.enc_dec_window_size
-        _check_mask_type(self_attn_mask_type, "self_attn_mask_type")
-        _check_mask_type(enc_dec_attn_mask_type, "enc_dec_attn_mask_type")
-        check_bool_masks(attention_mask, "attention_mask")
-        check_bool_masks(enc_dec_attn_mask, "enc_dec_attn_mask")
+        enc_dec_attn_mask_type = masks.normalize_mask_type(enc_dec_attn_mask_type,
+                                                           "enc_dec_attn_mask_type")
+        check_bool_masks(attention_mask, "attention_mask", self_attn_mask_type)
+        check_bool_masks(enc_dec_attn_mask, "enc_dec_attn_mask", enc_dec_attn_mask_type)
         if self.layer_type == "decoder" and encoder_output is None:
             raise ValueError("encoder_output is required with layer_type='decoder'")
 
+        check_hidden_states(hidden_states, self.hidden_size, self.params_dtype, "hidden_states")
         hidden_states = hidden_states.contiguous()
         device_type = hidden_states.device.type
         if torch.is_autocast_enabled(device_type):
@@ -263,15 +296,19 @@ class TransformerLayer(torch.nn.Module):
             attention_mask=attention_mask,
             attn_mask_type=self_attn_mask_type,
             window_size=window_size,
+            bottom_right_diagonal=bottom_right_diagonal,
+            inference_params=inference_params,
             checkpoint_core_attention=checkpoint_core_attention,
             rotary_pos_emb=rotary_pos_emb,
             core_attention_bias_type=core_attention_bias_type,
             core_attention_bias=core_attention_bias,
             alibi_slopes=alibi_slopes,
             cu_seqlens_q=cu_seqlens_q,
-            cu_seqlens_kv=cu_seqlens_kv,
+            cu_seqlens_kv=cu_seqlens_q,
+            cu_seqlens_q_padded=cu_seqlens_q_padded,
+            cu_seqlens_kv_padded=cu_seqlens_q_padded,
             max_seqlen_q=max_seqlen_q,
-            max_seqlen_kv=max_seqlen_kv,
+            max_seqlen_kv=max_seqlen_q,
             pad_between_seqs=pad_between_seqs,
         )
         if self.parallel_attention_mlp:
@@ -294,10 +331,20 @@ class TransformerLayer(torch.nn.Module):
                 encoder_output=encoder_output,
                 attn_mask_type=enc_dec_attn_mask_type,
                 window_size=enc_dec_window_size,
+                bottom_right_diagonal=enc_dec_bottom_right_diagonal,
+                inference_params=inference_params,
                 checkpoint_core_attention=checkpoint_core_attention,
+                rotary_pos_emb=rotary_pos_emb,
                 core_attention_bias_type=core_attention_bias_type,
                 core_attention_bias=core_attention_bias,
                 alibi_slopes=alibi_slopes,
+                cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_kv=cu_seqlens_kv,
+                cu_seqlens_q_padded=cu_seqlens_q_padded,
+                cu_seqlens_kv_padded=cu_seqlens_kv_padded,
+                max_seqlen_q=max_seqlen_q,
+                max_seqlen_kv=max_seqlen_kv,
+                pad_between_seqs=pad_between_seqs,
             )
             if self.apply_residual_connection_post_layernorm:
                 inter_out, inter_bias, residual = inter_outputs

@@ -1,14 +1,20 @@
 """DotProductAttention: validates a call, describes it once, and runs the selected backend."""
 from __future__ import annotations
 
+import logging
 import math
+from contextlib import nullcontext
 from functools import lru_cache
-from typing import Optional, Tuple, Union
+from typing import Callable, Optional, Tuple, Union
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
+from ..module._common import check_te_only_kwargs
 from . import layout, masks, padding, selection
-from .params import BIAS_TYPES, MASK_TYPES, AttentionInputs, params_fields
+from .params import BIAS_TYPES, AttentionInputs, params_fields
+
+logger = logging.getLogger("DotProductAttention")
 
 
 @lru_cache(maxsize=None)
@@ -29,14 +35,28 @@ class DotProductAttention(torch.nn.Module):
     ``num_gqa_groups`` the number of K/V heads (default: ``num_attention_heads``);
     ``attention_dropout`` applies in training mode only; ``softmax_scale`` defaults to
     ``1/sqrt(k_channels)``. After each forward, ``last_backend`` names the backend that ran.
+    ``bottom_right_diagonal`` aligns the window and ALiBi of non-causal masks (TE's).
+    Tensor/context parallel arguments are accepted at their single-device values;
+    ``get_rng_state_tracker`` (TE's) forks its RNG state around dropout.
     """
 
     def __init__(self, num_attention_heads: int, kv_channels: Union[int, Tuple[int, int]],
                  num_gqa_groups: Optional[int] = None, attention_dropout: float = 0.0,
                  qkv_format: str = "sbhd", attn_mask_type: str = "causal",
-                 window_size: Optional[Tuple[int, int]] = None, attention_type: str = "self",
-                 layer_number: Optional[int] = None, softmax_scale: Optional[float] = None):
+                 window_size: Optional[Tuple[int, int]] = None,
+                 bottom_right_diagonal: Optional[bool] = None, sequence_parallel: bool = False,
+                 tp_size: int = 1, get_rng_state_tracker: Optional[Callable] = None,
+                 tp_group=None, layer_number: Optional[int] = None, attention_type: str = "self",
+                 cp_group=None, cp_global_ranks=None, cp_stream=None, cp_comm_type: str = "p2p",
+                 softmax_scale: Optional[float] = None, name: Optional[str] = None):
         super().__init__()
+        check_te_only_kwargs(dict(sequence_parallel=sequence_parallel, tp_size=tp_size,
+                                  tp_group=tp_group, cp_group=cp_group,
+                                  cp_global_ranks=cp_global_ranks, cp_stream=cp_stream,
+                                  cp_comm_type=cp_comm_type), type(self).__name__)
+        self.get_rng_state_tracker = get_rng_state_tracker
+        self.bottom_right_diagonal = bottom_right_diagonal
+        self.name = name
         self.num_attention_heads = _positive_int("num_attention_heads", num_attention_heads)
         if isinstance(kv_channels, (tuple, list)):
             if len(kv_channels) != 2:
@@ -54,7 +74,9 @@ class DotProductAttention(torch.nn.Module):
         if not 0.0 <= attention_dropout < 1.0:
             raise ValueError(f"attention_dropout must be in [0, 1), got {attention_dropout}")
         layout.split_qkv_format(qkv_format)
-        masks.check_set_window_size(attn_mask_type, window_size)
+        attn_mask_type = masks.normalize_mask_type(attn_mask_type)
+        self._window_memo = None
+        self._window_for(attn_mask_type, window_size)  # validates (and warns) once
         if attention_type not in ("self", "cross"):
             raise ValueError(f"attention_type must be 'self' or 'cross', got {attention_type!r}")
         if softmax_scale is not None and not softmax_scale > 0:
@@ -73,18 +95,39 @@ class DotProductAttention(torch.nn.Module):
     def forward(self, query_layer: torch.Tensor, key_layer: torch.Tensor,
                 value_layer: torch.Tensor, attention_mask=None, qkv_format: Optional[str] = None,
                 cu_seqlens_q: Optional[torch.Tensor] = None,
-                cu_seqlens_kv: Optional[torch.Tensor] = None, max_seqlen_q: Optional[int] = None,
+                cu_seqlens_kv: Optional[torch.Tensor] = None,
+                cu_seqlens_q_padded: Optional[torch.Tensor] = None,
+                cu_seqlens_kv_padded: Optional[torch.Tensor] = None,
+                max_seqlen_q: Optional[int] = None,
                 max_seqlen_kv: Optional[int] = None, attn_mask_type: Optional[str] = None,
                 window_size: Optional[Tuple[int, int]] = None,
+                bottom_right_diagonal: Optional[bool] = None,
+                checkpoint_core_attention: bool = False,
                 core_attention_bias_type: str = "no_bias",
                 core_attention_bias: Optional[torch.Tensor] = None,
-                alibi_slopes: Optional[torch.Tensor] = None, inference_params=None) -> torch.Tensor:
-        if inference_params is not None:
-            raise ValueError("inference_params (KV caching) is not supported yet; pass None")
+                alibi_slopes: Optional[torch.Tensor] = None, fast_zero_fill: bool = True,
+                inference_params=None, pad_between_seqs: Optional[bool] = None,
+                fp8_output: bool = False) -> torch.Tensor:
+        """TE's forward. ``fast_zero_fill`` has no effect (outputs are always zero-filled
+        where no query runs); ``cu_seqlens_*_padded`` may only repeat ``cu_seqlens_*``."""
+        check_unsupported_forward_args(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+                                       cu_seqlens_kv_padded, inference_params, pad_between_seqs,
+                                       fp8_output)
+        if checkpoint_core_attention and torch.is_grad_enabled():
+            # TE's activation checkpointing: recompute attention in the backward.
+            return checkpoint(self.forward, query_layer, key_layer, value_layer, attention_mask,
+                              qkv_format, cu_seqlens_q, cu_seqlens_kv, None, None, max_seqlen_q,
+                              max_seqlen_kv, attn_mask_type, window_size, bottom_right_diagonal,
+                              False, core_attention_bias_type, core_attention_bias, alibi_slopes,
+                              use_reentrant=False)
         q, k, v = query_layer, key_layer, value_layer
+        if attn_mask_type is not None:
+            attn_mask_type = masks.normalize_mask_type(attn_mask_type)
+        if bottom_right_diagonal is None:
+            bottom_right_diagonal = self.bottom_right_diagonal
         dense_key = None
         if (attention_mask is None and cu_seqlens_q is None and cu_seqlens_kv is None
-                and max_seqlen_q is None and max_seqlen_kv is None
+                and max_seqlen_q is None and max_seqlen_kv is None and bottom_right_diagonal is None
                 and core_attention_bias_type == "no_bias" and core_attention_bias is None
                 and alibi_slopes is None and not torch.compiler.is_compiling()):
             dense_key = self._dense_call_key(
@@ -96,14 +139,14 @@ class DotProductAttention(torch.nn.Module):
                 backend, params = hit
                 if self.last_backend != backend.NAME:
                     self.last_backend = backend.NAME
-                return backend.run(AttentionInputs(q, k, v), params)
+                return self._run(backend, AttentionInputs(q, k, v), params)
 
         qkv_format = self.qkv_format if qkv_format is None else qkv_format
         q_format, kv_format = layout.split_qkv_format(qkv_format)
-        mask_type = _mask_type_for(self.attn_mask_type if attn_mask_type is None else attn_mask_type,
-                                   q_format, kv_format)
-        window = masks.check_set_window_size(
-            mask_type, self.window_size if window_size is None else window_size)
+        requested_mask = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        mask_type = _mask_type_for(requested_mask, q_format, kv_format)
+        window = self._window_for(requested_mask,
+                                  self.window_size if window_size is None else window_size)
 
         layout.validate_qkv(q, k, v, q_format, kv_format, self.num_attention_heads,
                             self.num_gqa_groups, self.head_dim_qk, self.head_dim_v)
@@ -118,6 +161,14 @@ class DotProductAttention(torch.nn.Module):
                                        self.num_attention_heads, sq, skv, q)
         slopes = _check_alibi(core_attention_bias_type, alibi_slopes, batch,
                               self.num_attention_heads, q.device)
+        if "causal" not in mask_type and not masks.is_bottom_right(mask_type,
+                                                                   bottom_right_diagonal):
+            top_left = _top_left_diagonal(mask_type, window, core_attention_bias_type, q_format,
+                                          kv_format, batch, sq, skv, cu_q, cu_kv, arbitrary,
+                                          slopes, q)
+            if top_left is not None:
+                (mask_type, window, arbitrary, cu_q, cu_kv, core_attention_bias_type, bias,
+                 bias_shape, slopes) = top_left
 
         env = selection.read_env()
         fields = params_fields(
@@ -149,7 +200,21 @@ class DotProductAttention(torch.nn.Module):
             if len(self._dense_calls) >= 64:
                 self._dense_calls.clear()
             self._dense_calls[dense_key] = (backend, params)
-        return backend.run(inputs, params)
+        return self._run(backend, inputs, params)
+
+    def _window_for(self, mask_type, window_size):
+        """masks.check_set_window_size, remembered for the last (mask type, window): a
+        window warns once, not on every call (thd's padding variants share the rule)."""
+        key = (mask_type, repr(window_size))
+        if self._window_memo is None or self._window_memo[0] != key:
+            self._window_memo = (key, masks.check_set_window_size(mask_type, window_size))
+        return self._window_memo[1]
+
+    def _run(self, backend, inputs, params):
+        # TE draws attention dropout from the tracker's RNG state when one is given.
+        forked = (self.get_rng_state_tracker is not None and params.attention_dropout > 0.0)
+        with self.get_rng_state_tracker().fork() if forked else nullcontext():
+            return backend.run(inputs, params)
 
     def _dense_call_key(self, q, k, v, qkv_format, attn_mask_type, window_size):
         """Everything a call without masks, lengths or biases is decided by, or None.
@@ -175,9 +240,28 @@ class DotProductAttention(torch.nn.Module):
                 torch.are_deterministic_algorithms_enabled(), selection.read_env())
 
 
+def check_unsupported_forward_args(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+                                   cu_seqlens_kv_padded, inference_params, pad_between_seqs,
+                                   fp8_output) -> None:
+    """TE forward arguments of features transformer_fa does not have: their neutral values
+    pass, anything else is a clear error."""
+    if inference_params is not None:
+        raise ValueError("inference_params: KV cache inference is not supported yet; pass None")
+    if fp8_output:
+        raise ValueError("fp8_output=True needs FP8 attention, which is not supported yet")
+    if pad_between_seqs:
+        raise ValueError("pad_between_seqs=True: padded thd (padding between sequences) is not "
+                         "supported; pack the sequences without gaps")
+    for padded, plain, name in ((cu_seqlens_q_padded, cu_seqlens_q, "cu_seqlens_q_padded"),
+                                (cu_seqlens_kv_padded, cu_seqlens_kv, "cu_seqlens_kv_padded")):
+        if padded is not None and padded is not plain and (
+                plain is None or not torch.equal(padded, plain)):
+            raise ValueError(f"{name} differs from the unpadded cu_seqlens: padded thd "
+                             f"(padding between sequences) is not supported; pass None")
+
+
 def _mask_type_for(mask_type: str, q_format: str, kv_format: str) -> str:
-    if mask_type not in MASK_TYPES:
-        raise ValueError(f"attn_mask_type must be one of {MASK_TYPES}, got {mask_type!r}")
+    mask_type = masks.normalize_mask_type(mask_type)
     if "thd" in (q_format, kv_format) and "padding" not in mask_type:
         # Packed sequences always carry their lengths: thd is a padding variant (as in TE).
         if mask_type == "arbitrary":
@@ -194,9 +278,12 @@ def _sequence_lengths(q, k, q_format, kv_format, mask_type, attention_mask, cu_s
     sequence lengths are the tensors' own (padded) sizes.
     """
     padded = "padding" in mask_type
-    if attention_mask is not None and not padded and mask_type != "arbitrary":
-        raise ValueError(f"attention_mask was given but attn_mask_type={mask_type!r} does not use "
-                         f"it; use a padding* type or 'arbitrary'")
+    thd = "thd" in (q_format, kv_format)
+    if attention_mask is not None and (thd or not padded and mask_type != "arbitrary"):
+        # As TE: the mask is read only by padding types (sbhd/bshd) and 'arbitrary'.
+        logger.debug("Ignoring attention_mask: attn_mask_type=%s with %s does not use it",
+                     mask_type, "thd" if thd else q_format)
+        attention_mask = None
     sq, bq = layout.seq_batch_of(q, q_format)
     skv, bkv = layout.seq_batch_of(k, kv_format)
     if padded and attention_mask is not None and "thd" not in (q_format, kv_format):
@@ -213,10 +300,12 @@ def _sequence_lengths(q, k, q_format, kv_format, mask_type, attention_mask, cu_s
             padding.seqlens_from_padding_mask(mask_q, "attention_mask (q)", bq, sq))
         cu_seqlens_kv = padding.cu_from_seqlens(
             padding.seqlens_from_padding_mask(mask_kv, "attention_mask (kv)", bkv, skv))
-    elif padded and attention_mask is not None:
-        raise ValueError("attention_mask is not used with the thd format; pass cu_seqlens_q/kv")
     if not padded:
         return bq, None, None, sq, skv
+    if not thd and (cu_seqlens_q is None or cu_seqlens_kv is None):
+        raise ValueError(f"attn_mask_type={mask_type!r} with the {q_format} format needs "
+                         f"attention_mask (bool [b, 1, 1, s], True = padding) or cu_seqlens_q "
+                         f"and cu_seqlens_kv")
 
     batch = padding.check_cu_seqlens(
         cu_seqlens_q, "cu_seqlens_q", bq, q.shape[0] if q_format == "thd" else None, q.device)
@@ -275,10 +364,15 @@ def _check_bias(bias_type, bias, batch, heads, sq, skv, q):
     if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
         raise TypeError(f"core_attention_bias_type={bias_type!r} needs core_attention_bias: a "
                         f"floating point tensor [1|b, 1|h, sq, skv]")
+    if bias.dim() == 4 and tuple(bias.shape) == (1, 1, 1, skv):
+        # TE's "111s": one row for every query. A stride-0 view of it is an ordinary 11ss
+        # bias, which every backend reads correctly (or copies).
+        bias = bias.expand(1, 1, sq, skv)
     if (bias.dim() != 4 or bias.shape[2:] != (sq, skv) or bias.shape[0] not in (1, batch)
             or bias.shape[1] not in (1, heads)):
-        raise ValueError(f"core_attention_bias must have shape [1|b, 1|h, sq, skv] with b={batch}, "
-                         f"h={heads}, sq={sq}, skv={skv}, got {list(bias.shape)}")
+        raise ValueError(f"core_attention_bias must have shape [1|b, 1|h, sq, skv] or "
+                         f"[1, 1, 1, skv] with b={batch}, h={heads}, sq={sq}, skv={skv}, got "
+                         f"{list(bias.shape)}")
     if bias.device != q.device:
         raise ValueError(f"core_attention_bias is on {bias.device}, expected {q.device}")
     shape = ("b" if bias.shape[0] == batch and batch > 1 else "1") + (
@@ -301,3 +395,34 @@ def _check_alibi(bias_type, slopes, batch, heads, device):
     if slopes.device != device:
         raise ValueError(f"alibi_slopes is on {slopes.device}, expected {device}")
     return slopes
+
+
+def _top_left_diagonal(mask_type, window, bias_type, q_format, kv_format, batch, sq, skv, cu_q,
+                       cu_kv, arbitrary, slopes, q):
+    """bottom_right_diagonal=False for a non-causal mask: the window becomes an explicit
+    'arbitrary' mask and ALiBi a post-scale bias, both built top-left (masks.py), since the
+    backends align non-causal diagonals bottom-right. None where the alignment changes nothing
+    (no window or ALiBi, or every sequence has sq == skv)."""
+    has_window = window != (-1, -1)
+    varlen = cu_q is not None
+    if not (has_window or bias_type == "alibi") or (sq == skv and not varlen):
+        return None
+    if "thd" in (q_format, kv_format):
+        raise ValueError("bottom_right_diagonal=False with a sliding window or ALiBi is not "
+                         "supported with the thd format")
+    def lengths(cu, full):
+        if varlen:
+            return padding.seqlens_from_cu(cu)
+        return torch.full((batch,), full, dtype=torch.int32, device=q.device)
+    lens_q, lens_kv = lengths(cu_q, sq), lengths(cu_kv, skv)
+    bias = bias_shape = None
+    if bias_type == "alibi":
+        bias = masks.alibi_bias(slopes, mask_type, lens_q, lens_kv, sq, skv,
+                                bottom_right_diagonal=False).to(q.dtype)
+        bias_type, slopes = "post_scale_bias", None
+        bias_shape = ("b" if bias.shape[0] > 1 else "1") + "hss"
+    if has_window or varlen:
+        keep = masks.keep_mask(mask_type, window, lens_q, lens_kv, sq, skv, arbitrary,
+                               bottom_right_diagonal=False)
+        arbitrary, mask_type, window, cu_q, cu_kv = ~keep, "arbitrary", (-1, -1), None, None
+    return mask_type, window, arbitrary, cu_q, cu_kv, bias_type, bias, bias_shape, slopes

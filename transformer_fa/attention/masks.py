@@ -3,7 +3,8 @@
 Positions: query i in [0, sq), key j in [0, skv), per sequence with its actual lengths.
 The diagonal offset ``off`` is 0 for top-left alignment ("causal", "padding_causal") and
 ``skv_len - sq_len`` for every other mask type (bottom-right alignment, as TE's sliding
-window and ``*_bottom_right`` masks use). Key j is kept for query i when
+window and ``*_bottom_right`` masks use); TE's ``bottom_right_diagonal=False`` moves the
+diagonal of a non-causal mask (its window, its ALiBi) to the top left. Key j is kept for query i when
   j < skv_len and i < sq_len                     (padding)
   j <= i + off                                   (causal types)
   i + off - left <= j <= i + off + right         (window (left, right); -1 = unlimited)
@@ -20,15 +21,39 @@ import torch
 from .params import MASK_TYPES
 
 
+def normalize_mask_type(attn_mask_type: str, name: str = "attn_mask_type") -> str:
+    """TE's mask type, with TE's aliases: "padding,causal" and "causal,padding" are
+    "padding_causal" (any "a,b" reads as "a_b")."""
+    if isinstance(attn_mask_type, str):
+        attn_mask_type = attn_mask_type.replace(",", "_")
+        if attn_mask_type == "causal_padding":
+            attn_mask_type = "padding_causal"
+    if attn_mask_type not in MASK_TYPES:
+        raise ValueError(f"{name} must be one of {MASK_TYPES} (or 'padding,causal'), "
+                         f"got {attn_mask_type!r}")
+    return attn_mask_type
+
+
+def is_bottom_right(attn_mask_type: str, bottom_right_diagonal: Optional[bool] = None) -> bool:
+    """TE's diagonal alignment: causal and padding_causal are top-left and the
+    *_bottom_right types bottom-right whatever is asked; the others follow
+    ``bottom_right_diagonal`` (None = bottom-right)."""
+    if attn_mask_type in ("causal", "padding_causal"):
+        return False
+    if "bottom_right" in attn_mask_type or bottom_right_diagonal is None:
+        return True
+    return bool(bottom_right_diagonal)
+
+
 def check_set_window_size(attn_mask_type: str, window_size: Optional[Tuple[int, int]]
                           ) -> Tuple[int, int]:
     """TE's normalization of window_size for a mask type.
 
     Causal masks always have right == 0 (None or (-1, -1) becomes (-1, 0)); others default
-    to (-1, -1). Values below -1 are rejected.
+    to (-1, -1), and their (-1, 0) (TE's "causal" window) becomes (-1, -1) with a warning,
+    as in TE. Values below -1 are rejected.
     """
-    if attn_mask_type not in MASK_TYPES:
-        raise ValueError(f"attn_mask_type must be one of {MASK_TYPES}, got {attn_mask_type!r}")
+    normalize_mask_type(attn_mask_type)
     if window_size is not None:
         if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
                 or not all(isinstance(w, int) for w in window_size)):
@@ -43,20 +68,25 @@ def check_set_window_size(attn_mask_type: str, window_size: Optional[Tuple[int, 
             warnings.warn(f"window_size={window_size} with attn_mask_type={attn_mask_type}: "
                           f"the right side is set to 0 for causal masks")
         return (window_size[0], 0)
+    if window_size == (-1, 0):
+        warnings.warn(f"window_size=(-1, 0) with attn_mask_type={attn_mask_type}: a causal "
+                      f"window needs a causal mask type; using (-1, -1)")
+        return (-1, -1)
     return (-1, -1) if window_size is None else window_size
 
 
-def diagonal_offset(attn_mask_type: str, seqlens_q: torch.Tensor,
-                    seqlens_kv: torch.Tensor) -> torch.Tensor:
+def diagonal_offset(attn_mask_type: str, seqlens_q: torch.Tensor, seqlens_kv: torch.Tensor,
+                    bottom_right_diagonal: Optional[bool] = None) -> torch.Tensor:
     """Per-sequence offset of the diagonal, ``[b]`` (see the module docstring)."""
-    if attn_mask_type in ("causal", "padding_causal"):
+    if not is_bottom_right(attn_mask_type, bottom_right_diagonal):
         return torch.zeros_like(seqlens_q)
     return seqlens_kv - seqlens_q
 
 
 def keep_mask(attn_mask_type: str, window_size: Tuple[int, int], seqlens_q: torch.Tensor,
               seqlens_kv: torch.Tensor, max_seqlen_q: int, max_seqlen_kv: int,
-              attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+              attention_mask: Optional[torch.Tensor] = None,
+              bottom_right_diagonal: Optional[bool] = None) -> torch.Tensor:
     """Boolean ``[b, 1, sq, skv]`` (or broadcast with the arbitrary mask), True = attend.
 
     seqlens_q / seqlens_kv: ``[b]`` actual lengths (the full lengths where there is no padding).
@@ -66,7 +96,8 @@ def keep_mask(attn_mask_type: str, window_size: Tuple[int, int], seqlens_q: torc
     j = torch.arange(max_seqlen_kv, device=device).view(1, 1, 1, -1)
     lq = seqlens_q.view(-1, 1, 1, 1)
     lk = seqlens_kv.view(-1, 1, 1, 1)
-    diag = i + diagonal_offset(attn_mask_type, seqlens_q, seqlens_kv).view(-1, 1, 1, 1)
+    diag = i + diagonal_offset(attn_mask_type, seqlens_q, seqlens_kv,
+                               bottom_right_diagonal).view(-1, 1, 1, 1)
     keep = (i < lq) & (j < lk)
     left, right = window_size
     if "causal" in attn_mask_type:
@@ -92,12 +123,14 @@ def default_alibi_slopes(num_heads: int) -> torch.Tensor:
 
 
 def alibi_bias(alibi_slopes: torch.Tensor, attn_mask_type: str, seqlens_q: torch.Tensor,
-               seqlens_kv: torch.Tensor, max_seqlen_q: int, max_seqlen_kv: int) -> torch.Tensor:
+               seqlens_kv: torch.Tensor, max_seqlen_q: int, max_seqlen_kv: int,
+               bottom_right_diagonal: Optional[bool] = None) -> torch.Tensor:
     """float32 ``[b|1, h, sq, skv]``: ``-slope * |i + off - j|``."""
     device = seqlens_q.device
     i = torch.arange(max_seqlen_q, device=device).view(1, 1, -1, 1)
     j = torch.arange(max_seqlen_kv, device=device).view(1, 1, 1, -1)
-    off = diagonal_offset(attn_mask_type, seqlens_q, seqlens_kv).view(-1, 1, 1, 1)
+    off = diagonal_offset(attn_mask_type, seqlens_q, seqlens_kv,
+                          bottom_right_diagonal).view(-1, 1, 1, 1)
     distance = (i + off - j).abs().float()
     slopes = alibi_slopes.float().to(device)
     slopes = slopes.view(1, -1, 1, 1) if slopes.dim() == 1 else slopes.view(*slopes.shape, 1, 1)

@@ -15,9 +15,9 @@ Without ``fuse_qkv_params`` the weights are separate ``query_weight``, ``key_wei
 from typing import Callable, Optional, Sequence, Tuple, Union
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from ..module._common import (
+    check_hidden_states,
     check_positive_int,
     check_te_only_kwargs,
     default_init_method,
@@ -26,8 +26,9 @@ from ..module._common import (
 )
 from ..module.layernorm import LayerNorm, RMSNorm
 from ..module.linear import LayerNormLinear, Linear
+from . import masks
 from .constants import TENSOR_FORMATS as _FORMATS
-from .dot_product_attention import DotProductAttention
+from .dot_product_attention import DotProductAttention, check_unsupported_forward_args
 from .params import BIAS_TYPES
 from .rope import apply_rotary_pos_emb
 
@@ -51,12 +52,15 @@ def split_grouped_heads(
     else:
         grouped = mixed.view(*lead, sum(parts), num_groups, head_dim)
         pieces = torch.split(grouped, list(parts), dim=-3)
-    return tuple(p.reshape(*lead, -1, head_dim) for p in pieces)
+    # Explicit head counts: a -1 would be ambiguous for an empty (s = 0) input.
+    return tuple(p.reshape(*lead, n * num_groups, head_dim) for p, n in zip(pieces, parts))
 
 
-def check_bool_masks(attention_mask, name: str) -> None:
-    """TE requires boolean masks (True = masked out); one tensor or a (q, kv) pair."""
-    if attention_mask is None:
+def check_bool_masks(attention_mask, name: str, attn_mask_type: str) -> None:
+    """TE requires boolean masks (True = masked out); one tensor or a (q, kv) pair. Only
+    where the mask type reads the mask: TE ignores it for the others (e.g. causal)."""
+    if attention_mask is None or not ("padding" in attn_mask_type
+                                      or attn_mask_type == "arbitrary"):
         return
     masks = attention_mask if isinstance(attention_mask, (tuple, list)) else (attention_mask,)
     for mask in masks:
@@ -87,6 +91,7 @@ class MultiheadAttention(torch.nn.Module):
         layer_number: Optional[int] = None,
         attn_mask_type: str = "causal",
         window_size: Optional[Tuple[int, int]] = None,
+        bottom_right_diagonal: Optional[bool] = None,
         num_gqa_groups: Optional[int] = None,
         params_dtype: Optional[torch.dtype] = None,
         return_bias: bool = False,
@@ -136,8 +141,7 @@ class MultiheadAttention(torch.nn.Module):
             raise ValueError(
                 f"qk_norm_type must be None or one of {tuple(_QK_NORMS)}, got {qk_norm_type!r}"
             )
-        if softmax_type != "vanilla":
-            raise ValueError(f"softmax_type={softmax_type!r} is not supported; use 'vanilla'")
+        attn_mask_type = masks.normalize_mask_type(attn_mask_type)
 
         self.hidden_size = hidden_size
         self.num_attention_heads = num_attention_heads
@@ -147,6 +151,7 @@ class MultiheadAttention(torch.nn.Module):
         self.hidden_size_kv = kv_channels * num_gqa_groups
         self.attn_mask_type = attn_mask_type
         self.window_size = window_size
+        self.bottom_right_diagonal = bottom_right_diagonal
         self.layer_number = 1 if layer_number is None else layer_number
         self.input_layernorm = input_layernorm
         self.return_layernorm_output = return_layernorm_output
@@ -202,6 +207,9 @@ class MultiheadAttention(torch.nn.Module):
             self.q_norm = norm_cls(kv_channels, **norm_args)
             self.k_norm = norm_cls(kv_channels, **norm_args)
 
+        # softmax_type goes to DotProductAttention only when it is not TE's default, so this
+        # works whether or not DotProductAttention has the argument yet.
+        softmax_args = {} if softmax_type == "vanilla" else {"softmax_type": softmax_type}
         self.core_attention = DotProductAttention(
             num_attention_heads,
             kv_channels,
@@ -210,8 +218,11 @@ class MultiheadAttention(torch.nn.Module):
             qkv_format=qkv_format,
             attn_mask_type=attn_mask_type,
             window_size=window_size,
+            bottom_right_diagonal=bottom_right_diagonal,
             attention_type=attention_type,
             layer_number=self.layer_number,
+            get_rng_state_tracker=te_kwargs.get("get_rng_state_tracker"),
+            **softmax_args,
         )
         self.proj = Linear(
             self.hidden_size_q,
@@ -261,6 +272,7 @@ class MultiheadAttention(torch.nn.Module):
         encoder_output: Optional[torch.Tensor] = None,
         attn_mask_type: Optional[str] = None,
         window_size: Optional[Tuple[int, int]] = None,
+        bottom_right_diagonal: Optional[bool] = None,
         is_first_microbatch: Optional[bool] = None,
         checkpoint_core_attention: bool = False,
         inference_params=None,
@@ -282,24 +294,18 @@ class MultiheadAttention(torch.nn.Module):
         ``is_first_microbatch`` and ``fast_zero_fill`` are accepted for TE compatibility and
         have no effect. ``cu_seqlens_*_padded`` may only repeat ``cu_seqlens_*``.
         """
-        if inference_params is not None:
-            raise ValueError("inference_params: KV-cache inference is not supported yet; pass None")
-        if pad_between_seqs:
-            raise ValueError("pad_between_seqs=True is not supported")
-        for padded, plain, name in (
-            (cu_seqlens_q_padded, cu_seqlens_q, "cu_seqlens_q_padded"),
-            (cu_seqlens_kv_padded, cu_seqlens_kv, "cu_seqlens_kv_padded"),
-        ):
-            if padded is not None and (plain is None or not torch.equal(padded, plain)):
-                raise ValueError(f"{name} must be None or equal to the unpadded cu_seqlens")
+        check_unsupported_forward_args(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+                                       cu_seqlens_kv_padded, inference_params, pad_between_seqs,
+                                       False)
+        check_hidden_states(hidden_states, self.hidden_size, self.params_dtype, "hidden_states")
         if core_attention_bias_type not in BIAS_TYPES:
             raise ValueError(
                 f"core_attention_bias_type must be one of {BIAS_TYPES}, "
                 f"got {core_attention_bias_type!r}"
             )
-        attn_mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
-        window_size = self.window_size if window_size is None else window_size
-        check_bool_masks(attention_mask, "attention_mask")
+        attn_mask_type = masks.normalize_mask_type(
+            self.attn_mask_type if attn_mask_type is None else attn_mask_type)
+        check_bool_masks(attention_mask, "attention_mask", attn_mask_type)
         if self.attention_type == "self":
             # Self attention: the keys are the queries' tokens.
             cu_seqlens_kv = cu_seqlens_q if cu_seqlens_kv is None else cu_seqlens_kv
@@ -324,29 +330,26 @@ class MultiheadAttention(torch.nn.Module):
         if self.q_norm is not None and not self.qk_norm_before_rope:
             q, k = self.q_norm(q), self.k_norm(k)
 
-        def attend(q, k, v):
-            return self.core_attention(
-                q,
-                k,
-                v,
-                attention_mask=attention_mask,
-                qkv_format=self.qkv_format,
-                cu_seqlens_q=cu_seqlens_q,
-                cu_seqlens_kv=cu_seqlens_kv,
-                max_seqlen_q=max_seqlen_q,
-                max_seqlen_kv=max_seqlen_kv,
-                attn_mask_type=attn_mask_type,
-                window_size=window_size,
-                core_attention_bias_type=core_attention_bias_type,
-                core_attention_bias=core_attention_bias,
-                alibi_slopes=alibi_slopes,
-            )
-
-        if checkpoint_core_attention and torch.is_grad_enabled():
-            # Recompute attention in backward instead of keeping its activations.
-            context = checkpoint(attend, q, k, v, use_reentrant=False)
-        else:
-            context = attend(q, k, v)
+        # window_size and bottom_right_diagonal stay None unless given: core_attention
+        # holds this module's defaults (and warns about a window once, not every call).
+        context = self.core_attention(
+            q,
+            k,
+            v,
+            attention_mask=attention_mask,
+            qkv_format=self.qkv_format,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_kv=cu_seqlens_kv,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_kv=max_seqlen_kv,
+            attn_mask_type=attn_mask_type,
+            window_size=window_size,
+            bottom_right_diagonal=bottom_right_diagonal,
+            checkpoint_core_attention=checkpoint_core_attention,
+            core_attention_bias_type=core_attention_bias_type,
+            core_attention_bias=core_attention_bias,
+            alibi_slopes=alibi_slopes,
+        )
 
         out = self.proj(context)
         out, out_bias = out if self.return_bias else (out, None)

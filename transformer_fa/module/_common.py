@@ -11,6 +11,7 @@ _TE_ONLY_NEUTRAL = {
     "tp_size": 1,
     "fuse_wgrad_accumulation": False,
     "ub_tp_comm_overlap": False,
+    "cp_group": None,  # context parallelism
 }
 # Accepted and ignored: they select an implementation strategy, not the function computed.
 _TE_ONLY_IGNORED = {
@@ -32,6 +33,9 @@ _TE_ONLY_IGNORED = {
     "delay_wgrad_compute",
     "symmetric_ar_type",
     "save_original_input",
+    "cp_global_ranks",  # only read with a cp_group
+    "cp_stream",
+    "cp_comm_type",
 }
 
 
@@ -81,3 +85,30 @@ def check_positive_int(value, name: str) -> None:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value <= 0:
         raise ValueError(f"{name} must be positive, got {value}")
+
+
+def check_device(device) -> None:
+    """A CUDA device on a machine without CUDA is named here, before any allocation fails."""
+    try:
+        device_type = torch.device(device).type
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={device!r} is not a torch device ({exc})") from None
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: CUDA is not available on this machine; pass "
+                         f"device='cpu' (TE's default device is 'cuda')")
+
+
+def check_hidden_states(inp, hidden_size: int, params_dtype: torch.dtype, name: str) -> None:
+    """The input's last dim is hidden_size and its dtype the parameters' (outside autocast,
+    as TE requires), so a mismatch is named here rather than inside a matmul."""
+    if not isinstance(inp, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(inp).__name__}")
+    if inp.is_meta:
+        raise ValueError(f"{name} is a meta tensor: meta tensors have no data to run on; "
+                         f"build the module on a real device (or to_empty() it) first")
+    if inp.dim() == 0 or inp.shape[-1] != hidden_size:
+        raise ValueError(f"{name} has last dim {inp.shape[-1] if inp.dim() else None} "
+                         f"(shape {list(inp.shape)}), expected hidden_size={hidden_size}")
+    if inp.dtype != params_dtype and not torch.is_autocast_enabled(inp.device.type):
+        raise TypeError(f"{name} dtype {inp.dtype} differs from params_dtype {params_dtype}; "
+                        f"cast the input or the module, or run under torch.autocast")

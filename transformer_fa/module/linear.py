@@ -9,8 +9,11 @@ from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint as recompute_in_backward
 
 from ._common import (
+    check_device,
+    check_hidden_states,
     check_positive_int,
     check_te_only_kwargs,
     default_init_method,
@@ -60,34 +63,37 @@ class Linear(torch.nn.Module):
         **te_kwargs,
     ) -> None:
         super().__init__()
+        self._init_linear(in_features, out_features, init_method, bias, return_bias,
+                          params_dtype, parameters_split, device, te_kwargs)
+
+    def _init_linear(self, in_features, out_features, init_method, bias, return_bias,
+                     params_dtype, parameters_split, device, te_kwargs) -> None:
         check_te_only_kwargs(te_kwargs, type(self).__name__)
+        check_device(device)
         check_positive_int(in_features, "in_features")
         check_positive_int(out_features, "out_features")
         self.in_features = in_features
         self.out_features = out_features
         self.use_bias = bias
         self.return_bias = return_bias
-        dtype = resolve_dtype(params_dtype)
+        self.params_dtype = dtype = resolve_dtype(params_dtype)
         init_method = init_method if init_method is not None else default_init_method()
 
         # Init the whole weight, then split it: an init that depends on the shape
         # (e.g. xavier) sees the same matrix TE's does.
         weight = torch.empty(out_features, in_features, dtype=dtype, device=device)
         init_method(weight)
-        self._weight_names, self._bias_names = [], []
-        start = 0
-        for prefix, size in _split_sizes(parameters_split, out_features):
-            self._weight_names.append(prefix + "weight")
+        splits = _split_sizes(parameters_split, out_features)
+        self._weight_names = [prefix + "weight" for prefix, _ in splits]
+        self._bias_names = [prefix + "bias" for prefix, _ in splits] if bias else []
+        # TE's registration order, all weights then all biases: optimizer states, which
+        # follow parameters(), then carry over from TE.
+        for name, part in zip(self._weight_names, weight.split([n for _, n in splits])):
+            self.register_parameter(name, torch.nn.Parameter(part.clone()))
+        for name, (_, size) in zip(self._bias_names, splits):
             self.register_parameter(
-                prefix + "weight", torch.nn.Parameter(weight[start : start + size].clone())
+                name, torch.nn.Parameter(torch.zeros(size, dtype=dtype, device=device))
             )
-            if bias:
-                self._bias_names.append(prefix + "bias")
-                self.register_parameter(
-                    prefix + "bias",
-                    torch.nn.Parameter(torch.zeros(size, dtype=dtype, device=device)),
-                )
-            start += size
         if not bias and parameters_split is None:
             self.register_parameter("bias", None)
 
@@ -113,6 +119,7 @@ class Linear(torch.nn.Module):
         return F.linear(inp, self.full_weight(), bias), None
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, **_):
+        check_hidden_states(inp, self.in_features, self.params_dtype, "inp")
         out, bias = self._project(inp)
         return pack_outputs(out, bias, return_bias=self.return_bias)
 
@@ -140,27 +147,22 @@ class LayerNormLinear(Linear):
         device: Union[torch.device, str] = "cuda",
         **te_kwargs,
     ) -> None:
-        super().__init__(
-            in_features,
-            out_features,
-            init_method=init_method,
-            bias=bias,
-            return_bias=return_bias,
-            params_dtype=params_dtype,
-            parameters_split=parameters_split,
-            device=device,
-            **te_kwargs,
-        )
-        self.eps = eps
-        self.normalization = normalization
-        self.zero_centered_gamma = zero_centered_gamma
-        self.return_layernorm_output = return_layernorm_output
+        torch.nn.Module.__init__(self)
+        check_device(device)
+        # The norm's parameters come first, as TE registers them.
         self.layer_norm_weight, layer_norm_bias = make_norm_params(
             in_features, normalization, zero_centered_gamma, params_dtype, device
         )
         self.register_parameter("layer_norm_bias", layer_norm_bias)
+        self._init_linear(in_features, out_features, init_method, bias, return_bias,
+                          params_dtype, parameters_split, device, te_kwargs)
+        self.eps = eps
+        self.normalization = normalization
+        self.zero_centered_gamma = zero_centered_gamma
+        self.return_layernorm_output = return_layernorm_output
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, **_):
+        check_hidden_states(inp, self.in_features, self.params_dtype, "inp")
         ln_out = apply_norm(
             inp,
             self.normalization,
@@ -177,6 +179,8 @@ class LayerNormMLP(torch.nn.Module):
     """Norm -> FC1 -> activation -> FC2, TE's ``LayerNormMLP``.
 
     For gated activations (geglu, reglu, swiglu, ...) FC1 has 2 * ffn_hidden_size outputs.
+    ``activation_params`` are TE's (``clamped_swiglu``: limit, alpha, glu_linear_offset);
+    ``checkpoint=True`` recomputes the MLP in the backward instead of keeping its activations.
     """
 
     def __init__(
@@ -189,19 +193,25 @@ class LayerNormMLP(torch.nn.Module):
         bias: bool = True,
         normalization: str = "LayerNorm",
         activation: str = "gelu",
+        activation_params: Optional[dict] = None,
         output_layer_init_method: Optional[Callable] = None,
         params_dtype: Optional[torch.dtype] = None,
         return_layernorm_output: bool = False,
         zero_centered_gamma: bool = False,
         device: Union[torch.device, str] = "cuda",
+        checkpoint: bool = False,
         **te_kwargs,
     ) -> None:
         super().__init__()
         check_te_only_kwargs(te_kwargs, type(self).__name__)
+        check_device(device)
         check_positive_int(hidden_size, "hidden_size")
         check_positive_int(ffn_hidden_size, "ffn_hidden_size")
-        self.activation_fn, gated = get_activation(activation)
+        self.activation_fn, gated = get_activation(activation, activation_params)
         self.activation = activation
+        self.activation_params = activation_params
+        self.checkpoint = checkpoint
+        self.params_dtype = resolve_dtype(params_dtype)
         self.hidden_size = hidden_size
         self.ffn_hidden_size = ffn_hidden_size
         self.eps = eps
@@ -233,6 +243,12 @@ class LayerNormMLP(torch.nn.Module):
             self.register_parameter(prefix + "bias", linear.bias)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, **_):
+        check_hidden_states(inp, self.hidden_size, self.params_dtype, "inp")
+        if self.checkpoint and torch.is_grad_enabled():
+            return recompute_in_backward(self._forward, inp, use_reentrant=False)
+        return self._forward(inp)
+
+    def _forward(self, inp: torch.Tensor):
         ln_out = apply_norm(
             inp,
             self.normalization,

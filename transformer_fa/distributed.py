@@ -1,0 +1,106 @@
+"""TE's activation checkpointing and RNG state tracker, on a single device."""
+from contextlib import contextmanager
+from typing import Callable, Dict
+
+import torch
+
+
+def checkpoint(function: Callable, *args, **kwargs):
+    """TE's ``checkpoint``: recompute ``function(*args, **kwargs)`` in the backward
+    (torch.utils.checkpoint). TE's own keywords: ``use_reentrant`` (default True, as TE),
+    ``distribute_saved_activations`` (False only: no tensor parallelism here),
+    ``get_rng_state_tracker`` (its states are restored for the recomputation), ``tp_group``."""
+    use_reentrant = kwargs.pop("use_reentrant", True)
+    if kwargs.pop("distribute_saved_activations", False):
+        raise ValueError("checkpoint: distribute_saved_activations=True needs tensor "
+                         "parallelism, which transformer_fa does not have; pass False")
+    kwargs.pop("tp_group", None)
+    get_rng_state_tracker = kwargs.pop("get_rng_state_tracker", None)
+    if get_rng_state_tracker is None:
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=use_reentrant,
+                                                 **kwargs)
+    tracker = get_rng_state_tracker()
+    at_forward: Dict[str, torch.Tensor] = {}
+
+    def recomputable(*inner_args, **inner_kwargs):
+        # The recomputation draws the tracked random numbers the forward drew (dropout
+        # masks match), then leaves the tracker where it was.
+        if not at_forward:  # the forward
+            at_forward.update(_cloned(tracker.get_states()))
+            return function(*inner_args, **inner_kwargs)
+        current = _cloned(tracker.get_states())
+        tracker.set_states(_cloned(at_forward))
+        try:
+            return function(*inner_args, **inner_kwargs)
+        finally:
+            tracker.set_states(current)
+
+    return torch.utils.checkpoint.checkpoint(recomputable, *args, use_reentrant=use_reentrant,
+                                             **kwargs)
+
+
+def _cloned(states: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    return {name: state.clone() for name, state in states.items()}
+
+
+def _rng_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _get_rng_state() -> torch.Tensor:
+    return torch.cuda.get_rng_state() if _rng_device() == "cuda" else torch.get_rng_state()
+
+
+def _set_rng_state(state: torch.Tensor) -> None:
+    if _rng_device() == "cuda":
+        torch.cuda.set_rng_state(state)
+    else:
+        torch.set_rng_state(state)
+
+
+class CudaRNGStatesTracker:
+    """TE's tracker of named RNG states: ``add(name, seed)`` creates one, ``fork(name)``
+    runs a block on it and keeps its advance, leaving the default generator as it was.
+    It tracks the CUDA generator of the current device, or the CPU generator on a machine
+    without CUDA (so the same code runs, and is reproducible, on CPU)."""
+
+    def __init__(self) -> None:
+        self.states_: Dict[str, torch.Tensor] = {}
+        self.seeds_ = set()
+
+    def reset(self) -> None:
+        self.states_ = {}
+        self.seeds_ = set()
+
+    def get_states(self) -> Dict[str, torch.Tensor]:
+        return dict(self.states_)
+
+    def set_states(self, states: Dict[str, torch.Tensor]) -> None:
+        self.states_ = states
+
+    def add(self, name: str, seed: int) -> None:
+        if seed in self.seeds_:
+            raise RuntimeError(f"seed {seed} already exists")
+        if name in self.states_:
+            raise RuntimeError(f"cuda rng state {name} already exists")
+        self.seeds_.add(seed)
+        original = _get_rng_state()
+        generator = torch.cuda if _rng_device() == "cuda" else torch.random
+        generator.manual_seed(seed)
+        self.states_[name] = _get_rng_state()
+        _set_rng_state(original)
+
+    @contextmanager
+    def fork(self, name: str = "model-parallel-rng"):
+        if name not in self.states_:
+            raise KeyError(f"cuda rng state {name} is not added")
+        original = _get_rng_state()
+        _set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = _get_rng_state()
+            _set_rng_state(original)
+
+
+__all__ = ["checkpoint", "CudaRNGStatesTracker"]
