@@ -116,6 +116,9 @@ class AttentionInputs:
     ``arbitrary``.
     core_attention_bias: ``[1|b, 1|h, sq, skv]`` for pre/post_scale_bias, else None.
     alibi_slopes: float32 ``[h]`` or ``[b, h]`` when the bias type is ``alibi``, else None.
+    softmax_offset: ``[h]`` for ``params.softmax_type`` "off-by-one" (zeros) and "learnable"
+    (the module's parameter, with its gradient), else None. A backend must add
+    ``exp(softmax_offset[h])`` to every softmax denominator of head h.
     """
 
     q: torch.Tensor
@@ -126,3 +129,4 @@ class AttentionInputs:
     attention_mask: Optional[torch.Tensor] = None
     core_attention_bias: Optional[torch.Tensor] = None
     alibi_slopes: Optional[torch.Tensor] = None
+    softmax_offset: Optional[torch.Tensor] = None
