@@ -65,8 +65,9 @@ def attention_one(q, k, v, mask_type="no_mask", window=(-1, -1), scale=None, bia
                              for i in range(sq)], dtype=torch.bool)
         if arbitrary is not None:
             keep &= ~arbitrary[head % arbitrary.shape[0]].cpu()
-        kept = [s[i, j] for i in range(sq) for j in range(skv) if keep[i, j]]
-        max_logit.append(max(float(x) for x in kept) if kept else float("-inf"))
+        if with_max_logit:
+            kept = [s.detach()[i, j].item() for i in range(sq) for j in range(skv) if keep[i, j]]
+            max_logit.append(max(kept) if kept else float("-inf"))
         for i in range(sq):
             if not keep[i].any():
                 continue
