@@ -312,6 +312,17 @@ def test_max_logit_in_half_precision_has_the_output_dtype():
         tfa.DotProductAttention(2, 8, return_max_logit="yes")
 
 
+def test_max_logit_of_heads_with_nothing_to_attend_is_minus_inf():
+    dpa = tfa.DotProductAttention(2, 8, qkv_format="thd", attn_mask_type="padding",
+                                  return_max_logit=True)
+    for lens_q, lens_kv in (((3, 0), (0, 4)), ((0, 0), (0, 0))):  # no pair of tokens at all
+        q, k = torch.randn(sum(lens_q), 2, 8), torch.randn(sum(lens_kv), 2, 8)
+        out, max_logit = dpa(q, k, k, cu_seqlens_q=cu_seqlens(lens_q),
+                             cu_seqlens_kv=cu_seqlens(lens_kv), max_seqlen_q=100000,
+                             max_seqlen_kv=100000)
+        assert torch.all(out == 0) and max_logit.tolist() == [float("-inf")] * 2
+
+
 # --------------------------------------------------------------------------------------------
 # softcap
 # --------------------------------------------------------------------------------------------

@@ -55,7 +55,9 @@ class AttentionParams:
     # TE's softmax_type: "vanilla"; "off-by-one" adds 1 to the denominator (a zero-logit sink);
     # "learnable" adds exp(softmax_offset[h]) (per-head learnable sink, as in gpt-oss).
     softmax_type: str = "vanilla"
-    return_max_logit: bool = False  # also return the max pre-softmax logit per head (TE)
+    # TE's return_max_logit: run returns (output, max_logit), max_logit [h] in the output's
+    # dtype: per head, the largest scaled, biased, unmasked logit over the batch.
+    return_max_logit: bool = False
     softcap: float = 0.0  # logits -> softcap * tanh(logits / softcap) when > 0 (FA2/Gemma 2)
 
     @property

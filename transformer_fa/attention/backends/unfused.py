@@ -146,4 +146,7 @@ def _max_logit(masked_scores: torch.Tensor, out_dtype: torch.dtype) -> torch.Ten
     """TE's max_logit: the largest logit the softmax sees (scaled, biased, masked) per head,
     ``[h]`` in the output's dtype; a statistic (for QK-clip), so it carries no gradient.
     A head with no unmasked logit at all gives -inf."""
+    b, h, sq, skv = masked_scores.shape
+    if b * sq * skv == 0:  # no logit at all (every sequence empty): amax has nothing to reduce
+        return masked_scores.new_full((h,), float("-inf"), dtype=out_dtype)
     return masked_scores.detach().amax(dim=(0, 2, 3)).to(out_dtype)
