@@ -349,3 +349,28 @@ def test_softcap_bad_values(bad):
         tfa.DotProductAttention(2, 8, softcap=bad)
     with pytest.raises(ValueError, match="softcap must be a finite float >= 0"):
         tfa.DotProductAttention(2, 8)(*(torch.randn(3, 1, 2, 8) for _ in range(3)), softcap=bad)
+
+
+# --------------------------------------------------------------------------------------------
+# On a GPU: whichever backend is selected must honour the features (or decline them)
+# --------------------------------------------------------------------------------------------
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("feature", [
+    dict(softmax_type="off-by-one"), dict(softmax_type="learnable"),
+    dict(return_max_logit=True), dict(softcap=0.5), dict(dq=192, dv=128)])
+@pytest.mark.parametrize("qkv_format,mask_type", [("bshd", "causal"), ("thd", "padding_causal")])
+def test_features_on_cuda_are_served_right(feature, dtype, qkv_format, mask_type):
+    feature = dict(feature)
+    dims = dict(dq=feature.pop("dq", 64), dv=feature.pop("dv", 64))
+    case = run_case(qkv_format, mask_type, None, 4, 2, dtype=dtype, device="cuda",
+                    lens_q=(70, 33), lens_kv=(70, 33), grad=True, backend=None, **dims,
+                    **feature)
+    assert case["out"].dtype == dtype
+    assert_matches_reference(case, atol=2e-2, rtol=2e-2)
+    if feature.get("return_max_logit"):
+        per_seq = torch.stack([case["reference"](i, *seq, with_max_logit=True)[1]
+                               for i, seq in enumerate(zip(*case["seqs"]))])
+        torch.testing.assert_close(case["max_logit"].cpu().double(), per_seq.amax(0),
+                                   atol=3e-2, rtol=2e-2)
+    check_gradients(case, atol=5e-2, rtol=5e-2)

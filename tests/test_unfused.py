@@ -20,11 +20,12 @@ GQA = [(4, 4), (4, 2), (4, 1)]
 def run_case(qkv_format, mask_type, window, heads, groups, dtype=torch.float32, dq=8, dv=8,
              lens_q=(7, 3), lens_kv=(5, 9), grad=False, bias_type="no_bias", seed=0,
              device="cpu", softmax_type="vanilla", softcap=0.0, return_max_logit=False,
-             max_seqlen=None):
+             max_seqlen=None, backend="UnfusedDotProductAttention"):
     """Runs DotProductAttention on one case; returns (per-seq outputs, padding rows, refs).
 
     softmax_type "learnable" gets a random softmax_offset; with grad=True it and the bias
-    are leaves too (case["leaves"]). max_seqlen: declared for both sides (thd only).
+    are leaves too (case["extra_leaves"]). max_seqlen: declared for both sides (thd only).
+    backend: the backend that must have run (None: any).
     """
     gen = torch.Generator().manual_seed(seed)
     q_fmt, kv_fmt = qkv_format.split("_2") if "_2" in qkv_format else (qkv_format,) * 2
@@ -64,7 +65,7 @@ def run_case(qkv_format, mask_type, window, heads, groups, dtype=torch.float32, 
             dpa.softmax_offset.copy_(torch.randn(heads, generator=gen))
     offset = None if dpa.softmax_offset is None else dpa.softmax_offset.detach().cpu()
     out = dpa(q, k, v, core_attention_bias_type=bias_type, **kwargs)
-    assert dpa.last_backend == "UnfusedDotProductAttention"
+    assert backend is None or dpa.last_backend == backend, dpa.last_backend
     max_logit = None
     if return_max_logit:
         out, max_logit = out
