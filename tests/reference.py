@@ -25,10 +25,16 @@ def allowed(i, j, sq, skv, mask_type, window):
 
 
 def attention_one(q, k, v, mask_type="no_mask", window=(-1, -1), scale=None, bias=None,
-                  alibi_slopes=None, arbitrary=None, pre_scale_bias=False, dtype=torch.float64):
+                  alibi_slopes=None, arbitrary=None, pre_scale_bias=False, dtype=torch.float64,
+                  softmax_offset=None, softcap=0.0, with_max_logit=False):
     """q [sq, h, d], k/v [skv, hkv, d(v)] (one sequence, actual lengths) -> [sq, h, dv].
 
     bias: [h|1, sq, skv]; alibi_slopes: [h]; arbitrary: bool [h|1, sq, skv], True = masked.
+    softmax_offset: [h] or None; when given, row i of head h has the weights
+    exp(s_ij) / (exp(softmax_offset[h]) + sum_j exp(s_ij)) (TE's off-by-one with zeros,
+    learnable otherwise). softcap > 0: the scaled logits become softcap * tanh(s / softcap),
+    before the post-scale bias and ALiBi. with_max_logit: also return, per head, the largest
+    logit left by the masks (-inf where none is), as a float64 [h].
     Computed in ``dtype`` (float64 for the reference; the input dtype gives the error of the
     plain math in that precision, the yardstick of the FlashAttention error rule).
     Rows with nothing to attend give zeros.
@@ -38,6 +44,7 @@ def attention_one(q, k, v, mask_type="no_mask", window=(-1, -1), scale=None, bia
     skv, hkv = k.shape[:2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     out = torch.zeros(sq, h, v.shape[-1], dtype=dtype)
+    max_logit = []
     top_left = mask_type in ("causal", "padding_causal")
     for head in range(h):
         kv_head = head // (h // hkv)
@@ -45,6 +52,8 @@ def attention_one(q, k, v, mask_type="no_mask", window=(-1, -1), scale=None, bia
         if bias is not None and pre_scale_bias:
             s = s + bias[head % bias.shape[0]].cpu().to(dtype)
         s = s * scale
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
         if bias is not None and not pre_scale_bias:
             s = s + bias[head % bias.shape[0]].cpu().to(dtype)
         if alibi_slopes is not None:
@@ -56,8 +65,17 @@ def attention_one(q, k, v, mask_type="no_mask", window=(-1, -1), scale=None, bia
                              for i in range(sq)], dtype=torch.bool)
         if arbitrary is not None:
             keep &= ~arbitrary[head % arbitrary.shape[0]].cpu()
+        if with_max_logit:
+            kept = [s.detach()[i, j].item() for i in range(sq) for j in range(skv) if keep[i, j]]
+            max_logit.append(max(kept) if kept else float("-inf"))
         for i in range(sq):
-            if keep[i].any():
-                p = torch.softmax(s[i].masked_fill(~keep[i], float("-inf")), -1)
-                out[i, head] = p @ v[:, kv_head]
+            if not keep[i].any():
+                continue
+            weights = torch.exp(s[i][keep[i]])
+            denominator = weights.sum()
+            if softmax_offset is not None:
+                denominator = denominator + torch.exp(softmax_offset[head].cpu().to(dtype))
+            out[i, head] = (weights / denominator) @ v[:, kv_head][keep[i]]
+    if with_max_logit:
+        return out, torch.tensor(max_logit, dtype=torch.float64)
     return out

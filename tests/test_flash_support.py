@@ -1,9 +1,11 @@
 """FlashAttention's support claims, checked without a GPU (a stand-in for the built extension)."""
 import dataclasses
+import logging
 import types
 
 import torch
 
+from transformer_fa.attention import selection
 from transformer_fa.attention.backends import flash
 from transformer_fa.attention.params import AttentionParams
 
@@ -89,3 +91,34 @@ def test_a_failing_check_is_a_reason_not_an_exception(monkeypatch):
     monkeypatch.setattr(flash, "is_built", lambda: 1 / 0)
     assert flash.not_supported_reasons(gpu_params()) == [
         "as its support check failed (ZeroDivisionError: division by zero)"]
+
+
+def test_declines_te_features_it_lacks_and_the_log_says_why(monkeypatch):
+    built_extension(monkeypatch)
+    cases = {
+        "off-by-one": (dict(softmax_type="off-by-one"),
+                       "as it does not support softmax_type = off-by-one"),
+        "learnable": (dict(softmax_type="learnable"),
+                      "as it does not support softmax_type = learnable"),
+        "max logit": (dict(return_max_logit=True),
+                      "as it does not support return_max_logit = True"),
+        "softcap": (dict(softcap=30.0), "as it does not support softcap = 30.0"),
+    }
+    logger = logging.getLogger("DotProductAttention")
+    lines = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    try:
+        for name, (changes, reason) in cases.items():
+            assert flash.not_supported_reasons(gpu_params(**changes)) == [reason], name
+            lines.clear()
+            chosen = selection._decide(gpu_params(**changes),
+                                       dict.fromkeys(selection.SWITCHES, True))
+            assert f"Disabling FlashAttention {reason}" in lines, (name, lines)
+            assert chosen != flash.NAME, name
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

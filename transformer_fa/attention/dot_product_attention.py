@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..module._common import check_te_only_kwargs
 from . import layout, masks, padding, selection
-from .params import BIAS_TYPES, AttentionInputs, params_fields
+from .params import BIAS_TYPES, SOFTMAX_TYPES, AttentionInputs, params_fields
 
 logger = logging.getLogger("DotProductAttention")
 
@@ -38,6 +38,15 @@ class DotProductAttention(torch.nn.Module):
     ``bottom_right_diagonal`` aligns the window and ALiBi of non-causal masks (TE's).
     Tensor/context parallel arguments are accepted at their single-device values;
     ``get_rng_state_tracker`` (TE's) forks its RNG state around dropout.
+
+    ``softmax_type`` (TE): "vanilla"; "off-by-one" adds 1 to every softmax denominator;
+    "learnable" adds ``exp(softmax_offset[h])``, with ``softmax_offset`` a learnable
+    ``nn.Parameter`` of shape ``[num_attention_heads]`` initialized to zeros (attention sinks).
+    ``return_max_logit`` (TE): the forward returns ``(output, max_logit)``, ``max_logit``
+    ``[num_attention_heads]`` in the output's dtype: the largest scaled, biased, unmasked
+    logit of each head over the batch (for QK-clip). ``softcap`` (FlashAttention's, not TE's):
+    when > 0 the scaled logits become ``softcap * tanh(logits / softcap)`` before the
+    post-scale bias / ALiBi and the masks; the forward's ``softcap`` overrides it per call.
     """
 
     def __init__(self, num_attention_heads: int, kv_channels: Union[int, Tuple[int, int]],
@@ -48,7 +57,9 @@ class DotProductAttention(torch.nn.Module):
                  tp_size: int = 1, get_rng_state_tracker: Optional[Callable] = None,
                  tp_group=None, layer_number: Optional[int] = None, attention_type: str = "self",
                  cp_group=None, cp_global_ranks=None, cp_stream=None, cp_comm_type: str = "p2p",
-                 softmax_scale: Optional[float] = None, name: Optional[str] = None):
+                 softmax_scale: Optional[float] = None, softmax_type: str = "vanilla",
+                 return_max_logit: Optional[bool] = False, name: Optional[str] = None,
+                 softcap: float = 0.0):
         super().__init__()
         check_te_only_kwargs(dict(sequence_parallel=sequence_parallel, tp_size=tp_size,
                                   tp_group=tp_group, cp_group=cp_group,
@@ -89,6 +100,14 @@ class DotProductAttention(torch.nn.Module):
         self.layer_number = layer_number
         self.softmax_scale = (softmax_scale if softmax_scale is not None
                               else 1.0 / math.sqrt(self.head_dim_qk))
+        if softmax_type not in SOFTMAX_TYPES:
+            raise ValueError(f"softmax_type must be one of {SOFTMAX_TYPES}, got {softmax_type!r}")
+        if return_max_logit is not None and not isinstance(return_max_logit, bool):
+            raise TypeError(f"return_max_logit must be a bool, got {return_max_logit!r}")
+        self.softmax_type = softmax_type
+        self.return_max_logit = bool(return_max_logit)
+        self.softcap = _check_softcap(softcap)
+        self._init_softmax_offset()
         self.last_backend: Optional[str] = None
         self._dense_calls: dict = {}  # fast path: call key -> (backend, params)
 
@@ -107,9 +126,10 @@ class DotProductAttention(torch.nn.Module):
                 core_attention_bias: Optional[torch.Tensor] = None,
                 alibi_slopes: Optional[torch.Tensor] = None, fast_zero_fill: bool = True,
                 inference_params=None, pad_between_seqs: Optional[bool] = None,
-                fp8_output: bool = False) -> torch.Tensor:
+                fp8_output: bool = False, softcap: Optional[float] = None):
         """TE's forward. ``fast_zero_fill`` has no effect (outputs are always zero-filled
-        where no query runs); ``cu_seqlens_*_padded`` may only repeat ``cu_seqlens_*``."""
+        where no query runs); ``cu_seqlens_*_padded`` may only repeat ``cu_seqlens_*``.
+        Returns the output, or ``(output, max_logit)`` with ``return_max_logit``."""
         check_unsupported_forward_args(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
                                        cu_seqlens_kv_padded, inference_params, pad_between_seqs,
                                        fp8_output)
@@ -119,7 +139,8 @@ class DotProductAttention(torch.nn.Module):
                               qkv_format, cu_seqlens_q, cu_seqlens_kv, None, None, max_seqlen_q,
                               max_seqlen_kv, attn_mask_type, window_size, bottom_right_diagonal,
                               False, core_attention_bias_type, core_attention_bias, alibi_slopes,
-                              use_reentrant=False)
+                              True, None, None, False, softcap, use_reentrant=False)
+        softcap = self.softcap if softcap is None else _check_softcap(softcap)
         q, k, v = query_layer, key_layer, value_layer
         if attn_mask_type is not None:
             attn_mask_type = masks.normalize_mask_type(attn_mask_type)
@@ -133,13 +154,14 @@ class DotProductAttention(torch.nn.Module):
             dense_key = self._dense_call_key(
                 q, k, v, self.qkv_format if qkv_format is None else qkv_format,
                 self.attn_mask_type if attn_mask_type is None else attn_mask_type,
-                self.window_size if window_size is None else window_size)
+                self.window_size if window_size is None else window_size, softcap)
             hit = self._dense_calls.get(dense_key) if dense_key is not None else None
             if hit is not None:
                 backend, params = hit
                 if self.last_backend != backend.NAME:
                     self.last_backend = backend.NAME
-                return self._run(backend, AttentionInputs(q, k, v), params)
+                return self._run(
+                    backend, AttentionInputs(q, k, v, softmax_offset=self.softmax_offset), params)
 
         qkv_format = self.qkv_format if qkv_format is None else qkv_format
         q_format, kv_format = layout.split_qkv_format(qkv_format)
@@ -189,12 +211,14 @@ class DotProductAttention(torch.nn.Module):
             requires_grad=torch.is_grad_enabled() and any(
                 t.requires_grad for t in (q, k, v)),
             is_compiling=torch.compiler.is_compiling(),
-            softmax_type="vanilla", return_max_logit=False, softcap=0.0,
+            softmax_type=self.softmax_type, return_max_logit=self.return_max_logit,
+            softcap=softcap,
         )
         backend, params = selection.select(fields, env)
         if self.last_backend != backend.NAME:  # nn.Module.__setattr__ is slow: set on change
             self.last_backend = backend.NAME
-        inputs = AttentionInputs(q, k, v, cu_q, cu_kv, arbitrary, bias, slopes)
+        inputs = AttentionInputs(q, k, v, cu_q, cu_kv, arbitrary, bias, slopes,
+                                 self.softmax_offset)
         if dense_key is not None and q is query_layer and k is key_layer and v is value_layer:
             # Proven without a copy: the same key will mean the same layout and decision.
             if len(self._dense_calls) >= 64:
@@ -216,7 +240,21 @@ class DotProductAttention(torch.nn.Module):
         with self.get_rng_state_tracker().fork() if forked else nullcontext():
             return backend.run(inputs, params)
 
-    def _dense_call_key(self, q, k, v, qkv_format, attn_mask_type, window_size):
+    def _init_softmax_offset(self) -> None:
+        """TE's softmax_offset: None (vanilla), zeros (off-by-one: a non-persistent buffer, so
+        it follows .to() but is not in the state dict, as in TE) or a zero-initialized
+        Parameter ``[h]`` (learnable). Made where TE makes it: on the GPU when there is one."""
+        if self.softmax_type == "vanilla":
+            self.softmax_offset = None
+            return
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        zeros = torch.zeros(self.num_attention_heads, dtype=torch.float32, device=device)
+        if self.softmax_type == "off-by-one":
+            self.register_buffer("softmax_offset", zeros, persistent=False)
+        else:
+            self.softmax_offset = torch.nn.Parameter(zeros)
+
+    def _dense_call_key(self, q, k, v, qkv_format, attn_mask_type, window_size, softcap):
         """Everything a call without masks, lengths or biases is decided by, or None.
 
         Tensor metadata (shape, strides, offset, dtype, device, requires_grad), which tensors
@@ -234,7 +272,8 @@ class DotProductAttention(torch.nn.Module):
                      for t in tensors)
         shares = (meta[0][-1] == meta[1][-1], meta[1][-1] == meta[2][-1])
         meta = tuple(m[:-1] for m in meta)  # the base pointers matter only through `shares`
-        return (meta, shares, qkv_format, attn_mask_type, window_size, self.training,
+        return (meta, shares, qkv_format, attn_mask_type, window_size, softcap,
+                self.softmax_type, self.return_max_logit, self.training,
                 self.attention_dropout, self.softmax_scale, self.num_attention_heads,
                 self.num_gqa_groups, self.head_dim_qk, self.head_dim_v, torch.is_grad_enabled(),
                 torch.are_deterministic_algorithms_enabled(), selection.read_env())
@@ -258,6 +297,13 @@ def check_unsupported_forward_args(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_pad
                 plain is None or not torch.equal(padded, plain)):
             raise ValueError(f"{name} differs from the unpadded cu_seqlens: padded thd "
                              f"(padding between sequences) is not supported; pass None")
+
+
+def _check_softcap(softcap) -> float:
+    if (not isinstance(softcap, (int, float)) or isinstance(softcap, bool)
+            or not 0.0 <= softcap < math.inf):
+        raise ValueError(f"softcap must be a finite float >= 0 (0 = off), got {softcap!r}")
+    return float(softcap)
 
 
 def _mask_type_for(mask_type: str, q_format: str, kv_format: str) -> str:

@@ -124,14 +124,19 @@ def default_alibi_slopes(num_heads: int) -> torch.Tensor:
 
 def alibi_bias(alibi_slopes: torch.Tensor, attn_mask_type: str, seqlens_q: torch.Tensor,
                seqlens_kv: torch.Tensor, max_seqlen_q: int, max_seqlen_kv: int,
-               bottom_right_diagonal: Optional[bool] = None) -> torch.Tensor:
-    """float32 ``[b|1, h, sq, skv]``: ``-slope * |i + off - j|``."""
+               bottom_right_diagonal: Optional[bool] = None,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[b|1, h, sq, skv]`` in ``dtype``: ``-slope * |i + off - j|``.
+
+    The slopes are float32 (TE's); the bias is built in ``dtype`` (float64 for a float64
+    reference), so it never limits the precision of the scores it is added to.
+    """
     device = seqlens_q.device
     i = torch.arange(max_seqlen_q, device=device).view(1, 1, -1, 1)
     j = torch.arange(max_seqlen_kv, device=device).view(1, 1, 1, -1)
     off = diagonal_offset(attn_mask_type, seqlens_q, seqlens_kv,
                           bottom_right_diagonal).view(-1, 1, 1, 1)
-    distance = (i + off - j).abs().float()
-    slopes = alibi_slopes.float().to(device)
+    distance = (i + off - j).abs().to(dtype)
+    slopes = alibi_slopes.to(device=device, dtype=dtype)
     slopes = slopes.view(1, -1, 1, 1) if slopes.dim() == 1 else slopes.view(*slopes.shape, 1, 1)
     return -slopes * distance

@@ -55,7 +55,9 @@ class AttentionParams:
     # TE's softmax_type: "vanilla"; "off-by-one" adds 1 to the denominator (a zero-logit sink);
     # "learnable" adds exp(softmax_offset[h]) (per-head learnable sink, as in gpt-oss).
     softmax_type: str = "vanilla"
-    return_max_logit: bool = False  # also return the max pre-softmax logit per head (TE)
+    # TE's return_max_logit: run returns (output, max_logit), max_logit [h] in the output's
+    # dtype: per head, the largest scaled, biased, unmasked logit over the batch.
+    return_max_logit: bool = False
     softcap: float = 0.0  # logits -> softcap * tanh(logits / softcap) when > 0 (FA2/Gemma 2)
 
     @property
@@ -116,6 +118,9 @@ class AttentionInputs:
     ``arbitrary``.
     core_attention_bias: ``[1|b, 1|h, sq, skv]`` for pre/post_scale_bias, else None.
     alibi_slopes: float32 ``[h]`` or ``[b, h]`` when the bias type is ``alibi``, else None.
+    softmax_offset: ``[h]`` for ``params.softmax_type`` "off-by-one" (zeros) and "learnable"
+    (the module's parameter, with its gradient), else None. A backend must add
+    ``exp(softmax_offset[h])`` to every softmax denominator of head h.
     """
 
     q: torch.Tensor
@@ -126,3 +131,4 @@ class AttentionInputs:
     attention_mask: Optional[torch.Tensor] = None
     core_attention_bias: Optional[torch.Tensor] = None
     alibi_slopes: Optional[torch.Tensor] = None
+    softmax_offset: Optional[torch.Tensor] = None

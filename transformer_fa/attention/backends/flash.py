@@ -95,6 +95,12 @@ def _reasons(p: AttentionParams) -> List[str]:
                        f"{p.core_attention_bias_type}")
     if not 0.0 <= p.attention_dropout < 1.0:
         reasons.append(f"as it does not support attention_dropout = {p.attention_dropout}")
+    if p.softmax_type != "vanilla":
+        reasons.append(f"as it does not support softmax_type = {p.softmax_type}")
+    if p.return_max_logit:
+        reasons.append("as it does not support return_max_logit = True")
+    if p.softcap > 0.0:
+        reasons.append(f"as it does not support softcap = {p.softcap}")
     return reasons
 
 # Why this backend cannot serve params (each reads after "Disabling <NAME> ").
