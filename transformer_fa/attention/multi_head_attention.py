@@ -207,9 +207,6 @@ class MultiheadAttention(torch.nn.Module):
             self.q_norm = norm_cls(kv_channels, **norm_args)
             self.k_norm = norm_cls(kv_channels, **norm_args)
 
-        # softmax_type goes to DotProductAttention only when it is not TE's default, so this
-        # works whether or not DotProductAttention has the argument yet.
-        softmax_args = {} if softmax_type == "vanilla" else {"softmax_type": softmax_type}
         self.core_attention = DotProductAttention(
             num_attention_heads,
             kv_channels,
@@ -222,7 +219,7 @@ class MultiheadAttention(torch.nn.Module):
             attention_type=attention_type,
             layer_number=self.layer_number,
             get_rng_state_tracker=te_kwargs.get("get_rng_state_tracker"),
-            **softmax_args,
+            softmax_type=softmax_type,
         )
         self.proj = Linear(
             self.hidden_size_q,
