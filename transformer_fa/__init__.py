@@ -6,12 +6,17 @@ from .attention import (DotProductAttention, MultiheadAttention, RotaryPositionE
                         apply_rotary_pos_emb)
 from .module import LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
 from .distributed import CudaRNGStatesTracker, checkpoint
-from .fp8 import autocast, fp8_autocast, fp8_model_init, is_fp8_available
+from .fp8 import (autocast, fp8_autocast, fp8_model_init, is_fp8_available,
+                  is_fp8_block_scaling_available, is_mxfp8_available, is_nvfp4_available,
+                  quantized_model_init)
 from .graph import make_graphed_callables
+from .utils import get_device_compute_capability, is_bf16_available
 from .transformer import TransformerLayer
 
 __all__ = ["attention", "DotProductAttention", "MultiheadAttention", "TransformerLayer",
            "LayerNorm", "RMSNorm", "Linear", "LayerNormLinear", "LayerNormMLP",
            "RotaryPositionEmbedding", "apply_rotary_pos_emb", "common", "autocast",
            "fp8_autocast", "fp8_model_init", "is_fp8_available", "checkpoint",
-           "CudaRNGStatesTracker", "make_graphed_callables"]
+           "CudaRNGStatesTracker", "make_graphed_callables", "quantized_model_init",
+           "is_mxfp8_available", "is_fp8_block_scaling_available", "is_nvfp4_available",
+           "get_device_compute_capability", "is_bf16_available"]

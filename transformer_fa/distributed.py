@@ -1,4 +1,5 @@
 """TE's activation checkpointing and RNG state tracker, on a single device."""
+import functools
 from contextlib import contextmanager
 from typing import Callable, Dict
 
@@ -16,6 +17,15 @@ def checkpoint(function: Callable, *args, **kwargs):
                          "parallelism, which transformer_fa does not have; pass False")
     kwargs.pop("tp_group", None)
     get_rng_state_tracker = kwargs.pop("get_rng_state_tracker", None)
+    if use_reentrant:
+        # The reentrant implementation passes gradients to positional tensors only: a keyword
+        # tensor that needs a gradient would silently get none.
+        for key, value in kwargs.items():
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                raise ValueError(f"checkpoint(use_reentrant=True): keyword argument {key!r} "
+                                 f"is a tensor that requires grad; pass it positionally")
+        function = functools.partial(function, **kwargs)
+        kwargs = {}
     if get_rng_state_tracker is None:
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=use_reentrant,
                                                  **kwargs)

@@ -11,6 +11,12 @@ def is_fp8_available(return_reason: bool = False) -> Union[bool, Tuple[bool, str
     return (False, _NO_FP8) if return_reason else False
 
 
+# TE's other quantization queries: none of those formats is available either.
+is_mxfp8_available = is_fp8_available
+is_fp8_block_scaling_available = is_fp8_available
+is_nvfp4_available = is_fp8_available
+
+
 def _refuse_if_enabled(enabled: bool, what: str) -> None:
     if enabled:
         raise ValueError(f"{what}(enabled=True): {_NO_FP8}; pass enabled=False (or drop the "
@@ -38,4 +44,12 @@ def fp8_model_init(enabled: bool = True, recipe=None,
                    preserve_high_precision_init_val: bool = False):
     """TE's FP8 parameter creation: a no-op with ``enabled=False``."""
     _refuse_if_enabled(enabled, "fp8_model_init")
+    yield
+
+
+@contextmanager
+def quantized_model_init(enabled: bool = True, recipe=None,
+                         preserve_high_precision_init_val: bool = False):
+    """TE 2.x's name of ``fp8_model_init``: a no-op with ``enabled=False``."""
+    _refuse_if_enabled(enabled, "quantized_model_init")
     yield

@@ -1,20 +1,15 @@
 """Public helpers with TE's names (``transformer_engine.pytorch`` exports these too).
 
-Weight-init functions, device and library queries, and the entry points of features that
-transformer_fa does not have (FP8): those accept "disabled" and answer "not available", so
-code written for TE runs unchanged as long as it does not turn FP8 on.
+Weight-init functions and device and library queries. TE's FP8 entry points live in
+``transformer_fa.fp8`` and its checkpointing in ``transformer_fa.distributed``, both exported
+by ``transformer_fa``.
 """
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
-from typing import Callable, Optional, Tuple, Union
+from typing import Callable, Tuple, Union
 
 import torch
-import torch.utils.checkpoint
-
-_NO_FP8 = "transformer_fa has no FP8 support"
 
 
 # --- weight init (TE's Megatron-style helpers) -----------------------------------------------
@@ -83,73 +78,3 @@ def get_cudnn_version() -> Tuple[int, int, int]:
     if version >= 90000:  # cuDNN 9: major * 10000 + minor * 100 + patch
         return (version // 10000, (version % 10000) // 100, version % 100)
     return (version // 1000, (version % 1000) // 100, version % 100)  # cuDNN 8
-
-
-# --- FP8: not available ---------------------------------------------------------------------
-
-def _not_available(return_reason: bool = False) -> Union[bool, Tuple[bool, str]]:
-    return (False, _NO_FP8) if return_reason else False
-
-
-def is_fp8_available(return_reason: bool = False) -> Union[bool, Tuple[bool, str]]:
-    """Always False (with the reason when asked): transformer_fa has no FP8."""
-    return _not_available(return_reason)
-
-
-is_mxfp8_available = is_fp8_available
-is_fp8_block_scaling_available = is_fp8_available
-is_nvfp4_available = is_fp8_available
-
-
-def _fp8_disabled_context(name: str, enabled: bool):
-    if enabled:
-        raise ValueError(f"{name}(enabled=True) needs FP8, and {_NO_FP8}; "
-                         f"pass enabled=False (or drop the {name} block)")
-    return contextlib.nullcontext()
-
-
-def autocast(enabled: bool = True, calibrating: bool = False, recipe=None,
-             amax_reduction_group=None, _graph: bool = False):
-    """TE's FP8 autocast. Only ``enabled=False`` works (a no-op context); TE's default
-    ``enabled=True`` raises, since it asks for FP8."""
-    if calibrating:
-        raise ValueError(f"autocast(calibrating=True) is FP8 calibration; {_NO_FP8}")
-    return _fp8_disabled_context("autocast", enabled)
-
-
-def quantized_model_init(enabled: bool = True, recipe=None,
-                         preserve_high_precision_init_val: bool = False):
-    """TE's FP8 parameter creation. Only ``enabled=False`` works (a no-op context)."""
-    return _fp8_disabled_context("quantized_model_init", enabled)
-
-
-# --- activation checkpointing ---------------------------------------------------------------
-
-def checkpoint(function: Callable, *args, distribute_saved_activations: bool = False,
-               get_rng_state_tracker: Optional[Callable] = None, tp_group=None,
-               use_reentrant: bool = True, **kwargs):
-    """TE's ``checkpoint``: run ``function(*args, **kwargs)`` without keeping its activations
-    and recompute them in backward (torch.utils.checkpoint, RNG state restored).
-
-    The tensor-parallel arguments must stay at their single-device values.
-    """
-    if distribute_saved_activations:
-        raise ValueError("checkpoint(distribute_saved_activations=True) splits activations "
-                         "across a tensor-parallel group; transformer_fa has no tensor "
-                         "parallelism")
-    if tp_group is not None:
-        raise ValueError("checkpoint(tp_group=...) needs tensor parallelism, which "
-                         "transformer_fa does not have; leave it None")
-    if get_rng_state_tracker is not None:
-        raise ValueError("checkpoint(get_rng_state_tracker=...) restores tensor-parallel RNG "
-                         "states, which transformer_fa does not have; leave it None")
-    if use_reentrant:
-        # The reentrant implementation only passes gradients to positional tensors: a keyword
-        # tensor that needs a gradient would silently get none.
-        for key, value in kwargs.items():
-            if isinstance(value, torch.Tensor) and value.requires_grad:
-                raise ValueError(f"checkpoint(use_reentrant=True): keyword argument {key!r} "
-                                 f"is a tensor that requires grad; pass it positionally")
-        function = functools.partial(function, **kwargs)
-        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=True)
-    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)

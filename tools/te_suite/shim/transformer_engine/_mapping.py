@@ -30,11 +30,6 @@ MODULES = {
     # The recipes are FP8's; transformer_fa.common.recipe gives TE's classes (FP8 off).
     "transformer_engine.common.recipe": Module(target="transformer_fa.common.recipe", absent=FP8),
     "transformer_engine.pytorch": Module(target="transformer_fa", names={
-        # Public TE names kept in transformer_fa.utils (also exported by transformer_fa).
-        **{n: f"{_UTILS}:{n}" for n in (
-            "autocast", "quantized_model_init", "checkpoint", "get_device_compute_capability",
-            "is_bf16_available", "is_fp8_available", "is_mxfp8_available",
-            "is_fp8_block_scaling_available", "is_nvfp4_available")},
         **{n: FP8 for n in ("Float8Quantizer", "Float8CurrentScalingQuantizer", "MXFP8Quantizer",
                             "Quantizer", "QuantizedTensor")},
         "DType": CPP_EXTENSION,
@@ -60,7 +55,8 @@ MODULES = {
     "transformer_engine.pytorch.quantized_tensor": Module(absent=FP8),
     "transformer_engine.pytorch.constants": Module(absent=FP8),
     "transformer_engine.pytorch._extra_state": Module(absent=FP8),
-    "transformer_engine.pytorch.distributed": Module(absent=PARALLELISM),
+    "transformer_engine.pytorch.distributed": Module(target="transformer_fa.distributed",
+                                                     absent=PARALLELISM),
     "transformer_engine.pytorch.module": Module(),
     "transformer_engine.pytorch.module.base": Module(absent=TE_API),
     "transformer_engine.pytorch.cpp_extensions": Module(absent=CPP_EXTENSION),
