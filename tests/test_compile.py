@@ -66,7 +66,7 @@ def outputs_and_grads(module, inputs, kwargs, params):
     """The output and the gradients of a fixed random loss w.r.t. inputs and params."""
     inputs = [t.detach().requires_grad_() for t in inputs]
     out = module(*inputs, **kwargs)
-    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out)
     grads = torch.autograd.grad((out * weight).sum(), inputs + params)
     return out, grads
 
