@@ -1,4 +1,4 @@
-"""Backend selection, env switches, TE-style logs, bad input, torch.compile."""
+"""Backend selection, env switches, TE-style logs, bad input (torch.compile: test_compile.py)."""
 import logging
 
 import pytest
@@ -188,26 +188,6 @@ def test_max_seqlen_too_small():
 def test_bad_constructor_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         tfa.DotProductAttention(**kwargs)
-
-
-def test_torch_compile_matches_eager():
-    torch._dynamo.reset()
-    dpa = tfa.DotProductAttention(2, 8, qkv_format="bshd", attn_mask_type="causal")
-    q, k, v = (torch.randn(2, 6, 2, 8, requires_grad=True) for _ in range(3))
-    compiled = torch.compile(dpa, backend="eager", fullgraph=True)
-    out = compiled(q, k, v)
-    torch.testing.assert_close(out, dpa(q, k, v))
-    out.sum().backward()
-    assert q.grad is not None and torch.isfinite(q.grad).all()
-
-
-def test_torch_compile_with_packed_views_copies_and_stays_right():
-    torch._dynamo.reset()
-    dpa = tfa.DotProductAttention(2, 8, attn_mask_type="no_mask")
-    qkv_buf = torch.randn(6, 2, 3, 2, 8)
-    q, k, v = qkv_buf.unbind(2)
-    out = torch.compile(dpa, backend="eager", fullgraph=True)(q, k, v)
-    torch.testing.assert_close(out, dpa(q, k, v))
 
 
 def test_repeated_calls_follow_env_mode_and_layout_changes(monkeypatch):

@@ -215,7 +215,9 @@ class DotProductAttention(torch.nn.Module):
             softcap=softcap,
         )
         backend, params = selection.select(fields, env)
-        if self.last_backend != backend.NAME:  # nn.Module.__setattr__ is slow: set on change
+        # nn.Module.__setattr__ is slow: set on change. Under compile, reading the old value
+        # would guard on it (and recompile on the next call): write it.
+        if params.is_compiling or self.last_backend != backend.NAME:
             self.last_backend = backend.NAME
         inputs = AttentionInputs(q, k, v, cu_q, cu_kv, arbitrary, bias, slopes,
                                  self.softmax_offset)

@@ -60,15 +60,17 @@ class RotaryPositionEmbedding(torch.nn.Module):
         self.register_buffer("inv_freq", 1.0 / (rotary_base**exponents))
 
     def forward(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
-        """float32 ``[max_seq_len, 1, 1, dim]`` table for positions ``offset ..``."""
-        seq = torch.arange(max_seq_len, device=self.inv_freq.device, dtype=torch.float32) + offset
+        """``[max_seq_len, 1, 1, dim]`` table for positions ``offset ..``, in inv_freq's dtype
+        (float32; float64 after ``.double()``)."""
+        inv_freq = self.inv_freq
+        seq = torch.arange(max_seq_len, device=inv_freq.device, dtype=inv_freq.dtype) + offset
         factor = self.seq_len_interpolation_factor
         if factor is not None:
             pretrained = self.pretrained_max_position_embeddings
             if pretrained is not None and max_seq_len > pretrained * factor:
                 factor = max_seq_len / pretrained  # dynamic scaling beyond what was trained
             seq = seq / factor
-        freqs = torch.outer(seq, self.inv_freq)
+        freqs = torch.outer(seq, inv_freq)
         if self.interleaved:
             emb = freqs.repeat_interleave(2, dim=-1)
         else:
@@ -101,6 +103,16 @@ def _token_positions(
     return torch.where(inside, pos, torch.zeros_like(pos))
 
 
+def _check_positions(pos: torch.Tensor, max_len: int, what: str) -> None:
+    """Every position must fall inside the table. The check reads the positions on the host,
+    so it runs in eager only; under torch.compile the table lookup's own bounds check (an
+    IndexError, or a device assert) catches the same error without a sync in the graph."""
+    if torch.compiler.is_compiling() or pos.numel() == 0:
+        return
+    if int(pos.max()) >= max_len:
+        raise ValueError(f"{what} the {max_len} positions freqs covers")
+
+
 def apply_rotary_pos_emb(
     t: torch.Tensor,
     freqs: torch.Tensor,
@@ -128,7 +140,9 @@ def apply_rotary_pos_emb(
     rot_dim = freqs.shape[-1]
     if rot_dim > t.shape[-1]:
         raise ValueError(f"freqs has {rot_dim} channels but t has only {t.shape[-1]}")
-    table = freqs.reshape(freqs.shape[0], rot_dim).float()
+    # Angles, cos and sin in float32 at least (as TE), in float64 for float64 t or freqs.
+    compute_dtype = torch.promote_types(torch.promote_types(freqs.dtype, t.dtype), torch.float32)
+    table = freqs.reshape(freqs.shape[0], rot_dim).to(compute_dtype)
     max_len = table.shape[0]
 
     if tensor_format == "thd":
@@ -137,8 +151,7 @@ def apply_rotary_pos_emb(
         if t.dim() != 3:
             raise ValueError(f"t must be [t, h, d] for thd, got {tuple(t.shape)}")
         pos = _token_positions(cu_seqlens, t.shape[0], start_positions)
-        if t.shape[0] > 0 and int(pos.max()) >= max_len:
-            raise ValueError(f"a sequence is longer than the {max_len} positions freqs covers")
+        _check_positions(pos, max_len, "a sequence is longer than")
         angles = table[pos].unsqueeze(1)  # [t, 1, d2]
     else:
         if t.dim() != 4:
@@ -156,15 +169,11 @@ def apply_rotary_pos_emb(
         else:
             start = start_positions.to(device=table.device, dtype=torch.int64)
             pos = start[:, None] + torch.arange(seqlen, device=table.device)  # [b, s]
-            if int(pos.max()) >= max_len:
-                raise ValueError(
-                    f"start_positions + sequence length exceed the {max_len} positions in freqs"
-                )
+            _check_positions(pos, max_len, "start_positions + sequence length exceed")
             angles = table[pos].unsqueeze(2)  # [b, s, 1, d2]
             if tensor_format == "sbhd":
                 angles = angles.transpose(0, 1)
 
-    # cos/sin in float32, then cast, for precision (as TE does)
     cos, sin = torch.cos(angles).to(t.dtype), torch.sin(angles).to(t.dtype)
     t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
     t_rot = t_rot * cos + _rotate_half(t_rot, interleaved) * sin

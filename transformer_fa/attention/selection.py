@@ -5,6 +5,12 @@ Environment (read on every call):
   NVTE_DEBUG=1 with NVTE_DEBUG_LEVEL=0/1/2               warnings / info / debug logs
 The decision is cached per (params, switches, log level), so the hot path is one dict lookup;
 the log lines come when a decision is made.
+
+Under torch.compile the decision is made once per trace and baked into the graph. With dynamic
+shapes the batch size and sequence lengths are symbolic; the decision is made for the shape
+being traced (the symbols' hints), without a guard on them, so one graph serves the whole
+family of shapes. What the backends decide by (dtype, head dims, mask, layout, device, ...)
+is static in the graph (changing it recompiles).
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ from types import ModuleType
 from typing import Dict, List, Tuple
 
 import torch
+from torch.fx.experimental import symbolic_shapes
 
 from . import constants
 from .backends import ALL_BACKENDS, flash, fused, unfused
@@ -141,6 +148,21 @@ def _select_name(fields: tuple, enabled: Tuple[bool, ...], level: int) -> str:
     return name
 
 
+# The hint of a symbolic int without a guard on it (dynamo knows this function); on a torch
+# without it, int() is the fallback: it guards on the value (one graph per value, still right).
+_hint = getattr(symbolic_shapes, "optimization_hint", int)
+
+
+def _static(value):
+    """A field value with every symbolic int replaced by its hint (traced code only: the
+    tracer shows a SymInt as an int, and a plain int is its own hint)."""
+    if type(value) is int:
+        return _hint(value)
+    if type(value) is tuple:
+        return tuple(_static(item) for item in value)
+    return value
+
+
 def select(fields: tuple, env: tuple) -> Tuple[ModuleType, AttentionParams]:
     """The backend to run a call with, and the call's AttentionParams.
 
@@ -150,7 +172,12 @@ def select(fields: tuple, env: tuple) -> Tuple[ModuleType, AttentionParams]:
     """
     if torch.compiler.is_compiling():
         enabled = tuple(not _is_zero(value) for value in env[:3])
-        name = _select_name(fields, enabled, log_level(env))
+        # dynamic=True makes float settings (dropout, scale) symbolic too: guard on them.
+        fields = tuple(symbolic_shapes.guard_scalar(value) if type(value) is float else value
+                       for value in fields)
+        # assume_constant_result takes constants only: decide for the traced shape's hints.
+        static_fields = tuple(_static(value) for value in fields)
+        name = _select_name(static_fields, enabled, log_level(env))
         return _BACKENDS_BY_NAME[name], AttentionParams(*fields)
     key = (fields, env)
     entry = _entries.get(key)

@@ -1,6 +1,7 @@
 """LayerNorm and RMSNorm with TransformerEngine's arguments and formulas.
 
-Both normalize in float32 and return the input's dtype, as TE's kernels do.
+Both normalize in float32 (float64 for float64 inputs) and return the input's dtype, as TE's
+kernels do.
 With ``zero_centered_gamma`` the stored gamma is zero-initialised and the scale
 applied is ``1 + gamma``, which keeps weight decay from pulling the scale to 0.
 """
@@ -30,13 +31,15 @@ def apply_norm(
     zero_centered_gamma: bool,
 ) -> torch.Tensor:
     """Normalize the last dimension of ``x``; ``bias`` is None for RMSNorm."""
-    gamma = weight.float()
+    compute_dtype = torch.promote_types(x.dtype, torch.float32)  # never below x's precision
+    gamma = weight.to(compute_dtype)
     if zero_centered_gamma:
         gamma = gamma + 1.0
-    xf = x.float()
+    xf = x.to(compute_dtype)
     shape = (x.shape[-1],)
     if normalization == "LayerNorm":
-        out = F.layer_norm(xf, shape, gamma, bias.float() if bias is not None else None, eps)
+        beta = bias.to(compute_dtype) if bias is not None else None
+        out = F.layer_norm(xf, shape, gamma, beta, eps)
     else:
         out = F.rms_norm(xf, shape, gamma, eps)
     return out.to(x.dtype)
