@@ -13,10 +13,6 @@ from transformer_fa.attention.rope import RotaryPositionEmbedding, apply_rotary_
 F64 = torch.float64
 HIDDEN, FFN, HEADS, GROUPS = 8, 12, 4, 2
 HEAD_DIM = HIDDEN // HEADS
-# The unfused attention computes its softmax in float32 today; the fix lands from the
-# features branch. Strict: once it is merged these pass, and the xfail must be removed.
-NEEDS_UNFUSED_F64 = pytest.mark.xfail(strict=True,
-                                      reason="unfused float64: merged from the features branch")
 
 
 def gradcheck_module(module, *inputs, fast_mode=False, **kwargs):
@@ -124,7 +120,6 @@ def test_rope_gradcheck_float64():
     assert torch.autograd.gradcheck(lambda t: apply_rotary_pos_emb(t, freqs, "sbhd"), (x,))
 
 
-@NEEDS_UNFUSED_F64
 def test_dot_product_attention_gradcheck_float64():
     dpa = tfa.DotProductAttention(HEADS, HEAD_DIM, num_gqa_groups=GROUPS, qkv_format="bshd")
     torch.manual_seed(0)
@@ -133,7 +128,6 @@ def test_dot_product_attention_gradcheck_float64():
     gradcheck_module(dpa, q, k, v)
 
 
-@NEEDS_UNFUSED_F64
 @pytest.mark.parametrize("training", [False, True], ids=["eval", "train_p0"])
 def test_multihead_attention_gradcheck_float64(training):
     mha = randomized(tfa.MultiheadAttention(
@@ -151,7 +145,6 @@ def make_layer(**kwargs):
     return randomized(tfa.TransformerLayer(**args))
 
 
-@NEEDS_UNFUSED_F64
 @pytest.mark.parametrize("training", [False, True], ids=["eval", "train_p0"])
 def test_transformer_layer_gradcheck_float64(training):
     layer = make_layer(normalization="RMSNorm", activation="swiglu")
@@ -187,7 +180,6 @@ def llama_reference(model, x):
     return ref.rms_norm(x, model.norm.weight, model.norm.eps)
 
 
-@NEEDS_UNFUSED_F64
 def test_llama_stack_float64_matches_reference():
     model = LlamaStack()
     x = torch.randn(2, 7, HIDDEN, dtype=F64)

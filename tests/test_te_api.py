@@ -119,12 +119,10 @@ def test_transformer_layer_passes_attention_options_through():
 
 def test_softmax_type_vanilla_is_accepted_and_others_reach_dot_product_attention():
     assert layer(softmax_type="vanilla")(torch.randn(3, 1, H)).shape == (3, 1, H)
-    try:  # before the softmax_type work lands, DotProductAttention refuses the argument
-        mha = te.MultiheadAttention(H, HEADS, softmax_type="off-by-one", device="cpu")
-    except TypeError as exc:
-        assert "softmax_type" in str(exc)
-    else:
-        assert mha.core_attention.softmax_type == "off-by-one"
+    mha = te.MultiheadAttention(H, HEADS, softmax_type="off-by-one", device="cpu")
+    assert mha.core_attention.softmax_type == "off-by-one"
+    tl = te.TransformerLayer(H, 2 * H, HEADS, softmax_type="learnable", device="cpu")
+    assert tl.self_attention.core_attention.softmax_offset.requires_grad
 
 
 def test_clamped_swiglu_activation_params():
@@ -497,3 +495,55 @@ def test_causal_style_window_on_a_non_causal_mask_is_te_s_no_window():
         dpa = te.DotProductAttention(HEADS, D, attn_mask_type="no_mask", window_size=(-1, 0))
     torch.testing.assert_close(dpa(q, k, k), te.DotProductAttention(
         HEADS, D, attn_mask_type="no_mask")(q, k, k))
+
+
+def test_newest_te_forward_tuning_arguments():
+    """TE 2.x forward knobs: num_splits (FlashAttention-3 only, ignored elsewhere as in TE) and
+    bf16_backward (FP8 attention's) change nothing; score_mod callbacks are refused."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(6, 2, 4, 8) for _ in range(3))
+    dpa = te.DotProductAttention(4, 8)
+    plain = dpa(q, k, v)
+    torch.testing.assert_close(dpa(q, k, v, num_splits=4, bf16_backward=False), plain)
+    with pytest.raises(ValueError, match="num_splits"):
+        dpa(q, k, v, num_splits=0)
+    with pytest.raises(ValueError, match="score_mod"):
+        dpa(q, k, v, score_mod=lambda graph, score, tensors: score)
+
+
+@pytest.mark.parametrize("fmt,dim", [("sbhd", -3), ("bshd", -2), ("thd", -3)])
+def test_packed_qkv_layer_and_kv_layer(fmt, dim):
+    """TE's qkv_layer / kv_layer: q, k, v are views of the packed buffer, detected as its
+    layout without a copy, and give what separate tensors give."""
+    torch.manual_seed(0)
+    lead = {"sbhd": (6, 2), "bshd": (2, 6), "thd": (12,)}[fmt]
+    packed_shape = (*lead, 3, 4, 8) if dim == -3 else (*lead, 4, 3, 8)
+    qkv = torch.randn(packed_shape, requires_grad=True)
+    kw = {}
+    if fmt == "thd":
+        kw = dict(cu_seqlens_q=torch.tensor([0, 5, 12], dtype=torch.int32),
+                  cu_seqlens_kv=torch.tensor([0, 5, 12], dtype=torch.int32))
+    dpa = te.DotProductAttention(4, 8, qkv_format=fmt, attn_mask_type="causal")
+    out = dpa(qkv_layer=qkv, qkv_interleave_dim=dim, **kw)
+    q, k, v = (qkv.select(dim, i).detach().clone() for i in range(3))
+    torch.testing.assert_close(out, dpa(q, k, v, **kw))
+    layout, *_ = te.attention.get_qkv_layout(*(qkv.select(dim, i) for i in range(3)), fmt)
+    assert "3" in layout, layout
+    out.sum().backward()
+    assert qkv.grad is not None and qkv.grad.abs().sum() > 0
+    # kv_layer beside a separate query
+    kv = qkv.detach().narrow(dim, 1, 2)
+    torch.testing.assert_close(dpa(q, kv_layer=kv, qkv_interleave_dim=dim, **kw), out)
+
+
+def test_packed_inputs_bad_combinations():
+    dpa = te.DotProductAttention(4, 8)
+    qkv = torch.randn(6, 2, 3, 4, 8)
+    with pytest.raises(ValueError, match="qkv_interleave_dim"):
+        dpa(qkv_layer=qkv, qkv_interleave_dim=-1)
+    with pytest.raises(ValueError, match="size 3 at dim -2"):
+        dpa(qkv_layer=qkv, qkv_interleave_dim=-2)
+    with pytest.raises(ValueError, match="excludes"):
+        dpa(qkv[:, :, 0], qkv_layer=qkv)
+    with pytest.raises(ValueError, match="required"):
+        dpa(qkv[:, :, 0])

@@ -111,8 +111,9 @@ class DotProductAttention(torch.nn.Module):
         self.last_backend: Optional[str] = None
         self._dense_calls: dict = {}  # fast path: call key -> (backend, params)
 
-    def forward(self, query_layer: torch.Tensor, key_layer: torch.Tensor,
-                value_layer: torch.Tensor, attention_mask=None, qkv_format: Optional[str] = None,
+    def forward(self, query_layer: Optional[torch.Tensor] = None,
+                key_layer: Optional[torch.Tensor] = None,
+                value_layer: Optional[torch.Tensor] = None, attention_mask=None, qkv_format: Optional[str] = None,
                 cu_seqlens_q: Optional[torch.Tensor] = None,
                 cu_seqlens_kv: Optional[torch.Tensor] = None,
                 cu_seqlens_q_padded: Optional[torch.Tensor] = None,
@@ -126,20 +127,41 @@ class DotProductAttention(torch.nn.Module):
                 core_attention_bias: Optional[torch.Tensor] = None,
                 alibi_slopes: Optional[torch.Tensor] = None, fast_zero_fill: bool = True,
                 inference_params=None, pad_between_seqs: Optional[bool] = None,
-                fp8_output: bool = False, softcap: Optional[float] = None):
+                fp8_output: bool = False, bf16_backward: Optional[bool] = False,
+                num_splits: Optional[int] = 1, score_mod: Optional[Callable] = None,
+                score_mod_bprop: Optional[Callable] = None, score_mod_tensors=None,
+                score_mod_bprop_tensors=None, qkv_layer: Optional[torch.Tensor] = None,
+                kv_layer: Optional[torch.Tensor] = None, qkv_interleave_dim: int = -3,
+                softcap: Optional[float] = None):
         """TE's forward. ``fast_zero_fill`` has no effect (outputs are always zero-filled
-        where no query runs); ``cu_seqlens_*_padded`` may only repeat ``cu_seqlens_*``.
+        where no query runs); ``cu_seqlens_*_padded`` may only repeat ``cu_seqlens_*``;
+        ``bf16_backward`` (FP8 attention's) and ``num_splits`` (a FlashAttention-3 tuning
+        knob) do not change what is computed and are accepted as TE ignores them on other
+        backends. ``qkv_layer`` / ``kv_layer`` take packed buffers (TE's): q, k, v become
+        views of them along ``qkv_interleave_dim``.
         Returns the output, or ``(output, max_logit)`` with ``return_max_logit``."""
         check_unsupported_forward_args(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
                                        cu_seqlens_kv_padded, inference_params, pad_between_seqs,
                                        fp8_output)
+        _check_tuning_args(num_splits, score_mod, score_mod_bprop, score_mod_tensors,
+                           score_mod_bprop_tensors)
+        if qkv_layer is not None or kv_layer is not None:
+            query_layer, key_layer, value_layer = unpack_qkv(
+                qkv_layer, kv_layer, query_layer, key_layer, value_layer, qkv_interleave_dim)
         if checkpoint_core_attention and torch.is_grad_enabled():
             # TE's activation checkpointing: recompute attention in the backward.
-            return checkpoint(self.forward, query_layer, key_layer, value_layer, attention_mask,
-                              qkv_format, cu_seqlens_q, cu_seqlens_kv, None, None, max_seqlen_q,
-                              max_seqlen_kv, attn_mask_type, window_size, bottom_right_diagonal,
-                              False, core_attention_bias_type, core_attention_bias, alibi_slopes,
-                              True, None, None, False, softcap, use_reentrant=False)
+            return checkpoint(
+                self.forward, query_layer, key_layer, value_layer, use_reentrant=False,
+                attention_mask=attention_mask, qkv_format=qkv_format, cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
+                max_seqlen_kv=max_seqlen_kv, attn_mask_type=attn_mask_type,
+                window_size=window_size, bottom_right_diagonal=bottom_right_diagonal,
+                core_attention_bias_type=core_attention_bias_type,
+                core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes,
+                softcap=softcap)
+        if query_layer is None or key_layer is None or value_layer is None:
+            raise ValueError("query_layer, key_layer and value_layer are required (or "
+                             "qkv_layer, or query_layer with kv_layer)")
         softcap = self.softcap if softcap is None else _check_softcap(softcap)
         q, k, v = query_layer, key_layer, value_layer
         if attn_mask_type is not None:
@@ -299,6 +321,44 @@ def check_unsupported_forward_args(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_pad
                 plain is None or not torch.equal(padded, plain)):
             raise ValueError(f"{name} differs from the unpadded cu_seqlens: padded thd "
                              f"(padding between sequences) is not supported; pass None")
+
+
+def _check_tuning_args(num_splits, score_mod, score_mod_bprop, score_mod_tensors,
+                       score_mod_bprop_tensors) -> None:
+    if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool)
+                                   or num_splits < 1):
+        raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
+    for name, value in (("score_mod", score_mod), ("score_mod_bprop", score_mod_bprop),
+                        ("score_mod_tensors", score_mod_tensors),
+                        ("score_mod_bprop_tensors", score_mod_bprop_tensors)):
+        if value is not None:
+            raise ValueError(f"{name}: cuDNN score modification callbacks are not supported; "
+                             f"pass None")
+
+
+def unpack_qkv(qkv_layer, kv_layer, query_layer, key_layer, value_layer, interleave_dim: int):
+    """TE's packed inputs: q, k, v as views of ``qkv_layer`` (3 at ``interleave_dim``), or k, v
+    as views of ``kv_layer`` (2 there) beside ``query_layer``. The views are TE layouts
+    (``bs3hd``, ``sbh3d``, ``bshd_bs2hd``, ...), which layout detection then proves."""
+    if interleave_dim not in (-3, -2):
+        raise ValueError(f"qkv_interleave_dim must be -3 (e.g. bs3hd) or -2 (e.g. bsh3d), got "
+                         f"{interleave_dim!r}")
+    if qkv_layer is not None:
+        if any(t is not None for t in (query_layer, key_layer, value_layer, kv_layer)):
+            raise ValueError("qkv_layer excludes query_layer, key_layer, value_layer and kv_layer")
+        packed, parts, name = qkv_layer, 3, "qkv_layer"
+    else:
+        if key_layer is not None or value_layer is not None or query_layer is None:
+            raise ValueError("kv_layer goes with query_layer and excludes key_layer and "
+                             "value_layer")
+        packed, parts, name = kv_layer, 2, "kv_layer"
+    if not isinstance(packed, torch.Tensor) or packed.dim() < 4:
+        raise ValueError(f"{name} must be a tensor [..., {parts}, h, d] or [..., h, {parts}, d]")
+    if packed.shape[interleave_dim] != parts:
+        raise ValueError(f"{name} must have size {parts} at dim {interleave_dim} "
+                         f"(qkv_interleave_dim), got shape {list(packed.shape)}")
+    views = tuple(packed.select(interleave_dim, i) for i in range(parts))
+    return views if parts == 3 else (query_layer,) + views
 
 
 def _check_softcap(softcap) -> float:
