@@ -117,11 +117,12 @@ def check_gradients(case, atol=1e-5, rtol=1e-5):
         g = got[idx]
         rows, pad = output_rows(g.reshape(*g.shape[:-2], -1), fmt, lens, g.shape[-2])
         for row, ref in zip(rows, ref_grads):
-            torch.testing.assert_close(row.double(), ref[idx], atol=atol, rtol=rtol, msg=name)
+            torch.testing.assert_close(row.cpu().double(), ref[idx], atol=atol, rtol=rtol,
+                                       msg=lambda m, name=name: f"{name}: {m}")
         assert pad.numel() == 0 or pad.abs().max() == 0, f"{name} of padding must be zero"
     for name, g in zip(extra_names, got[3:]):
         torch.testing.assert_close(g.cpu().double().reshape(ref_extra[name].shape),
-                                   ref_extra[name], atol=atol, rtol=rtol, msg=name)
+                                   ref_extra[name], atol=atol, rtol=rtol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 CASES = [c for c in itertools.product(FORMATS, MASKS, WINDOWS, GQA)

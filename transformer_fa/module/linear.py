@@ -111,7 +111,11 @@ class Linear(torch.nn.Module):
         return self._cat(self._bias_names)
 
     def _project(self, inp: torch.Tensor):
-        """(x W^T [+ b], bias) where the bias is returned, not added, if return_bias."""
+        """(x W^T [+ b], bias) where the bias is returned, not added, if return_bias.
+
+        The input is made contiguous first, as TE's GEMMs read it: the weight gradient's GEMM
+        then sums in the same order whatever the input's strides (bitwise equal results)."""
+        inp = inp.contiguous()
         bias = self.full_bias()
         if self.return_bias:
             out = F.linear(inp, self.full_weight())
