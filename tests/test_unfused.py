@@ -122,7 +122,8 @@ def check_gradients(case, atol=1e-5, rtol=1e-5):
         assert pad.numel() == 0 or pad.abs().max() == 0, f"{name} of padding must be zero"
     for name, g in zip(extra_names, got[3:]):
         torch.testing.assert_close(g.cpu().double().reshape(ref_extra[name].shape),
-                                   ref_extra[name], atol=atol, rtol=rtol, msg=lambda m, name=name: f"{name}: {m}")
+                                   ref_extra[name], atol=atol, rtol=rtol,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 CASES = [c for c in itertools.product(FORMATS, MASKS, WINDOWS, GQA)
