@@ -53,8 +53,10 @@ def test_dot_product_attention_forward_te_arguments():
                cu_seqlens_kv_padded=c, fast_zero_fill=False, pad_between_seqs=False,
                fp8_output=False, inference_params=None)
     torch.testing.assert_close(same, out)
-    with pytest.raises(ValueError, match="cu_seqlens_q_padded.*padded thd"):
+    with pytest.raises(ValueError, match="cu_seqlens_q_padded ends at 8 but the tensor has only 7"):
         dpa(q, q, q, cu_seqlens_q=c, cu_seqlens_kv=c, cu_seqlens_q_padded=cu([4, 4]))
+    with pytest.raises(ValueError, match="slot at least as long as its length"):
+        dpa(q, q, q, cu_seqlens_q=c, cu_seqlens_kv=c, cu_seqlens_q_padded=cu([2, 4]))
     with pytest.raises(ValueError, match="pad_between_seqs=True"):
         dpa(q, q, q, cu_seqlens_q=c, cu_seqlens_kv=c, pad_between_seqs=True)
     with pytest.raises(ValueError, match="fp8_output=True.*FP8"):
@@ -547,3 +549,50 @@ def test_packed_inputs_bad_combinations():
         dpa(qkv[:, :, 0], qkv_layer=qkv)
     with pytest.raises(ValueError, match="required"):
         dpa(qkv[:, :, 0])
+
+
+@pytest.mark.parametrize("mask", ["padding", "padding_causal"])
+def test_thd_with_padding_between_sequences(mask):
+    """TE's padded thd: sequence i's tokens start at cu_seqlens_*_padded[i]; the result is the
+    packed result put back in those rows, zeros between sequences, gradients likewise."""
+    torch.manual_seed(0)
+    lens, slots = [3, 5, 0, 2], [4, 5, 3, 4]
+    rows = torch.cat([torch.arange(s0, s0 + n) for s0, n in
+                      zip(torch.tensor([0] + slots).cumsum(0).tolist(), lens)])
+    total = sum(slots)
+    qkv = [torch.randn(total, HEADS, D, requires_grad=True) for _ in range(3)]
+    dpa = te.DotProductAttention(HEADS, D, qkv_format="thd", attn_mask_type=mask)
+    c, cp = cu(lens), cu(slots)
+    out = dpa(*qkv, cu_seqlens_q=c, cu_seqlens_kv=c, cu_seqlens_q_padded=cp,
+              cu_seqlens_kv_padded=cp, pad_between_seqs=True)
+    packed = [t.detach()[rows].requires_grad_() for t in qkv]
+    ref = dpa(*packed, cu_seqlens_q=c, cu_seqlens_kv=c)
+    assert out.shape == (total, HEADS * D)
+    torch.testing.assert_close(out[rows], ref)
+    gaps = torch.ones(total, dtype=torch.bool)
+    gaps[rows] = False
+    assert out[gaps].abs().max() == 0
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref.backward(grad[rows])
+    for t, p in zip(qkv, packed):
+        torch.testing.assert_close(t.grad[rows], p.grad)
+        assert t.grad[gaps].abs().max() == 0
+
+
+def test_transformer_layer_thd_with_padding_between_sequences_and_rope():
+    """A thd layer with gaps between sequences (and RoPE counted from each padded start)
+    gives, on the real tokens, what the packed layer gives."""
+    torch.manual_seed(0)
+    lens, slots = [3, 5, 2], [4, 7, 2]
+    rows = torch.cat([torch.arange(s0, s0 + n) for s0, n in
+                      zip(torch.tensor([0] + slots).cumsum(0).tolist(), lens)])
+    layer = te.TransformerLayer(H, 2 * H, HEADS, attn_input_format="thd", hidden_dropout=0.0,
+                                attention_dropout=0.0, self_attn_mask_type="padding_causal",
+                                device="cpu")
+    freqs = te.RotaryPositionEmbedding(H // HEADS)(16)
+    x = torch.randn(sum(slots), H)
+    out = layer(x, cu_seqlens_q=cu(lens), cu_seqlens_q_padded=cu(slots), max_seqlen_q=5,
+                rotary_pos_emb=freqs, pad_between_seqs=True)
+    ref = layer(x[rows], cu_seqlens_q=cu(lens), max_seqlen_q=5, rotary_pos_emb=freqs)
+    torch.testing.assert_close(out[rows], ref)

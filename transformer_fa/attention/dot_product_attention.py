@@ -162,6 +162,36 @@ class DotProductAttention(torch.nn.Module):
         if query_layer is None or key_layer is None or value_layer is None:
             raise ValueError("query_layer, key_layer and value_layer are required (or "
                              "qkv_layer, or query_layer with kv_layer)")
+        if cu_seqlens_q_padded is not None or cu_seqlens_kv_padded is not None:
+            rows_q, rows_kv = _padded_sides(
+                self.qkv_format if qkv_format is None else qkv_format, query_layer, key_layer,
+                cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
+            if rows_q is not None or rows_kv is not None:
+                if torch.compiler.is_compiling():
+                    raise ValueError("thd with padding between sequences (cu_seqlens_*_padded) "
+                                     "is not supported under torch.compile")
+                # Gather the real tokens, attend over them packed, and put the output back
+                # in the padded rows (zeros between sequences, as TE's fast_zero_fill).
+                padded_rows = query_layer.shape[0]
+                if rows_q is not None:
+                    query_layer = query_layer.index_select(0, rows_q)
+                if rows_kv is not None:
+                    key_layer = key_layer.index_select(0, rows_kv)
+                    value_layer = value_layer.index_select(0, rows_kv)
+                result = self.forward(
+                    query_layer, key_layer, value_layer, attention_mask=attention_mask,
+                    qkv_format=qkv_format, cu_seqlens_q=cu_seqlens_q,
+                    cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
+                    max_seqlen_kv=max_seqlen_kv, attn_mask_type=attn_mask_type,
+                    window_size=window_size, bottom_right_diagonal=bottom_right_diagonal,
+                    core_attention_bias_type=core_attention_bias_type,
+                    core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes,
+                    softcap=softcap)
+                if rows_q is None:
+                    return result
+                out, *max_logit = result if isinstance(result, tuple) else (result,)
+                full = out.new_zeros((padded_rows, *out.shape[1:])).index_copy(0, rows_q, out)
+                return (full, *max_logit) if max_logit else full
         softcap = self.softcap if softcap is None else _check_softcap(softcap)
         q, k, v = query_layer, key_layer, value_layer
         if attn_mask_type is not None:
@@ -312,15 +342,29 @@ def check_unsupported_forward_args(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_pad
         raise ValueError("inference_params: KV cache inference is not supported yet; pass None")
     if fp8_output:
         raise ValueError("fp8_output=True needs FP8 attention, which is not supported yet")
-    if pad_between_seqs:
-        raise ValueError("pad_between_seqs=True: padded thd (padding between sequences) is not "
-                         "supported; pack the sequences without gaps")
     for padded, plain, name in ((cu_seqlens_q_padded, cu_seqlens_q, "cu_seqlens_q_padded"),
                                 (cu_seqlens_kv_padded, cu_seqlens_kv, "cu_seqlens_kv_padded")):
-        if padded is not None and padded is not plain and (
-                plain is None or not torch.equal(padded, plain)):
-            raise ValueError(f"{name} differs from the unpadded cu_seqlens: padded thd "
-                             f"(padding between sequences) is not supported; pass None")
+        if padded is not None and plain is None:
+            raise ValueError(f"{name} needs the unpadded {name[:-7]} beside it")
+    if pad_between_seqs and cu_seqlens_q_padded is None and cu_seqlens_kv_padded is None:
+        raise ValueError("pad_between_seqs=True needs cu_seqlens_q_padded / cu_seqlens_kv_padded "
+                         "(the start of each sequence's slot)")
+
+
+def _padded_sides(qkv_format, q, k, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+                  cu_seqlens_kv_padded):
+    """Row indices of the real tokens for each thd side whose sequences have gaps between
+    them (TE's padded thd), or None for a side without; (None, None) when neither has."""
+    q_format, kv_format = layout.split_qkv_format(qkv_format)
+    sides = []
+    for fmt, t, cu, padded, name in (
+            (q_format, q, cu_seqlens_q, cu_seqlens_q_padded, "cu_seqlens_q_padded"),
+            (kv_format, k, cu_seqlens_kv, cu_seqlens_kv_padded, "cu_seqlens_kv_padded")):
+        if fmt != "thd" or padded is None or padded is cu or torch.equal(padded, cu):
+            sides.append(None)
+        else:
+            sides.append(padding.padded_thd_index(cu, padded, name, t.shape[0]))
+    return tuple(sides)
 
 
 def _check_tuning_args(num_splits, score_mod, score_mod_bprop, score_mod_tensors,

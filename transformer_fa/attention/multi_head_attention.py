@@ -289,7 +289,8 @@ class MultiheadAttention(torch.nn.Module):
         """hidden_states: ``[s, b, hidden]`` (sbhd), ``[b, s, hidden]`` (bshd) or ``[t, hidden]``.
 
         ``is_first_microbatch`` and ``fast_zero_fill`` are accepted for TE compatibility and
-        have no effect. ``cu_seqlens_*_padded`` may only repeat ``cu_seqlens_*``.
+        have no effect. ``cu_seqlens_*_padded`` place thd sequences with gaps between them
+        (TE's).
         """
         check_unsupported_forward_args(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
                                        cu_seqlens_kv_padded, inference_params, pad_between_seqs,
@@ -307,6 +308,8 @@ class MultiheadAttention(torch.nn.Module):
             # Self attention: the keys are the queries' tokens.
             cu_seqlens_kv = cu_seqlens_q if cu_seqlens_kv is None else cu_seqlens_kv
             max_seqlen_kv = max_seqlen_q if max_seqlen_kv is None else max_seqlen_kv
+            if cu_seqlens_kv_padded is None:
+                cu_seqlens_kv_padded = cu_seqlens_q_padded
 
         q, k, v, ln_out = self._project_qkv(hidden_states, encoder_output)
 
@@ -318,11 +321,12 @@ class MultiheadAttention(torch.nn.Module):
             )
             q = apply_rotary_pos_emb(
                 q, q_emb, self.qkv_format, interleaved=self.rotary_pos_interleaved,
-                cu_seqlens=cu_seqlens_q,
+                # thd with gaps: positions count from each sequence's padded start
+                cu_seqlens=cu_seqlens_q if cu_seqlens_q_padded is None else cu_seqlens_q_padded,
             )
             k = apply_rotary_pos_emb(
                 k, k_emb, self.qkv_format, interleaved=self.rotary_pos_interleaved,
-                cu_seqlens=cu_seqlens_kv,
+                cu_seqlens=cu_seqlens_kv if cu_seqlens_kv_padded is None else cu_seqlens_kv_padded,
             )
         if self.q_norm is not None and not self.qk_norm_before_rope:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -337,6 +341,9 @@ class MultiheadAttention(torch.nn.Module):
             qkv_format=self.qkv_format,
             cu_seqlens_q=cu_seqlens_q,
             cu_seqlens_kv=cu_seqlens_kv,
+            cu_seqlens_q_padded=cu_seqlens_q_padded,
+            cu_seqlens_kv_padded=cu_seqlens_kv_padded,
+            pad_between_seqs=pad_between_seqs,
             max_seqlen_q=max_seqlen_q,
             max_seqlen_kv=max_seqlen_kv,
             attn_mask_type=attn_mask_type,

@@ -89,3 +89,33 @@ def unpad_to_packed(x: torch.Tensor, cu_seqlens: torch.Tensor, total: int) -> to
     index, valid = padded_index(cu_seqlens, x.shape[1])
     out = x.new_zeros(total, *x.shape[2:])
     return out.index_put((index[valid],), x[valid])
+
+
+def padded_thd_index(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor,
+                     name: str, total_padded: int) -> torch.Tensor:
+    """For thd with padding between sequences (TE's ``cu_seqlens_*_padded``): the row of each
+    real token in the padded tensor, int64 ``[cu_seqlens[-1]]`` in sequence order.
+
+    Sequence i has ``cu_seqlens[i+1] - cu_seqlens[i]`` tokens starting at row
+    ``cu_seqlens_padded[i]``; its slot is ``cu_seqlens_padded[i+1] - cu_seqlens_padded[i]``.
+    """
+    if not isinstance(cu_seqlens_padded, torch.Tensor) or cu_seqlens_padded.dtype != torch.int32:
+        raise TypeError(f"{name} must be an int32 tensor [b + 1]")
+    if cu_seqlens_padded.shape != cu_seqlens.shape:
+        raise ValueError(f"{name} must have the shape of the unpadded cu_seqlens "
+                         f"{list(cu_seqlens.shape)}, got {list(cu_seqlens_padded.shape)}")
+    if cu_seqlens_padded.device != cu_seqlens.device:
+        raise ValueError(f"{name} is on {cu_seqlens_padded.device}, expected {cu_seqlens.device}")
+    lengths = seqlens_from_cu(cu_seqlens)
+    slots = seqlens_from_cu(cu_seqlens_padded)
+    first, last, short = torch.stack([cu_seqlens_padded[0], cu_seqlens_padded[-1],
+                                      (slots - lengths).min()]).tolist()
+    if first != 0 or short < 0:
+        raise ValueError(f"{name} must start at 0 and give every sequence a slot at least as "
+                         f"long as its length, got {cu_seqlens_padded.tolist()} for lengths "
+                         f"{lengths.tolist()}")
+    if last > total_padded:
+        raise ValueError(f"{name} ends at {last} but the tensor has only {total_padded} tokens")
+    shift = torch.repeat_interleave((cu_seqlens_padded[:-1] - cu_seqlens[:-1]).long(),
+                                    lengths.long())
+    return torch.arange(shift.numel(), device=cu_seqlens.device) + shift
