@@ -25,7 +25,7 @@ from torch.fx.experimental import symbolic_shapes
 
 from . import constants
 from .backends import ALL_BACKENDS, flash, fused, unfused
-from .params import AttentionParams
+from .params import FIELD_NAMES, AttentionParams
 
 logger = logging.getLogger("DotProductAttention")
 
@@ -148,9 +148,14 @@ def _select_name(fields: tuple, enabled: Tuple[bool, ...], level: int) -> str:
     return name
 
 
-# The hint of a symbolic int without a guard on it (dynamo knows this function); on a torch
-# without it, int() is the fallback: it guards on the value (one graph per value, still right).
-_hint = getattr(symbolic_shapes, "optimization_hint", int)
+# The hint of a symbolic int without a guard on it (dynamo knows this function, torch 2.13+).
+_hint = getattr(symbolic_shapes, "optimization_hint", None)
+# Older torch has no guard-free hint in traced code, and assume_constant_result refuses a
+# symbolic argument: there the sizes a shape family varies in are decided for a fixed
+# representative size instead (what the backends decide by is the dtype, head dims, mask,
+# layout and device; their size limits are checked again by the kernels' own bindings).
+_SIZE_FIELDS = ("batch_size", "max_seqlen_q", "max_seqlen_kv")
+_REPRESENTATIVE_SIZE = 128
 
 
 def _static(value):
@@ -163,6 +168,23 @@ def _static(value):
     return value
 
 
+def _guard_float(value):
+    guard = getattr(symbolic_shapes, "guard_scalar", None)
+    return value if guard is None else guard(value)
+
+
+def _static_fields(fields: tuple) -> tuple:
+    """The fields as constants for assume_constant_result (see _hint)."""
+    if _hint is not None:
+        return tuple(_static(value) for value in fields)
+    out = dict(zip(FIELD_NAMES, fields))
+    for name in _SIZE_FIELDS:
+        out[name] = _REPRESENTATIVE_SIZE
+    if out["alibi_slopes_shape"] is not None and len(out["alibi_slopes_shape"]) == 2:
+        out["alibi_slopes_shape"] = (_REPRESENTATIVE_SIZE, out["num_heads"])
+    return tuple(out[name] for name in FIELD_NAMES)
+
+
 def select(fields: tuple, env: tuple) -> Tuple[ModuleType, AttentionParams]:
     """The backend to run a call with, and the call's AttentionParams.
 
@@ -173,11 +195,10 @@ def select(fields: tuple, env: tuple) -> Tuple[ModuleType, AttentionParams]:
     if torch.compiler.is_compiling():
         enabled = tuple(not _is_zero(value) for value in env[:3])
         # dynamic=True makes float settings (dropout, scale) symbolic too: guard on them.
-        fields = tuple(symbolic_shapes.guard_scalar(value) if type(value) is float else value
+        fields = tuple(_guard_float(value) if type(value) is float else value
                        for value in fields)
         # assume_constant_result takes constants only: decide for the traced shape's hints.
-        static_fields = tuple(_static(value) for value in fields)
-        name = _select_name(static_fields, enabled, log_level(env))
+        name = _select_name(_static_fields(fields), enabled, log_level(env))
         return _BACKENDS_BY_NAME[name], AttentionParams(*fields)
     key = (fields, env)
     entry = _entries.get(key)
