@@ -1,0 +1,64 @@
+// Host side of the sm90a forward: builds the TMA descriptors and launches.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "fwd_kernel_sm90.cuh"
+
+namespace flash_sm90 {
+
+// Raw pointers, sizes and element strides of a dense bshd forward call.
+// seqlen_q == seqlen_k for now (no bottom-right causal yet).
+struct FwdArgs {
+  void const* q;
+  void const* k;
+  void const* v;
+  void* o;
+  float* lse;                       // [batch, heads, seqlen_q], contiguous
+  int batch, seqlen_q, seqlen_k, heads, heads_kv;
+  int64_t q_batch_stride, q_row_stride, q_head_stride;
+  int64_t k_batch_stride, k_row_stride, k_head_stride;
+  int64_t v_batch_stride, v_row_stride, v_head_stride;
+  int64_t o_batch_stride, o_row_stride, o_head_stride;
+  float softmax_scale;
+};
+
+template <class Cfg, bool kCausal>
+cudaError_t run_fwd(FwdArgs const& a, cudaStream_t stream) {
+  using Element = typename Cfg::Element;
+  using Params = typename Cfg::Params;
+  auto q_ptr = make_gmem_ptr(static_cast<Element const*>(a.q));
+  auto k_ptr = make_gmem_ptr(static_cast<Element const*>(a.k));
+  auto v_ptr = make_gmem_ptr(static_cast<Element const*>(a.v));
+  typename Cfg::ShapeQKV shape_q = make_shape(a.seqlen_q, Cfg::kHeadDim, a.heads, a.batch);
+  typename Cfg::ShapeQKV shape_k = make_shape(a.seqlen_k, Cfg::kHeadDim, a.heads_kv, a.batch);
+  typename Cfg::ShapeQKV shape_vt = make_shape(Cfg::kHeadDim, a.seqlen_k, a.heads_kv, a.batch);
+  auto mQ = make_tensor(q_ptr, shape_q,
+                        make_stride(a.q_row_stride, _1{}, a.q_head_stride, a.q_batch_stride));
+  auto mK = make_tensor(k_ptr, shape_k,
+                        make_stride(a.k_row_stride, _1{}, a.k_head_stride, a.k_batch_stride));
+  auto mVt = make_tensor(v_ptr, shape_vt,
+                         make_stride(_1{}, a.v_row_stride, a.v_head_stride, a.v_batch_stride));
+  Params p{
+      make_tma_copy(SM90_TMA_LOAD{}, mQ, typename Cfg::SmemLayoutQ{},
+                    select<0, 2>(typename Cfg::TileQK{}), _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(typename Cfg::SmemLayoutK{}),
+                    select<1, 2>(typename Cfg::TileQK{}), _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, mVt, take<0, 2>(typename Cfg::SmemLayoutVt{}),
+                    select<1, 2>(typename Cfg::TilePV{}), _1{}),
+      shape_q, shape_k, shape_vt,
+      static_cast<Element*>(a.o), a.o_batch_stride, a.o_row_stride, a.o_head_stride,
+      a.lse,
+      a.seqlen_q, a.seqlen_k, a.heads, a.heads / a.heads_kv,
+      a.softmax_scale, a.softmax_scale * float(M_LOG2E)};
+
+  auto kernel = fwd_kernel<Cfg, kCausal>;
+  int const smem_bytes = int(sizeof(typename Cfg::SharedStorage));
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  if (err != cudaSuccess) { return err; }
+  dim3 grid(a.seqlen_q / Cfg::kBlockM, a.heads, a.batch);
+  kernel<<<grid, Cfg::kThreads, smem_bytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace flash_sm90
