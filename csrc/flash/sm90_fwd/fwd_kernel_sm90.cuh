@@ -4,6 +4,8 @@
 // Each consumer overlaps the softmax of block n with the QK^T of block n - 1
 // and the PV of block n + 1; the two consumers take turns issuing their GEMMs
 // (named-barrier ping-pong) so one's softmax hides under the other's GEMMs.
+// With a persistent grid each CTA loops over tiles, so the producer loads the
+// next tile's K and Q while the consumers finish the last one.
 //
 // Family-free host code stays out: the launcher is in fwd_launch_sm90.cuh.
 // No torch headers here (project rule: only the binding includes torch).
@@ -25,6 +27,44 @@
 namespace flash_sm90 {
 
 using namespace cute;
+
+// Tile order. Round r hands tiles [r * gridDim.x, (r + 1) * gridDim.x) to the
+// CTAs, in reverse on odd rounds (a snake): with tiles sorted heavy-first, a
+// plain round-robin would give CTA 0 the heaviest tile of every round. One
+// round only when the grid has a CTA per tile. Tiles are (m_block, head,
+// batch). Non-causal: m_block fastest, so the CTAs running at one time share
+// a head's K/V in L2. Causal: heads are taken in groups whose K/V fit in L2
+// together; inside a group the heaviest query blocks (most keys) come first.
+struct TileScheduler {
+  int num_m_blocks, num_heads_batches, heads, heads_per_group, num_tiles;
+
+  // This CTA's tile in round `round`, or -1 when there is none (then there is
+  // none in any later round either).
+  __device__ __forceinline__ int tile_of_round(int round) const {
+    int const lane = (round & 1) ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+    int const tile = round * int(gridDim.x) + lane;
+    return tile < num_tiles ? tile : -1;
+  }
+
+  template <bool kCausal>
+  __device__ __forceinline__ void decode(int tile, int& m_block, int& head, int& batch) const {
+    int head_batch;
+    if constexpr (kCausal) {
+      int const tiles_per_group = heads_per_group * num_m_blocks;
+      int const group = tile / tiles_per_group;
+      int const first = group * heads_per_group;
+      int const in_group = min(heads_per_group, num_heads_batches - first);
+      int const within = tile - group * tiles_per_group;
+      m_block = num_m_blocks - 1 - within / in_group;
+      head_batch = first + within % in_group;
+    } else {
+      m_block = tile % num_m_blocks;
+      head_batch = tile / num_m_blocks;
+    }
+    head = head_batch % heads;
+    batch = head_batch / heads;
+  }
+};
 
 // A named tile configuration. Two consumer warpgroups of 64 rows each when
 // kBlockM = 128; the producer is the first warpgroup (only its warp 0 works).
@@ -115,14 +155,20 @@ struct FwdConfig {
     ShapeQKV shape_vt;   // (d, seqlen_k, heads_kv, batch)
     Element* o;
     int64_t o_batch_stride, o_row_stride, o_head_stride;
-    float* lse;          // float32 [batch, heads, seqlen_q], contiguous
+    float* lse;          // float32, natural log; nullptr: not written
+    int64_t lse_batch_stride, lse_head_stride, lse_row_stride;
     int seqlen_q, seqlen_k, heads, heads_per_kv;
     float softmax_scale, scale_log2;
+    TileScheduler scheduler;
   };
 };
 
 // Named barrier ids; 0 is __syncthreads.
-enum : uint32_t { kBarSchedulerWG0 = 8, kBarSchedulerWG1 = 9, kBarEpilogueWG0 = 10 };
+enum : uint32_t {
+  kBarSchedulerWG0 = 8,   // and 9 for consumer warpgroup 1
+  kBarEpilogueWG0 = 10,   // and 11
+  kBarQueryEmpty = 12,    // consumers done with Q -> producer may load the next
+};
 
 __device__ __forceinline__ void named_barrier_sync(uint32_t threads, uint32_t id) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -268,15 +314,11 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
 
   int const warp_idx = cutlass::canonical_warp_idx_sync();
   int const warpgroup_idx = cutlass::canonical_warp_group_idx();
-
-  // Causal: the heaviest query blocks (most keys) start first.
-  int const m_block = kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  int const head = blockIdx.y;
-  int const batch = blockIdx.z;
-  int const head_kv = head / params.heads_per_kv;
+  TileScheduler const& scheduler = params.scheduler;
   int const n_blocks_total = params.seqlen_k / kBlockN;
-  int const n_block_max = kCausal ? min(n_blocks_total, ceil_div((m_block + 1) * kBlockM, kBlockN))
-                                  : n_blocks_total;
+  auto n_block_max_of = [&](int m_block) {
+    return kCausal ? min(n_blocks_total, ceil_div((m_block + 1) * kBlockM, kBlockN)) : n_blocks_total;
+  };
 
   if (warp_idx == 0 && threadIdx.x == 0) {
     cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
@@ -300,57 +342,65 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   Tensor sVt = make_tensor(make_smem_ptr(shared.v.data()), typename Cfg::SmemLayoutVt{});
 
   if (warpgroup_idx == 0) {
-    // ---------------- producer: one thread issues every TMA load ----------------
+    // ---------------- producer: warp 0; its first thread issues every TMA load ----------------
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
-    if (threadIdx.x != 0) { return; }
+    if (warp_idx != 0) { return; }
+    bool const leader = threadIdx.x == 0;
     Tensor mQ = params.tma_q.get_tma_tensor(params.shape_q);
     Tensor mK = params.tma_k.get_tma_tensor(params.shape_k);
     Tensor mVt = params.tma_v.get_tma_tensor(params.shape_vt);
-    Tensor gQ = local_tile(mQ(_, _, head, batch), select<0, 2>(typename Cfg::TileQK{}),
-                           make_coord(m_block, _0{}));                       // (M, D)
-    Tensor gK = local_tile(mK(_, _, head_kv, batch), select<1, 2>(typename Cfg::TileQK{}),
-                           make_coord(_, _0{}));                             // (N, D, n)
-    Tensor gVt = local_tile(mVt(_, _, head_kv, batch), select<1, 2>(typename Cfg::TilePV{}),
-                            make_coord(_0{}, _));                            // (D, N, n)
-    auto [tQg, tQs] = tma_partition(params.tma_q, _0{}, Layout<_1>{},
-                                    group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-    // (lambdas below capture these, so no structured bindings)
-    auto k_parts = tma_partition(params.tma_k, _0{}, Layout<_1>{},
-                                 group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-    auto v_parts = tma_partition(params.tma_v, _0{}, Layout<_1>{},
-                                 group_modes<0, 2>(sVt), group_modes<0, 2>(gVt));
-    Tensor tKg = get<0>(k_parts);
-    Tensor tKs = get<1>(k_parts);
-    Tensor tVg = get<0>(v_parts);
-    Tensor tVs = get<1>(v_parts);
-
     PipelineState write_k = cutlass::make_producer_start_state<Pipeline>();
     PipelineState write_v = cutlass::make_producer_start_state<Pipeline>();
-    auto load_k = [&](int n_block) {
-      pipe_k.producer_acquire(write_k);
-      copy(params.tma_k.with(*pipe_k.producer_get_barrier(write_k)), tKg(_, n_block),
-           tKs(_, write_k.index()));
-      ++write_k;
-    };
-    auto load_v = [&](int n_block) {
-      pipe_v.producer_acquire(write_v);
-      copy(params.tma_v.with(*pipe_v.producer_get_barrier(write_v)), tVg(_, n_block),
-           tVs(_, write_v.index()));
-      ++write_v;
-    };
-
-    shared.barrier_q.arrive_and_expect_tx(Cfg::kBytesQ);
-    copy(params.tma_q.with(reinterpret_cast<uint64_t&>(shared.barrier_q)), tQg, tQs);
-    // K runs one block ahead of V: consumers need K(n - 1) before V(n).
-    int n_block = n_block_max - 1;
-    load_k(n_block);
-    for (; n_block > 0; --n_block) {
-      load_k(n_block - 1);
-      load_v(n_block);
+    for (int round = 0, tile = scheduler.tile_of_round(0); tile >= 0;
+         tile = scheduler.tile_of_round(++round)) {
+      int m_block, head, batch;
+      scheduler.template decode<kCausal>(tile, m_block, head, batch);
+      int const head_kv = head / params.heads_per_kv;
+      Tensor gQ = local_tile(mQ(_, _, head, batch), select<0, 2>(typename Cfg::TileQK{}),
+                             make_coord(m_block, _0{}));                       // (M, D)
+      Tensor gK = local_tile(mK(_, _, head_kv, batch), select<1, 2>(typename Cfg::TileQK{}),
+                             make_coord(_, _0{}));                             // (N, D, n)
+      Tensor gVt = local_tile(mVt(_, _, head_kv, batch), select<1, 2>(typename Cfg::TilePV{}),
+                              make_coord(_0{}, _));                            // (D, N, n)
+      auto q_parts = tma_partition(params.tma_q, _0{}, Layout<_1>{},
+                                   group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+      auto k_parts = tma_partition(params.tma_k, _0{}, Layout<_1>{},
+                                   group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+      auto v_parts = tma_partition(params.tma_v, _0{}, Layout<_1>{},
+                                   group_modes<0, 2>(sVt), group_modes<0, 2>(gVt));
+      auto load_k = [&](int n_block) {
+        pipe_k.producer_acquire(write_k);
+        copy(params.tma_k.with(*pipe_k.producer_get_barrier(write_k)), get<0>(k_parts)(_, n_block),
+             get<1>(k_parts)(_, write_k.index()));
+        ++write_k;
+      };
+      auto load_v = [&](int n_block) {
+        pipe_v.producer_acquire(write_v);
+        copy(params.tma_v.with(*pipe_v.producer_get_barrier(write_v)), get<0>(v_parts)(_, n_block),
+             get<1>(v_parts)(_, write_v.index()));
+        ++write_v;
+      };
+      int n_block = n_block_max_of(m_block) - 1;
+      // The first K block may go before the consumers free Q; K runs one
+      // block ahead of V since consumers need K(n - 1) before V(n).
+      if (leader) { load_k(n_block); }
+      if (round > 0) { named_barrier_sync(Cfg::kConsumerThreads + 32, kBarQueryEmpty); }
+      if (leader) {
+        shared.barrier_q.arrive_and_expect_tx(Cfg::kBytesQ);
+        copy(params.tma_q.with(reinterpret_cast<uint64_t&>(shared.barrier_q)), get<0>(q_parts),
+             get<1>(q_parts));
+        for (; n_block > 0; --n_block) {
+          load_k(n_block - 1);
+          load_v(n_block);
+        }
+        load_v(0);
+      }
+      __syncwarp();
     }
-    load_v(0);
-    pipe_k.producer_tail(write_k);
-    pipe_v.producer_tail(write_v);
+    if (leader) {
+      pipe_k.producer_tail(write_k);
+      pipe_v.producer_tail(write_v);
+    }
     return;
   }
 
@@ -378,24 +428,14 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   softmax.scale_log2 = params.scale_log2;
   float o_scale[kRows];
 
-  // Causal mask for one S tile: key column > query row is out.
   Tensor cS = make_identity_tensor(select<0, 1>(typename Cfg::TileQK{}));
   Tensor tScS = thr_qk.partition_C(cS);
   Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
-  auto apply_causal_mask = [&](auto& tSrS, int n_block) {
-    Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
-    int const offset = m_block * kBlockM - n_block * kBlockN;
-    CUTE_UNROLL
-    for (int r = 0; r < size<0>(s); ++r) {
-      int const col_limit = get<0>(tScS_rc(r, 0)) + offset;   // last allowed local column
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(s); ++c) {
-        if (get<1>(tScS_rc(r, c)) > col_limit) { s(r, c) = -INFINITY; }
-      }
-    }
-  };
-  // Blocks from this one on (right of it) cross the diagonal.
-  int const n_block_first_masked = kCausal ? (m_block * kBlockM) / kBlockN : n_block_max;
+  Tensor cO = make_identity_tensor(select<0, 1>(typename Cfg::TilePV{}));
+  Tensor tOcO = thr_pv.partition_C(cO);
+  Tensor tOcO_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
+  Tensor sO = make_tensor(make_smem_ptr(shared.o.data()), typename Cfg::SmemLayoutO{});
+  Tensor tOsO = thr_pv.partition_C(sO);
 
   // Ping-pong: a warpgroup waits for its turn before issuing GEMMs and hands
   // the turn to the other after. Warpgroup 0 gives itself the first turn.
@@ -403,94 +443,123 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   auto scheduler_hand_over = [&] { named_barrier_arrive(2 * 128, kBarSchedulerWG0 + (1 - consumer_wg)); };
   if (consumer_wg == 0) { named_barrier_arrive(2 * 128, kBarSchedulerWG0); }
 
-  shared.barrier_q.wait(0);
-
   PipelineState read_k;   // consumer state starts at stage 0, phase 0
-  int n_block = n_block_max - 1;
-  {
-    Tensor tSrS = partition_fragment_C(mma_qk, select<0, 1>(typename Cfg::TileQK{}));
-    pipe_k.consumer_wait(read_k);
-    wg_gemm<true>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
-    warpgroup_wait<0>();
-    pipe_k.consumer_release(read_k);
-    if (kCausal && n_block >= n_block_first_masked) { apply_causal_mask(tSrS, n_block); }
-    Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
-    softmax.template step<true, kCausal>(s, o_scale);
-    convert_fragment<Element>(tSrS, tOrP);
-  }
-  clear(tOrO);
+  for (int round = 0, tile = scheduler.tile_of_round(0); tile >= 0;
+       tile = scheduler.tile_of_round(++round)) {
+    int m_block, head, batch;
+    scheduler.template decode<kCausal>(tile, m_block, head, batch);
+    int const n_block_max = n_block_max_of(m_block);
+    // Blocks from this one on (right of it) cross the diagonal.
+    int const n_block_first_masked = kCausal ? (m_block * kBlockM) / kBlockN : n_block_max;
 
-  // Each step: S(n) = Q K(n)^T and O += P(n + 1) V(n + 1) in flight together,
-  // then softmax of S(n) while the PV GEMM finishes.
-  auto step = [&](int n_block, auto masked) {
-    constexpr bool kMasked = decltype(masked)::value;
-    PipelineState read_v = read_k;
+    // Causal mask for one S tile: key column > query row is out.
+    auto apply_causal_mask = [&](auto& tSrS, int n_block) {
+      Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
+      int const offset = m_block * kBlockM - n_block * kBlockN;
+      CUTE_UNROLL
+      for (int r = 0; r < size<0>(s); ++r) {
+        int const col_limit = get<0>(tScS_rc(r, 0)) + offset;   // last allowed local column
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(s); ++c) {
+          if (get<1>(tScS_rc(r, c)) > col_limit) { s(r, c) = -INFINITY; }
+        }
+      }
+    };
+
+    shared.barrier_q.wait(round % 2);
+    int n_block = n_block_max - 1;
+    {
+      Tensor tSrS = partition_fragment_C(mma_qk, select<0, 1>(typename Cfg::TileQK{}));
+      pipe_k.consumer_wait(read_k);
+      wg_gemm<true>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+      warpgroup_wait<0>();
+      pipe_k.consumer_release(read_k);
+      if (kCausal && n_block >= n_block_first_masked) { apply_causal_mask(tSrS, n_block); }
+      Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
+      softmax.template step<true, kCausal>(s, o_scale);
+      convert_fragment<Element>(tSrS, tOrP);
+    }
+    clear(tOrO);
+
+    // Each step: S(n) = Q K(n)^T and O += P(n + 1) V(n + 1) in flight together,
+    // then softmax of S(n) while the PV GEMM finishes.
+    auto step = [&](int n_block, auto masked) {
+      constexpr bool kMasked = decltype(masked)::value;
+      PipelineState read_v = read_k;
+      ++read_k;
+      Tensor tSrS = partition_fragment_C(mma_qk, select<0, 1>(typename Cfg::TileQK{}));
+      pipe_k.consumer_wait(read_k);
+      scheduler_sync();
+      wg_gemm<true>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+      pipe_v.consumer_wait(read_v);
+      wg_gemm<false>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+      scheduler_hand_over();
+      warpgroup_wait<1>();
+      pipe_k.consumer_release(read_k);
+      if constexpr (kMasked) { apply_causal_mask(tSrS, n_block); }
+      Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
+      softmax.template step<false, kMasked>(s, o_scale);
+      warpgroup_wait<0>();
+      pipe_v.consumer_release(read_v);
+      convert_fragment<Element>(tSrS, tOrP);
+      scale_rows(tOrO_rc, o_scale);
+    };
+    --n_block;
+    if constexpr (kCausal) {
+      for (; n_block >= 0 && n_block >= n_block_first_masked; --n_block) { step(n_block, true_type{}); }
+    }
+    for (; n_block >= 0; --n_block) { step(n_block, false_type{}); }
+
+    // Every QK^T of this tile is done: the producer may load the next Q
+    // (only when there is a next tile, so arrivals and waits stay matched).
+    if (scheduler.tile_of_round(round + 1) >= 0) {
+      named_barrier_arrive(Cfg::kConsumerThreads + 32, kBarQueryEmpty);
+    }
+
+    // Last PV, then normalize.
+    pipe_v.consumer_wait(read_k);
+    wg_gemm<false>(mma_pv, tOrP, tOrV(_, _, _, read_k.index()), tOrO);
+    float lse[kRows];
+    softmax.finalize(params.softmax_scale, o_scale, lse);
+    warpgroup_wait<0>();
+    pipe_v.consumer_release(read_k);
     ++read_k;
-    Tensor tSrS = partition_fragment_C(mma_qk, select<0, 1>(typename Cfg::TileQK{}));
-    pipe_k.consumer_wait(read_k);
-    scheduler_sync();
-    wg_gemm<true>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
-    pipe_v.consumer_wait(read_v);
-    wg_gemm<false>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
-    scheduler_hand_over();
-    warpgroup_wait<1>();
-    pipe_k.consumer_release(read_k);
-    if constexpr (kMasked) { apply_causal_mask(tSrS, n_block); }
-    Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
-    softmax.template step<false, kMasked>(s, o_scale);
-    warpgroup_wait<0>();
-    pipe_v.consumer_release(read_v);
-    convert_fragment<Element>(tSrS, tOrP);
     scale_rows(tOrO_rc, o_scale);
-  };
-  --n_block;
-  if constexpr (kCausal) {
-    for (; n_block >= 0 && n_block >= n_block_first_masked; --n_block) { step(n_block, true_type{}); }
-  }
-  for (; n_block >= 0; --n_block) { step(n_block, false_type{}); }
 
-  // Last PV, then normalize.
-  pipe_v.consumer_wait(read_k);
-  wg_gemm<false>(mma_pv, tOrP, tOrV(_, _, _, read_k.index()), tOrO);
-  float lse[kRows];
-  softmax.finalize(params.softmax_scale, o_scale, lse);
-  warpgroup_wait<0>();
-  pipe_v.consumer_release(read_k);
-  scale_rows(tOrO_rc, o_scale);
+    // ---------------- epilogue ----------------
+    // LSE: the first thread of each quad owns its two rows.
+    if (params.lse != nullptr && tidx % 4 == 0) {
+      float* lse_out = params.lse + int64_t(batch) * params.lse_batch_stride +
+                       int64_t(head) * params.lse_head_stride +
+                       int64_t(m_block) * kBlockM * params.lse_row_stride;
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        lse_out[get<0>(tOcO_rc(r, 0)) * params.lse_row_stride] = lse[r];
+      }
+    }
 
-  // ---------------- epilogue ----------------
-  // LSE: the first thread of each quad owns its two rows.
-  Tensor cO = make_identity_tensor(select<0, 1>(typename Cfg::TilePV{}));
-  Tensor tOcO = thr_pv.partition_C(cO);
-  Tensor tOcO_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
-  if (tidx % 4 == 0) {
-    float* lse_out = params.lse + (int64_t(batch) * params.heads + head) * params.seqlen_q +
-                     int64_t(m_block) * kBlockM;
+    // O: registers -> padded smem (each warpgroup its own 64 rows) -> 16-byte
+    // coalesced global stores. The first barrier keeps this tile's writes
+    // after the previous tile's reads of the same rows.
+    Tensor tOrO_out = make_tensor<Element>(tOrO.layout());
+    convert_fragment<Element>(tOrO, tOrO_out);
+    named_barrier_sync(128, kBarEpilogueWG0 + consumer_wg);
+    copy(tOrO_out, tOsO);
+    named_barrier_sync(128, kBarEpilogueWG0 + consumer_wg);
+
+    constexpr int kChunksPerRow = kHeadDim / 8;
+    int const tid_in_wg = tidx % 128;
+    Element* o_tile = params.o + int64_t(batch) * params.o_batch_stride +
+                      int64_t(head) * params.o_head_stride +
+                      int64_t(m_block * kBlockM + consumer_wg * 64) * params.o_row_stride;
+    Element const* s_tile = shared.o.data() + consumer_wg * 64 * Cfg::kOPitch;
     CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) { lse_out[get<0>(tOcO_rc(r, 0))] = lse[r]; }
-  }
-
-  // O: registers -> padded smem (each warpgroup its own 64 rows) -> 16-byte
-  // coalesced global stores.
-  Tensor tOrO_out = make_tensor<Element>(tOrO.layout());
-  convert_fragment<Element>(tOrO, tOrO_out);
-  Tensor sO = make_tensor(make_smem_ptr(shared.o.data()), typename Cfg::SmemLayoutO{});
-  Tensor tOsO = thr_pv.partition_C(sO);
-  copy(tOrO_out, tOsO);
-  named_barrier_sync(128, kBarEpilogueWG0 + consumer_wg);
-
-  constexpr int kChunksPerRow = kHeadDim / 8;
-  int const tid_in_wg = tidx % 128;
-  Element* o_tile = params.o + int64_t(batch) * params.o_batch_stride +
-                    int64_t(head) * params.o_head_stride +
-                    int64_t(m_block * kBlockM + consumer_wg * 64) * params.o_row_stride;
-  Element const* s_tile = shared.o.data() + consumer_wg * 64 * Cfg::kOPitch;
-  CUTE_UNROLL
-  for (int i = tid_in_wg; i < 64 * kChunksPerRow; i += 128) {
-    int const row = i / kChunksPerRow;
-    int const col = (i % kChunksPerRow) * 8;
-    *reinterpret_cast<uint4*>(o_tile + int64_t(row) * params.o_row_stride + col) =
-        *reinterpret_cast<uint4 const*>(s_tile + row * Cfg::kOPitch + col);
+    for (int i = tid_in_wg; i < 64 * kChunksPerRow; i += 128) {
+      int const row = i / kChunksPerRow;
+      int const col = (i % kChunksPerRow) * 8;
+      *reinterpret_cast<uint4*>(o_tile + int64_t(row) * params.o_row_stride + col) =
+          *reinterpret_cast<uint4 const*>(s_tile + row * Cfg::kOPitch + col);
+    }
   }
 }
 

@@ -62,7 +62,7 @@ class Sm90Forward:
         fn.restype = ctypes.c_int
         fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_void_p] + [ctypes.c_int] * 5 +
                        [ctypes.POINTER(ctypes.c_int64), ctypes.c_float, ctypes.c_int,
-                        ctypes.c_int, ctypes.c_void_p])
+                        ctypes.c_int, ctypes.c_int, ctypes.c_void_p])
         self.fn = fn
 
     @staticmethod
@@ -89,19 +89,26 @@ class Sm90Forward:
             raise ValueError(f"heads: q heads ({h}) must be a multiple of k/v heads "
                              f"({k.shape[2]})")
 
-    def __call__(self, q, k, v, causal=False, softmax_scale=None, out=None, lse=None):
+    def __call__(self, q, k, v, causal=False, softmax_scale=None, out=None, lse=None,
+                 persistent=None):
+        """persistent: None = the kernel's default for the mask, True/False to force."""
         self.check(q, k, v)
         b, s, h, d = q.shape
         out = torch.empty(b, s, h, d, dtype=q.dtype, device=q.device) if out is None else out
         lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device) if lse is None else lse
         scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+        if lse.shape != (b, h, s) or lse.dtype != torch.float32 or lse.device != q.device:
+            raise ValueError(f"lse: expected float32 [{b}, {h}, {s}] on {q.device}, got "
+                             f"{lse.dtype} {tuple(lse.shape)} on {lse.device}")
         strides = []
         for x in (q, k, v, out):
             strides += [x.stride(0), x.stride(1), x.stride(2)]
-        arr = (ctypes.c_int64 * 12)(*strides)
+        strides += [lse.stride(0), lse.stride(2), lse.stride(1)]  # (batch, row, head)
+        arr = (ctypes.c_int64 * 15)(*strides)
         rc = self.fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
                      b, s, k.shape[1], h, k.shape[2], arr, scale, int(causal),
-                     int(q.dtype == torch.bfloat16), torch.cuda.current_stream().cuda_stream)
+                     int(q.dtype == torch.bfloat16), -1 if persistent is None else int(persistent),
+                     torch.cuda.current_stream().cuda_stream)
         if rc != 0:
             raise RuntimeError(f"sm90_fwd_hdim128 failed with code {rc}")
         return out, lse
@@ -131,7 +138,7 @@ TEST_CASES = [  # (b, s, h, h_kv, layout)
     (1, 1024, 4, 4, "bshd"),
     (2, 512, 8, 2, "bshd"),      # GQA 4
     (1, 2048, 4, 1, "bshd"),     # MQA
-    (2, 384, 4, 4, "packed"),    # q, k, v slices of one [b, s, 3, h, d] tensor
+    (2, 384, 4, 4, "packed"),    # q, k, v slices of one [b, s, 3, h, d]; LSE strided
     (1, 256, 2, 2, "bshd_x4"),   # larger logits (inputs scaled by 4)
 ]
 
@@ -153,10 +160,14 @@ def test(fwd):
     failures = 0
     for dtype in (torch.bfloat16, torch.float16):
         for (b, s, h, h_kv, layout) in TEST_CASES:
-            for causal in (False, True):
+            for causal, persistent in ((False, True), (False, False), (True, True),
+                                       (True, False)):
                 q, k, v = make_inputs(b, s, h, h_kv, layout, dtype, gen)
                 scale = 1.0 / math.sqrt(HEAD_DIM)
-                out, lse = fwd(q, k, v, causal=causal)
+                # The packed case also writes LSE through strides ([b, s, h] memory).
+                lse_buf = (torch.empty(b, s, h, device="cuda").permute(0, 2, 1)
+                           if layout == "packed" else None)
+                out, lse = fwd(q, k, v, causal=causal, persistent=persistent, lse=lse_buf)
                 torch.cuda.synchronize()
                 ref_o, ref_lse = reference(q, k, v, causal, scale, torch.float64)
                 low_o, low_lse = reference(q, k, v, causal, scale, dtype)
@@ -168,6 +179,7 @@ def test(fwd):
                 failures += not ok
                 print(f"{'ok  ' if ok else 'FAIL'} {str(dtype)[6:]:8s} b={b} s={s:5d} h={h:2d} "
                       f"hkv={h_kv:2d} {layout:8s} causal={causal!s:5s} "
+                      f"{'persistent' if persistent else 'per-tile  '} "
                       f"O err {errs['o'][0]:.2e} (torch {errs['o'][1]:.2e}, vs f32 "
                       f"{max_err(out, f32_o.double()):.2e})  LSE err {errs['lse'][0]:.2e} "
                       f"(torch {errs['lse'][1]:.2e})", flush=True)
@@ -188,7 +200,8 @@ def bench(fwd, seqlens=(1024, 4096, 16384), tokens=16384, hidden=2048):
     h, d = hidden // HEAD_DIM, HEAD_DIM
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"cuDNN {torch.backends.cudnn.version()}")
-    print("causal      s     b  ours TFLOPS  cuDNN  FA2(torch)  ours/cuDNN  ours/FA2")
+    print("causal      s     b  ours(default)  persistent  per-tile  cuDNN  FA2(torch)  "
+          "default/cuDNN  default/FA2")
     for causal in (False, True):
         for s in seqlens:
             b = tokens // s
@@ -198,8 +211,11 @@ def bench(fwd, seqlens=(1024, 4096, 16384), tokens=16384, hidden=2048):
             lse = torch.empty(b, h, s, dtype=torch.float32, device="cuda")
             qd, kd, vd = q.detach(), k.detach(), v.detach()
             flops = 4 * b * h * s * s * d / (2 if causal else 1)
-            times = {"ours": do_bench(lambda: fwd(qd, kd, vd, causal, out=out, lse=lse),
-                                      return_mode="median")}
+            times = {}
+            for name, persistent in (("ours", None), ("persistent", True), ("per-tile", False)):
+                times[name] = do_bench(
+                    lambda: fwd(qd, kd, vd, causal, out=out, lse=lse, persistent=persistent),
+                    return_mode="median")
             qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
             for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION),
                                   ("fa2", SDPBackend.FLASH_ATTENTION)):
@@ -208,9 +224,9 @@ def bench(fwd, seqlens=(1024, 4096, 16384), tokens=16384, hidden=2048):
                         lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal),
                         return_mode="median")
             tf = {n: flops / t / 1e9 for n, t in times.items()}
-            print(f"{causal!s:6s} {s:6d} {b:5d}  {tf['ours']:11.0f}  {tf['cudnn']:5.0f}  "
-                  f"{tf['fa2']:10.0f}  {tf['ours'] / tf['cudnn']:10.2f}  "
-                  f"{tf['ours'] / tf['fa2']:8.2f}", flush=True)
+            print(f"{causal!s:6s} {s:6d} {b:5d}  {tf['ours']:13.0f}  {tf['persistent']:10.0f}  "
+                  f"{tf['per-tile']:8.0f}  {tf['cudnn']:5.0f}  {tf['fa2']:10.0f}  "
+                  f"{tf['ours'] / tf['cudnn']:13.2f}  {tf['ours'] / tf['fa2']:11.2f}", flush=True)
 
 
 def small(fwd):

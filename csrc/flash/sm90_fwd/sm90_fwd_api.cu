@@ -23,19 +23,23 @@ int dispatch_causal(FwdArgs const& a, bool causal, cudaStream_t stream) {
 
 // Returns 0 on success, a cudaError_t value on a CUDA error, and -1 for a
 // shape this kernel does not serve (the caller checks first; this is a guard).
-// strides: 12 element strides, (batch, row, head) for q, k, v, o in that order.
+// strides: 15 element strides, (batch, row, head) for q, k, v, o, lse in that order
+// (lse is [batch, heads, seqlen_q] float32; nullptr skips it).
+// persistent: 1 = one CTA per SM looping over tiles, 0 = one CTA per tile,
+// -1 = the measured default (persistent unless causal).
 extern "C" int sm90_fwd_hdim128(void const* q, void const* k, void const* v, void* o, float* lse,
                                 int batch, int seqlen_q, int seqlen_k, int heads, int heads_kv,
                                 int64_t const* strides, float softmax_scale, int causal,
-                                int is_bf16, void* stream) {
+                                int is_bf16, int persistent, void* stream) {
   if (seqlen_q != seqlen_k || seqlen_q <= 0 || seqlen_q % 128 != 0 || heads_kv <= 0 ||
       heads % heads_kv != 0 || batch <= 0) {
     return -1;
   }
-  FwdArgs a{q, k, v, o, lse, batch, seqlen_q, seqlen_k, heads, heads_kv,
+  FwdArgs a{q, k, v, o, lse, strides[12], strides[14], strides[13],
+            batch, seqlen_q, seqlen_k, heads, heads_kv,
             strides[0], strides[1], strides[2], strides[3], strides[4], strides[5],
             strides[6], strides[7], strides[8], strides[9], strides[10], strides[11],
-            softmax_scale};
+            softmax_scale, persistent < 0 ? causal == 0 : persistent != 0};
   auto s = static_cast<cudaStream_t>(stream);
   return is_bf16 ? dispatch_causal<cutlass::bfloat16_t>(a, causal != 0, s)
                  : dispatch_causal<cutlass::half_t>(a, causal != 0, s);
