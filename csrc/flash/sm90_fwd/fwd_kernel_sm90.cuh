@@ -254,23 +254,38 @@ struct OnlineSoftmax {
   // and turns the scores into unnormalized probabilities in place.
   template <bool kFirst, bool kCheckInf, class TS>
   __device__ __forceinline__ void step(TS& s, float (&o_scale)[kRows]) {
+    // Four partial maxima and sums per row: short dependency chains (this runs
+    // on the critical path that the other warpgroup's GEMMs must cover).
+    constexpr int kCols = decltype(size<1>(s))::value;
+    constexpr int kParts = 4;
+    static_assert(kCols % kParts == 0);
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      float m = s(r, 0);
+      float part[kParts];
       CUTE_UNROLL
-      for (int c = 1; c < size<1>(s); ++c) { m = fmaxf(m, s(r, c)); }
-      m = quad_max(m);
+      for (int j = 0; j < kParts; ++j) { part[j] = s(r, j); }
+      CUTE_UNROLL
+      for (int c = kParts; c < kCols; c += kParts) {
+        CUTE_UNROLL
+        for (int j = 0; j < kParts; ++j) { part[j] = fmaxf(part[j], s(r, c + j)); }
+      }
+      float m = quad_max(fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3])));
       float new_max = kFirst ? m : fmaxf(row_max[r], m);
       // A row with no key so far has max -inf: exponentiate against 0 then.
       float max_scaled = (kCheckInf && new_max == -INFINITY) ? 0.f : new_max * scale_log2;
       o_scale[r] = kFirst ? 1.f : fast_exp2(row_max[r] * scale_log2 - max_scaled);
       row_max[r] = new_max;
-      float sum = 0.f;
       CUTE_UNROLL
-      for (int c = 0; c < size<1>(s); ++c) {
-        s(r, c) = fast_exp2(s(r, c) * scale_log2 - max_scaled);
-        sum += s(r, c);
+      for (int j = 0; j < kParts; ++j) { part[j] = 0.f; }
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; c += kParts) {
+        CUTE_UNROLL
+        for (int j = 0; j < kParts; ++j) {
+          s(r, c + j) = fast_exp2(s(r, c + j) * scale_log2 - max_scaled);
+          part[j] += s(r, c + j);
+        }
       }
+      float const sum = (part[0] + part[1]) + (part[2] + part[3]);
       // Sums stay per thread until the end; the quad shares one max.
       row_sum[r] = kFirst ? sum : row_sum[r] * o_scale[r] + sum;
     }

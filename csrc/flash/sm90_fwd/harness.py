@@ -18,6 +18,7 @@ import ctypes
 import glob
 import math
 import os
+import statistics
 import subprocess
 import sys
 
@@ -62,7 +63,7 @@ class Sm90Forward:
         fn.restype = ctypes.c_int
         fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_void_p] + [ctypes.c_int] * 5 +
                        [ctypes.POINTER(ctypes.c_int64), ctypes.c_float, ctypes.c_int,
-                        ctypes.c_int, ctypes.c_int, ctypes.c_void_p])
+                        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p])
         self.fn = fn
 
     @staticmethod
@@ -89,9 +90,19 @@ class Sm90Forward:
             raise ValueError(f"heads: q heads ({h}) must be a multiple of k/v heads "
                              f"({k.shape[2]})")
 
-    def __call__(self, q, k, v, causal=False, softmax_scale=None, out=None, lse=None,
-                 persistent=None):
-        """persistent: None = the kernel's default for the mask, True/False to force."""
+    def __call__(self, *args, **kwargs):
+        """(q, k, v, causal=False, softmax_scale=None, out=None, lse=None, persistent=None,
+        max_ctas=0) -> (out, lse); see prepare."""
+        call, out, lse = self.prepare(*args, **kwargs)
+        call()
+        return out, lse
+
+    def prepare(self, q, k, v, causal=False, softmax_scale=None, out=None, lse=None,
+                persistent=None, max_ctas=0):
+        """Checks the arguments and returns (call, out, lse): call() launches the kernel with
+        the arguments fixed now (the benchmark times call(), without Python's checks).
+        persistent: None = the kernel's default for the mask, True/False to force.
+        max_ctas > 0 caps the persistent grid (each CTA then loops over more tiles)."""
         self.check(q, k, v)
         b, s, h, d = q.shape
         out = torch.empty(b, s, h, d, dtype=q.dtype, device=q.device) if out is None else out
@@ -105,13 +116,16 @@ class Sm90Forward:
             strides += [x.stride(0), x.stride(1), x.stride(2)]
         strides += [lse.stride(0), lse.stride(2), lse.stride(1)]  # (batch, row, head)
         arr = (ctypes.c_int64 * 15)(*strides)
-        rc = self.fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-                     b, s, k.shape[1], h, k.shape[2], arr, scale, int(causal),
-                     int(q.dtype == torch.bfloat16), -1 if persistent is None else int(persistent),
-                     torch.cuda.current_stream().cuda_stream)
-        if rc != 0:
-            raise RuntimeError(f"sm90_fwd_hdim128 failed with code {rc}")
-        return out, lse
+        args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                b, s, k.shape[1], h, k.shape[2], arr, scale, int(causal),
+                int(q.dtype == torch.bfloat16), -1 if persistent is None else int(persistent),
+                max_ctas, torch.cuda.current_stream().cuda_stream)
+
+        def call():
+            rc = self.fn(*args)
+            if rc != 0:
+                raise RuntimeError(f"sm90_fwd_hdim128 failed with code {rc}")
+        return call, out, lse
 
 
 def reference(q, k, v, causal, scale, dtype):
@@ -140,6 +154,7 @@ TEST_CASES = [  # (b, s, h, h_kv, layout)
     (1, 2048, 4, 1, "bshd"),     # MQA
     (2, 384, 4, 4, "packed"),    # q, k, v slices of one [b, s, 3, h, d]; LSE strided
     (1, 256, 2, 2, "bshd_x4"),   # larger logits (inputs scaled by 4)
+    (4, 2048, 8, 2, "bshd"),     # 512 tiles: more than the SMs, so full persistent grids loop
 ]
 
 
@@ -160,14 +175,18 @@ def test(fwd):
     failures = 0
     for dtype in (torch.bfloat16, torch.float16):
         for (b, s, h, h_kv, layout) in TEST_CASES:
-            for causal, persistent in ((False, True), (False, False), (True, True),
-                                       (True, False)):
+            # persistent with 3 CTAs: each loops over several tiles (snake rounds, a
+            # partial last round), which a full-size grid never does on these shapes.
+            for causal, persistent, max_ctas in ((False, True, 0), (False, False, 0),
+                                                 (False, True, 3), (True, True, 0),
+                                                 (True, False, 0), (True, True, 3)):
                 q, k, v = make_inputs(b, s, h, h_kv, layout, dtype, gen)
                 scale = 1.0 / math.sqrt(HEAD_DIM)
                 # The packed case also writes LSE through strides ([b, s, h] memory).
                 lse_buf = (torch.empty(b, s, h, device="cuda").permute(0, 2, 1)
                            if layout == "packed" else None)
-                out, lse = fwd(q, k, v, causal=causal, persistent=persistent, lse=lse_buf)
+                out, lse = fwd(q, k, v, causal=causal, persistent=persistent, lse=lse_buf,
+                               max_ctas=max_ctas)
                 torch.cuda.synchronize()
                 ref_o, ref_lse = reference(q, k, v, causal, scale, torch.float64)
                 low_o, low_lse = reference(q, k, v, causal, scale, dtype)
@@ -179,7 +198,7 @@ def test(fwd):
                 failures += not ok
                 print(f"{'ok  ' if ok else 'FAIL'} {str(dtype)[6:]:8s} b={b} s={s:5d} h={h:2d} "
                       f"hkv={h_kv:2d} {layout:8s} causal={causal!s:5s} "
-                      f"{'persistent' if persistent else 'per-tile  '} "
+                      f"{('persistent/' + str(max_ctas or 'SMs')) if persistent else 'per-tile':14s} "
                       f"O err {errs['o'][0]:.2e} (torch {errs['o'][1]:.2e}, vs f32 "
                       f"{max_err(out, f32_o.double()):.2e})  LSE err {errs['lse'][0]:.2e} "
                       f"(torch {errs['lse'][1]:.2e})", flush=True)
@@ -195,7 +214,8 @@ def test(fwd):
     return failures
 
 
-def bench(fwd, seqlens=(1024, 4096, 16384), tokens=16384, hidden=2048):
+def bench(fwd, seqlens=(1024, 4096, 16384), tokens=16384, hidden=2048, passes=3, alt=None):
+    """alt: a second Sm90Forward (another build) timed beside, for A/B comparisons."""
     from triton.testing import do_bench
     h, d = hidden // HEAD_DIM, HEAD_DIM
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
@@ -211,33 +231,51 @@ def bench(fwd, seqlens=(1024, 4096, 16384), tokens=16384, hidden=2048):
             lse = torch.empty(b, h, s, dtype=torch.float32, device="cuda")
             qd, kd, vd = q.detach(), k.detach(), v.detach()
             flops = 4 * b * h * s * s * d / (2 if causal else 1)
-            times = {}
-            for name, persistent in (("ours", None), ("persistent", True), ("per-tile", False)):
-                times[name] = do_bench(
-                    lambda: fwd(qd, kd, vd, causal, out=out, lse=lse, persistent=persistent),
-                    return_mode="median")
             qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-            for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION),
-                                  ("fa2", SDPBackend.FLASH_ATTENTION)):
-                with sdpa_kernel(backend):
-                    times[name] = do_bench(
-                        lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal),
-                        return_mode="median")
+
+            def ours(persistent):
+                call = fwd.prepare(qd, kd, vd, causal, out=out, lse=lse, persistent=persistent)[0]
+                return lambda: do_bench(call, return_mode="median")
+
+            def peer(backend):
+                def timed():
+                    with sdpa_kernel(backend):
+                        return do_bench(
+                            lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal),
+                            return_mode="median")
+                return timed
+
+            timers = {"ours": ours(None), "persistent": ours(True), "per-tile": ours(False),
+                      "cudnn": peer(SDPBackend.CUDNN_ATTENTION),
+                      "fa2": peer(SDPBackend.FLASH_ATTENTION)}
+            if alt is not None:  # A/B: another build of the kernel, default grid
+                call = alt.prepare(qd, kd, vd, causal, out=out, lse=lse)[0]
+                timers["alt"] = lambda: do_bench(call, return_mode="median")
+            # Passes interleave the backends; each keeps its median over the passes
+            # (clock drift hits all alike).
+            runs = {name: [] for name in timers}
+            for _ in range(passes):
+                for name, timer in timers.items():
+                    runs[name].append(timer())
+            times = {name: statistics.median(t) for name, t in runs.items()}
             tf = {n: flops / t / 1e9 for n, t in times.items()}
             print(f"{causal!s:6s} {s:6d} {b:5d}  {tf['ours']:13.0f}  {tf['persistent']:10.0f}  "
                   f"{tf['per-tile']:8.0f}  {tf['cudnn']:5.0f}  {tf['fa2']:10.0f}  "
-                  f"{tf['ours'] / tf['cudnn']:13.2f}  {tf['ours'] / tf['fa2']:11.2f}", flush=True)
+                  f"{tf['ours'] / tf['cudnn']:13.2f}  {tf['ours'] / tf['fa2']:11.2f}" +
+                  (f"  alt {tf['alt']:4.0f}" if alt is not None else ""), flush=True)
 
 
 def small(fwd):
     """One small call per mask (for compute-sanitizer racecheck / memcheck)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     for causal in (False, True):
-        q, k, v = make_inputs(1, 256, 2, 1, "bshd", torch.bfloat16, gen)
-        out, lse = fwd(q, k, v, causal=causal)
-        ref_o, _ = reference(q, k, v, causal, 1.0 / math.sqrt(HEAD_DIM), torch.float32)
-        torch.cuda.synchronize()
-        print(f"small causal={causal}: max err {max_err(out, ref_o.double()):.2e}")
+        q, k, v = make_inputs(2, 512, 2, 1, "bshd", torch.bfloat16, gen)  # 16 tiles
+        for persistent in (False, True):  # persistent on 3 CTAs: each loops over tiles
+            out, lse = fwd(q, k, v, causal=causal, persistent=persistent, max_ctas=3)
+            ref_o, _ = reference(q, k, v, causal, 1.0 / math.sqrt(HEAD_DIM), torch.float32)
+            torch.cuda.synchronize()
+            print(f"small causal={causal} persistent={persistent}: max err "
+                  f"{max_err(out, ref_o.double()):.2e}")
 
 
 def main():
@@ -255,7 +293,8 @@ def main():
     if args.what == "small":
         small(fwd)
     if args.what in ("bench", "all"):
-        bench(fwd)
+        alt = os.environ.get("SM90_FWD_ALT_LIB")
+        bench(fwd, alt=Sm90Forward(alt) if alt else None)
     return 1 if failures else 0
 
 
