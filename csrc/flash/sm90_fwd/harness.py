@@ -106,7 +106,10 @@ class Sm90Forward:
         self.check(q, k, v)
         b, s, h, d = q.shape
         out = torch.empty(b, s, h, d, dtype=q.dtype, device=q.device) if out is None else out
-        lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device) if lse is None else lse
+        # lse=False: no LSE (the kernel gets a null pointer and skips it).
+        skip_lse = lse is False
+        lse = (torch.empty(b, h, s, dtype=torch.float32, device=q.device)
+               if lse is None or skip_lse else lse)
         scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
         if lse.shape != (b, h, s) or lse.dtype != torch.float32 or lse.device != q.device:
             raise ValueError(f"lse: expected float32 [{b}, {h}, {s}] on {q.device}, got "
@@ -116,7 +119,8 @@ class Sm90Forward:
             strides += [x.stride(0), x.stride(1), x.stride(2)]
         strides += [lse.stride(0), lse.stride(2), lse.stride(1)]  # (batch, row, head)
         arr = (ctypes.c_int64 * 15)(*strides)
-        args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+        args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                None if skip_lse else lse.data_ptr(),
                 b, s, k.shape[1], h, k.shape[2], arr, scale, int(causal),
                 int(q.dtype == torch.bfloat16), -1 if persistent is None else int(persistent),
                 max_ctas, torch.cuda.current_stream().cuda_stream)
@@ -125,7 +129,7 @@ class Sm90Forward:
             rc = self.fn(*args)
             if rc != 0:
                 raise RuntimeError(f"sm90_fwd_hdim128 failed with code {rc}")
-        return call, out, lse
+        return call, out, None if skip_lse else lse
 
 
 def reference(q, k, v, causal, scale, dtype):
@@ -202,6 +206,15 @@ def test(fwd):
                       f"O err {errs['o'][0]:.2e} (torch {errs['o'][1]:.2e}, vs f32 "
                       f"{max_err(out, f32_o.double()):.2e})  LSE err {errs['lse'][0]:.2e} "
                       f"(torch {errs['lse'][1]:.2e})", flush=True)
+    # Without LSE (null pointer): O identical, and no fault (a write through the null pointer
+    # would raise at the next synchronize).
+    q, k, v = make_inputs(1, 256, 2, 2, "bshd", torch.bfloat16, gen)
+    out_ref, _ = fwd(q, k, v, causal=True)
+    out_nolse, lse_none = fwd(q, k, v, causal=True, lse=False)
+    torch.cuda.synchronize()
+    ok = lse_none is None and torch.equal(out_ref, out_nolse)
+    failures += not ok
+    print(f"{'ok  ' if ok else 'FAIL'} lse=False: O identical to the run with LSE")
     # Bad input is refused before any kernel runs.
     q = torch.zeros(1, 200, 2, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
     try:
