@@ -1,0 +1,581 @@
+// FlashAttention forward for sm90a: TMA loads into swizzled shared memory,
+// mbarrier pipelines, one producer warp and two consumer warpgroups (64 query
+// rows each) that run both GEMMs on wgmma (P stays in registers for P @ V).
+// Each consumer overlaps the softmax of block n with the QK^T of block n - 1
+// and the PV of block n + 1; the two consumers take turns issuing their GEMMs
+// (named-barrier ping-pong) so one's softmax hides under the other's GEMMs.
+// With a persistent grid each CTA loops over tiles, so the producer loads the
+// next tile's K and Q while the consumers finish the last one.
+//
+// Family-free host code stays out: the launcher is in fwd_launch_sm90.cuh.
+// No torch headers here (project rule: only the binding includes torch).
+#pragma once
+
+#include <cstdint>
+#include <cmath>
+
+#include <cute/tensor.hpp>
+#include <cute/arch/cluster_sm90.hpp>
+#include <cute/arch/mma_sm90.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/numeric_conversion.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+namespace flash_sm90 {
+
+using namespace cute;
+
+// Tile order. Round r hands tiles [r * gridDim.x, (r + 1) * gridDim.x) to the
+// CTAs, in reverse on odd rounds (a snake): with tiles sorted heavy-first, a
+// plain round-robin would give CTA 0 the heaviest tile of every round. One
+// round only when the grid has a CTA per tile. Tiles are (m_block, head,
+// batch). Non-causal: m_block fastest, so the CTAs running at one time share
+// a head's K/V in L2. Causal: heads are taken in groups whose K/V fit in L2
+// together; inside a group the heaviest query blocks (most keys) come first.
+struct TileScheduler {
+  int num_m_blocks, num_heads_batches, heads, heads_per_group, num_tiles;
+
+  // This CTA's tile in round `round`, or -1 when there is none (then there is
+  // none in any later round either).
+  __device__ __forceinline__ int tile_of_round(int round) const {
+    int const lane = (round & 1) ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+    int const tile = round * int(gridDim.x) + lane;
+    return tile < num_tiles ? tile : -1;
+  }
+
+  template <bool kCausal>
+  __device__ __forceinline__ void decode(int tile, int& m_block, int& head, int& batch) const {
+    int head_batch;
+    if constexpr (kCausal) {
+      int const tiles_per_group = heads_per_group * num_m_blocks;
+      int const group = tile / tiles_per_group;
+      int const first = group * heads_per_group;
+      int const in_group = min(heads_per_group, num_heads_batches - first);
+      int const within = tile - group * tiles_per_group;
+      m_block = num_m_blocks - 1 - within / in_group;
+      head_batch = first + within % in_group;
+    } else {
+      m_block = tile % num_m_blocks;
+      head_batch = tile / num_m_blocks;
+    }
+    head = head_batch % heads;
+    batch = head_batch / heads;
+  }
+};
+
+// A named tile configuration. Two consumer warpgroups of 64 rows each when
+// kBlockM = 128; the producer is the first warpgroup (only its warp 0 works).
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
+struct FwdConfig {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kConsumerWarpgroups = kBlockM / 64;
+  static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
+  static constexpr int kThreads = 128 + kConsumerThreads;
+  static_assert(kConsumerWarpgroups == 2, "ping-pong schedule assumes two consumer warpgroups");
+  static_assert(kHeadDim % 64 == 0 && kBlockN % 64 == 0);
+
+  // Register split after setmaxnreg: 24 for the producer, 240 per consumer
+  // thread (24 * 128 + 240 * 256 <= 65536).
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+
+  using TileQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;   // M, N, K of S = Q K^T
+  using TilePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;   // M, N, K of O = P V
+  using WarpgroupsAlongM = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;
+
+  using MmaQK = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, TileQK>(), WarpgroupsAlongM{}));
+  // A = P from registers (K-major), B = V^T read from V's rows (MN-major).
+  using MmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, TilePV, GMMA::Major::K, GMMA::Major::MN>(),
+      WarpgroupsAlongM{}));
+
+  // Q and K: rows of head_dim, 128-byte swizzle (K-major for the GEMM).
+  using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                             Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                             Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  // V is read as V^T (head_dim x kBlockN) with head_dim contiguous: MN-major.
+  using SmemLayoutVt = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
+                                              Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
+                                              Step<_2, _1, _3>{}));
+  // Output staging: row-major with 8 elements of padding so that the
+  // accumulator's row pairs land in different banks.
+  static constexpr int kOPitch = kHeadDim + 8;
+  using SmemLayoutO = Layout<Shape<Int<kBlockM>, Int<kHeadDim>>, Stride<Int<kOPitch>, _1>>;
+
+  static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = typename Pipeline::PipelineState;
+
+  struct SharedStorage {
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
+    cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
+    cute::array_aligned<Element, cosize_v<SmemLayoutVt>, 1024> v;
+    cute::array_aligned<Element, cosize_v<SmemLayoutO>, 128> o;
+    alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_q;
+    alignas(16) typename Pipeline::SharedStorage pipe_k;
+    alignas(16) typename Pipeline::SharedStorage pipe_v;
+  };
+
+  // Global tensors as (seqlen, head_dim, heads, batch) for Q/K and
+  // (head_dim, seqlen, heads, batch) for V^T; strides in elements.
+  using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using StrideQKV = Stride<int64_t, _1, int64_t, int64_t>;
+  using StrideVt = Stride<_1, int64_t, int64_t, int64_t>;
+
+  using TmaQ = decltype(make_tma_copy(
+      SM90_TMA_LOAD{},
+      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQKV{}),
+      SmemLayoutQ{}, select<0, 2>(TileQK{}), _1{}));
+  using TmaK = decltype(make_tma_copy(
+      SM90_TMA_LOAD{},
+      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQKV{}),
+      take<0, 2>(SmemLayoutK{}), select<1, 2>(TileQK{}), _1{}));
+  using TmaV = decltype(make_tma_copy(
+      SM90_TMA_LOAD{},
+      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideVt{}),
+      take<0, 2>(SmemLayoutVt{}), select<1, 2>(TilePV{}), _1{}));
+
+  struct Params {
+    TmaQ tma_q;
+    TmaK tma_k;
+    TmaV tma_v;
+    ShapeQKV shape_q;    // (seqlen_q, d, heads, batch)
+    ShapeQKV shape_k;    // (seqlen_k, d, heads_kv, batch)
+    ShapeQKV shape_vt;   // (d, seqlen_k, heads_kv, batch)
+    Element* o;
+    int64_t o_batch_stride, o_row_stride, o_head_stride;
+    float* lse;          // float32, natural log; nullptr: not written
+    int64_t lse_batch_stride, lse_head_stride, lse_row_stride;
+    int seqlen_q, seqlen_k, heads, heads_per_kv;
+    float softmax_scale, scale_log2;
+    TileScheduler scheduler;
+  };
+};
+
+// Named barrier ids; 0 is __syncthreads.
+enum : uint32_t {
+  kBarSchedulerWG0 = 8,   // and 9 for consumer warpgroup 1
+  kBarEpilogueWG0 = 10,   // and 11
+  kBarQueryEmpty = 12,    // consumers done with Q -> producer may load the next
+};
+
+__device__ __forceinline__ void named_barrier_sync(uint32_t threads, uint32_t id) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(uint32_t threads, uint32_t id) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffff, x, 2);
+  return x + __shfl_xor_sync(0xffffffff, x, 1);
+}
+
+// wgmma accumulator layout ((2, 2, N/8), MMA_M, MMA_N) viewed as
+// (rows = (2, MMA_M), cols = (2, N/8, MMA_N)).
+template <class Layout>
+CUTE_HOST_DEVICE constexpr auto acc_rowcol(Layout l) {
+  static_assert(decltype(rank<0>(l))::value == 3);
+  return make_layout(make_layout(layout<0, 1>(l), layout<1>(l)),
+                     make_layout(layout<0, 0>(l), layout<0, 2>(l), layout<2>(l)));
+}
+
+// The same accumulator registers as the A operand of a 16-bit register-A
+// wgmma: ((2, 2, 2), MMA_M, (N/16, MMA_N)). Two column groups of 8 form one
+// k-slice of 16.
+template <class Layout>
+CUTE_HOST_DEVICE constexpr auto acc_as_operand_a(Layout l) {
+  static_assert(decltype(size<0, 0>(l))::value == 2 && decltype(size<0, 1>(l))::value == 2);
+  constexpr int kGroups = decltype(size<0, 2>(l))::value;
+  static_assert(kGroups % 2 == 0);
+  auto group_stride = stride<0, 2>(l);
+  auto k_mode = make_layout(make_shape(Int<kGroups / 2>{}, shape<2>(l)),
+                            make_stride(group_stride * _2{}, stride<2>(l)));
+  return make_layout(make_layout(layout<0, 0>(l), layout<0, 1>(l), make_layout(_2{}, group_stride)),
+                     layout<1>(l), k_mode);
+}
+
+// Issue one warpgroup GEMM (all k-slices) and commit it; the caller waits.
+template <bool kZeroInit, class Mma, class TA, class TB, class TC>
+__device__ __forceinline__ void wg_gemm(Mma& mma, TA const& a, TB const& b, TC& c) {
+  constexpr bool kARegs = !is_same_v<typename TA::iterator, GMMA::DescriptorIterator>;
+  if constexpr (kARegs) { warpgroup_fence_operand(const_cast<TA&>(a)); }
+  warpgroup_fence_operand(c);
+  warpgroup_arrive();
+  mma.accumulate_ = kZeroInit ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(a); ++k) {
+    cute::gemm(mma, a(_, _, k), b(_, _, k), c);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(c);
+  if constexpr (kARegs) { warpgroup_fence_operand(const_cast<TA&>(a)); }
+}
+
+template <class Element, class TSrc, class TDst>
+__device__ __forceinline__ void convert_fragment(TSrc const& src, TDst& dst) {
+  constexpr int kN = decltype(size(src))::value;
+  static_assert(kN == decltype(size(dst))::value);
+  cutlass::NumericArrayConverter<Element, float, kN> convert;
+  auto out = convert(*reinterpret_cast<cutlass::Array<float, kN> const*>(raw_pointer_cast(src.data())));
+  *reinterpret_cast<cutlass::Array<Element, kN>*>(raw_pointer_cast(dst.data())) = out;
+}
+
+// Online softmax over the rows this thread holds (2 per consumer thread).
+template <int kRows>
+struct OnlineSoftmax {
+  float row_max[kRows];
+  float row_sum[kRows];
+  float scale_log2;
+
+  // Returns the factor by which O must be scaled (exp2 of the max's change)
+  // and turns the scores into unnormalized probabilities in place.
+  template <bool kFirst, bool kCheckInf, class TS>
+  __device__ __forceinline__ void step(TS& s, float (&o_scale)[kRows]) {
+    // Four partial maxima and sums per row: short dependency chains (this runs
+    // on the critical path that the other warpgroup's GEMMs must cover).
+    constexpr int kCols = decltype(size<1>(s))::value;
+    constexpr int kParts = 4;
+    static_assert(kCols % kParts == 0);
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float part[kParts];
+      CUTE_UNROLL
+      for (int j = 0; j < kParts; ++j) { part[j] = s(r, j); }
+      CUTE_UNROLL
+      for (int c = kParts; c < kCols; c += kParts) {
+        CUTE_UNROLL
+        for (int j = 0; j < kParts; ++j) { part[j] = fmaxf(part[j], s(r, c + j)); }
+      }
+      float m = quad_max(fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3])));
+      float new_max = kFirst ? m : fmaxf(row_max[r], m);
+      // A row with no key so far has max -inf: exponentiate against 0 then.
+      float max_scaled = (kCheckInf && new_max == -INFINITY) ? 0.f : new_max * scale_log2;
+      o_scale[r] = kFirst ? 1.f : fast_exp2(row_max[r] * scale_log2 - max_scaled);
+      row_max[r] = new_max;
+      CUTE_UNROLL
+      for (int j = 0; j < kParts; ++j) { part[j] = 0.f; }
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; c += kParts) {
+        CUTE_UNROLL
+        for (int j = 0; j < kParts; ++j) {
+          s(r, c + j) = fast_exp2(s(r, c + j) * scale_log2 - max_scaled);
+          part[j] += s(r, c + j);
+        }
+      }
+      float const sum = (part[0] + part[1]) + (part[2] + part[3]);
+      // Sums stay per thread until the end; the quad shares one max.
+      row_sum[r] = kFirst ? sum : row_sum[r] * o_scale[r] + sum;
+    }
+  }
+
+  // 1 / row sum for O, and the natural-log LSE (+inf for a row with no key,
+  // so that a backward pass gets exp(s - lse) = 0).
+  __device__ __forceinline__ void finalize(float softmax_scale, float (&o_scale)[kRows],
+                                           float (&lse)[kRows]) {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float sum = quad_sum(row_sum[r]);
+      bool empty = sum == 0.f || sum != sum;
+      o_scale[r] = empty ? 0.f : 1.f / sum;
+      lse[r] = empty ? INFINITY : row_max[r] * softmax_scale + logf(sum);
+    }
+  }
+};
+
+template <class TS, int kRows>
+__device__ __forceinline__ void scale_rows(TS& t, float const (&scale)[kRows]) {
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(t); ++c) { t(r, c) *= scale[r]; }
+  }
+}
+
+template <class Cfg, bool kCausal>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
+  using Element = typename Cfg::Element;
+  using Pipeline = typename Cfg::Pipeline;
+  using PipelineState = typename Cfg::PipelineState;
+  constexpr int kBlockM = Cfg::kBlockM;
+  constexpr int kBlockN = Cfg::kBlockN;
+  constexpr int kHeadDim = Cfg::kHeadDim;
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  auto& shared = *reinterpret_cast<typename Cfg::SharedStorage*>(smem_raw);
+
+  int const warp_idx = cutlass::canonical_warp_idx_sync();
+  int const warpgroup_idx = cutlass::canonical_warp_group_idx();
+  TileScheduler const& scheduler = params.scheduler;
+  int const n_blocks_total = params.seqlen_k / kBlockN;
+  auto n_block_max_of = [&](int m_block) {
+    return kCausal ? min(n_blocks_total, ceil_div((m_block + 1) * kBlockM, kBlockN)) : n_blocks_total;
+  };
+
+  if (warp_idx == 0 && threadIdx.x == 0) {
+    cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+    shared.barrier_q.init(1);
+  }
+
+  typename Pipeline::Params pipe_params;
+  pipe_params.transaction_bytes = Cfg::kBytesKV;
+  pipe_params.role = warpgroup_idx == 0 ? Pipeline::ThreadCategory::Producer
+                                        : Pipeline::ThreadCategory::Consumer;
+  pipe_params.is_leader = threadIdx.x == 0;
+  pipe_params.num_consumers = Cfg::kConsumerThreads;
+  Pipeline pipe_k(shared.pipe_k, pipe_params, Shape<_1, _1, _1>{});
+  Pipeline pipe_v(shared.pipe_v, pipe_params, Shape<_1, _1, _1>{});
+  __syncthreads();  // barrier inits visible to all before any use
+
+  Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Cfg::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Cfg::SmemLayoutK{});
+  Tensor sVt = make_tensor(make_smem_ptr(shared.v.data()), typename Cfg::SmemLayoutVt{});
+
+  if (warpgroup_idx == 0) {
+    // ---------------- producer: warp 0; its first thread issues every TMA load ----------------
+    cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
+    if (warp_idx != 0) { return; }
+    bool const leader = threadIdx.x == 0;
+    Tensor mQ = params.tma_q.get_tma_tensor(params.shape_q);
+    Tensor mK = params.tma_k.get_tma_tensor(params.shape_k);
+    Tensor mVt = params.tma_v.get_tma_tensor(params.shape_vt);
+    PipelineState write_k = cutlass::make_producer_start_state<Pipeline>();
+    PipelineState write_v = cutlass::make_producer_start_state<Pipeline>();
+    for (int round = 0, tile = scheduler.tile_of_round(0); tile >= 0;
+         tile = scheduler.tile_of_round(++round)) {
+      int m_block, head, batch;
+      scheduler.template decode<kCausal>(tile, m_block, head, batch);
+      int const head_kv = head / params.heads_per_kv;
+      Tensor gQ = local_tile(mQ(_, _, head, batch), select<0, 2>(typename Cfg::TileQK{}),
+                             make_coord(m_block, _0{}));                       // (M, D)
+      Tensor gK = local_tile(mK(_, _, head_kv, batch), select<1, 2>(typename Cfg::TileQK{}),
+                             make_coord(_, _0{}));                             // (N, D, n)
+      Tensor gVt = local_tile(mVt(_, _, head_kv, batch), select<1, 2>(typename Cfg::TilePV{}),
+                              make_coord(_0{}, _));                            // (D, N, n)
+      auto q_parts = tma_partition(params.tma_q, _0{}, Layout<_1>{},
+                                   group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+      auto k_parts = tma_partition(params.tma_k, _0{}, Layout<_1>{},
+                                   group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+      auto v_parts = tma_partition(params.tma_v, _0{}, Layout<_1>{},
+                                   group_modes<0, 2>(sVt), group_modes<0, 2>(gVt));
+      auto load_k = [&](int n_block) {
+        pipe_k.producer_acquire(write_k);
+        copy(params.tma_k.with(*pipe_k.producer_get_barrier(write_k)), get<0>(k_parts)(_, n_block),
+             get<1>(k_parts)(_, write_k.index()));
+        ++write_k;
+      };
+      auto load_v = [&](int n_block) {
+        pipe_v.producer_acquire(write_v);
+        copy(params.tma_v.with(*pipe_v.producer_get_barrier(write_v)), get<0>(v_parts)(_, n_block),
+             get<1>(v_parts)(_, write_v.index()));
+        ++write_v;
+      };
+      int n_block = n_block_max_of(m_block) - 1;
+      // The first K block may go before the consumers free Q; K runs one
+      // block ahead of V since consumers need K(n - 1) before V(n).
+      if (leader) { load_k(n_block); }
+      if (round > 0) { named_barrier_sync(Cfg::kConsumerThreads + 32, kBarQueryEmpty); }
+      if (leader) {
+        shared.barrier_q.arrive_and_expect_tx(Cfg::kBytesQ);
+        copy(params.tma_q.with(reinterpret_cast<uint64_t&>(shared.barrier_q)), get<0>(q_parts),
+             get<1>(q_parts));
+        for (; n_block > 0; --n_block) {
+          load_k(n_block - 1);
+          load_v(n_block);
+        }
+        load_v(0);
+      }
+      __syncwarp();
+    }
+    if (leader) {
+      pipe_k.producer_tail(write_k);
+      pipe_v.producer_tail(write_v);
+    }
+    return;
+  }
+
+  // ---------------- consumers: two warpgroups, 64 query rows each ----------------
+  cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
+  int const tidx = threadIdx.x - 128;
+  int const consumer_wg = tidx / 128;
+
+  typename Cfg::MmaQK mma_qk;
+  typename Cfg::MmaPV mma_pv;
+  auto thr_qk = mma_qk.get_thread_slice(tidx);
+  auto thr_pv = mma_pv.get_thread_slice(tidx);
+  Tensor tSrQ = thr_qk.partition_fragment_A(sQ);     // smem descriptors
+  Tensor tSrK = thr_qk.partition_fragment_B(sK);
+  Tensor tOrV = thr_pv.partition_fragment_B(sVt);
+  Tensor tOrO = partition_fragment_C(mma_pv, select<0, 1>(typename Cfg::TilePV{}));
+  Tensor tOrO_rc = make_tensor(tOrO.data(), acc_rowcol(tOrO.layout()));
+
+  using FragS = decltype(partition_fragment_C(mma_qk, select<0, 1>(typename Cfg::TileQK{})));
+  using LayoutP = decltype(acc_as_operand_a(FragS{}.layout()));
+  Tensor tOrP = make_tensor<Element>(LayoutP{});
+  constexpr int kRows = decltype(size<0>(acc_rowcol(FragS{}.layout())))::value;
+
+  OnlineSoftmax<kRows> softmax;
+  softmax.scale_log2 = params.scale_log2;
+  float o_scale[kRows];
+
+  Tensor cS = make_identity_tensor(select<0, 1>(typename Cfg::TileQK{}));
+  Tensor tScS = thr_qk.partition_C(cS);
+  Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
+  Tensor cO = make_identity_tensor(select<0, 1>(typename Cfg::TilePV{}));
+  Tensor tOcO = thr_pv.partition_C(cO);
+  Tensor tOcO_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
+  Tensor sO = make_tensor(make_smem_ptr(shared.o.data()), typename Cfg::SmemLayoutO{});
+  Tensor tOsO = thr_pv.partition_C(sO);
+
+  // Ping-pong: a warpgroup waits for its turn before issuing GEMMs and hands
+  // the turn to the other after. Warpgroup 0 gives itself the first turn.
+  auto scheduler_sync = [&] { named_barrier_sync(2 * 128, kBarSchedulerWG0 + consumer_wg); };
+  auto scheduler_hand_over = [&] { named_barrier_arrive(2 * 128, kBarSchedulerWG0 + (1 - consumer_wg)); };
+  if (consumer_wg == 0) { named_barrier_arrive(2 * 128, kBarSchedulerWG0); }
+
+  PipelineState read_k;   // consumer state starts at stage 0, phase 0
+  for (int round = 0, tile = scheduler.tile_of_round(0); tile >= 0;
+       tile = scheduler.tile_of_round(++round)) {
+    int m_block, head, batch;
+    scheduler.template decode<kCausal>(tile, m_block, head, batch);
+    int const n_block_max = n_block_max_of(m_block);
+    // Blocks from this one on (right of it) cross the diagonal.
+    int const n_block_first_masked = kCausal ? (m_block * kBlockM) / kBlockN : n_block_max;
+
+    // Causal mask for one S tile: key column > query row is out.
+    auto apply_causal_mask = [&](auto& tSrS, int n_block) {
+      Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
+      int const offset = m_block * kBlockM - n_block * kBlockN;
+      CUTE_UNROLL
+      for (int r = 0; r < size<0>(s); ++r) {
+        int const col_limit = get<0>(tScS_rc(r, 0)) + offset;   // last allowed local column
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(s); ++c) {
+          if (get<1>(tScS_rc(r, c)) > col_limit) { s(r, c) = -INFINITY; }
+        }
+      }
+    };
+
+    shared.barrier_q.wait(round % 2);
+    int n_block = n_block_max - 1;
+    {
+      Tensor tSrS = partition_fragment_C(mma_qk, select<0, 1>(typename Cfg::TileQK{}));
+      pipe_k.consumer_wait(read_k);
+      wg_gemm<true>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+      warpgroup_wait<0>();
+      pipe_k.consumer_release(read_k);
+      if (kCausal && n_block >= n_block_first_masked) { apply_causal_mask(tSrS, n_block); }
+      Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
+      softmax.template step<true, kCausal>(s, o_scale);
+      convert_fragment<Element>(tSrS, tOrP);
+    }
+    clear(tOrO);
+
+    // Each step: S(n) = Q K(n)^T and O += P(n + 1) V(n + 1) in flight together,
+    // then softmax of S(n) while the PV GEMM finishes.
+    auto step = [&](int n_block, auto masked) {
+      constexpr bool kMasked = decltype(masked)::value;
+      PipelineState read_v = read_k;
+      ++read_k;
+      Tensor tSrS = partition_fragment_C(mma_qk, select<0, 1>(typename Cfg::TileQK{}));
+      pipe_k.consumer_wait(read_k);
+      scheduler_sync();
+      wg_gemm<true>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+      pipe_v.consumer_wait(read_v);
+      wg_gemm<false>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+      scheduler_hand_over();
+      warpgroup_wait<1>();
+      pipe_k.consumer_release(read_k);
+      if constexpr (kMasked) { apply_causal_mask(tSrS, n_block); }
+      Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
+      softmax.template step<false, kMasked>(s, o_scale);
+      warpgroup_wait<0>();
+      pipe_v.consumer_release(read_v);
+      convert_fragment<Element>(tSrS, tOrP);
+      scale_rows(tOrO_rc, o_scale);
+    };
+    --n_block;
+    if constexpr (kCausal) {
+      for (; n_block >= 0 && n_block >= n_block_first_masked; --n_block) { step(n_block, true_type{}); }
+    }
+    for (; n_block >= 0; --n_block) { step(n_block, false_type{}); }
+
+    // Every QK^T of this tile is done: the producer may load the next Q
+    // (only when there is a next tile, so arrivals and waits stay matched).
+    if (scheduler.tile_of_round(round + 1) >= 0) {
+      named_barrier_arrive(Cfg::kConsumerThreads + 32, kBarQueryEmpty);
+    }
+
+    // Last PV, then normalize.
+    pipe_v.consumer_wait(read_k);
+    wg_gemm<false>(mma_pv, tOrP, tOrV(_, _, _, read_k.index()), tOrO);
+    float lse[kRows];
+    softmax.finalize(params.softmax_scale, o_scale, lse);
+    warpgroup_wait<0>();
+    pipe_v.consumer_release(read_k);
+    ++read_k;
+    scale_rows(tOrO_rc, o_scale);
+
+    // ---------------- epilogue ----------------
+    // LSE: the first thread of each quad owns its two rows.
+    if (params.lse != nullptr && tidx % 4 == 0) {
+      float* lse_out = params.lse + int64_t(batch) * params.lse_batch_stride +
+                       int64_t(head) * params.lse_head_stride +
+                       int64_t(m_block) * kBlockM * params.lse_row_stride;
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        lse_out[get<0>(tOcO_rc(r, 0)) * params.lse_row_stride] = lse[r];
+      }
+    }
+
+    // O: registers -> padded smem (each warpgroup its own 64 rows) -> 16-byte
+    // coalesced global stores. The first barrier keeps this tile's writes
+    // after the previous tile's reads of the same rows.
+    Tensor tOrO_out = make_tensor<Element>(tOrO.layout());
+    convert_fragment<Element>(tOrO, tOrO_out);
+    named_barrier_sync(128, kBarEpilogueWG0 + consumer_wg);
+    copy(tOrO_out, tOsO);
+    named_barrier_sync(128, kBarEpilogueWG0 + consumer_wg);
+
+    constexpr int kChunksPerRow = kHeadDim / 8;
+    int const tid_in_wg = tidx % 128;
+    Element* o_tile = params.o + int64_t(batch) * params.o_batch_stride +
+                      int64_t(head) * params.o_head_stride +
+                      int64_t(m_block * kBlockM + consumer_wg * 64) * params.o_row_stride;
+    Element const* s_tile = shared.o.data() + consumer_wg * 64 * Cfg::kOPitch;
+    CUTE_UNROLL
+    for (int i = tid_in_wg; i < 64 * kChunksPerRow; i += 128) {
+      int const row = i / kChunksPerRow;
+      int const col = (i % kChunksPerRow) * 8;
+      *reinterpret_cast<uint4*>(o_tile + int64_t(row) * params.o_row_stride + col) =
+          *reinterpret_cast<uint4 const*>(s_tile + row * Cfg::kOPitch + col);
+    }
+  }
+}
+
+}  // namespace flash_sm90
