@@ -34,6 +34,21 @@ for job in "${JOBS[@]}"; do
       >"$log" 2>&1 ) &
   pids+=("$!:$1:$2:$log")
 done
+# The sm90a forward kernel (csrc/flash/sm90_fwd/, not wired into the tree yet) needs the
+# CUTLASS/CuTe headers of the pip package nvidia-cutlass.
+CUTLASS_INCLUDE=${CUTLASS_INCLUDE:-$(python3 -c "import importlib.util, os
+spec = importlib.util.find_spec('cutlass_library')
+print(os.path.join(spec.submodule_search_locations[0], 'source', 'include') if spec else '')")}
+if [ -z "$CUTLASS_INCLUDE" ] || [ ! -d "$CUTLASS_INCLUDE/cute" ]; then
+  echo "ci_compile_check: FAILED: CUTLASS headers not found (pip install nvidia-cutlass==4.2.0.0" \
+       "or set CUTLASS_INCLUDE)" >&2
+  exit 1
+fi
+log="$TMP/sm90_fwd_api.cu.90a.log"
+( "$NVCC" "${FLAGS[@]}" -I"$CUTLASS_INCLUDE" -diag-suppress 3357 \
+    -gencode=arch=compute_90a,code=sm_90a -c flash/sm90_fwd/sm90_fwd_api.cu \
+    -o "$TMP/sm90_fwd_api.cu.90a.o" >"$log" 2>&1 ) &
+pids+=("$!:flash/sm90_fwd/sm90_fwd_api.cu:90a:$log")
 for entry in "${pids[@]}"; do
   IFS=: read -r pid file arch log <<<"$entry"
   if wait "$pid"; then

@@ -35,7 +35,7 @@ def cutlass_include():
     """CUTLASS/CuTe headers: $CUTLASS_INCLUDE, else an installed nvidia-cutlass wheel."""
     if os.environ.get("CUTLASS_INCLUDE"):
         return os.environ["CUTLASS_INCLUDE"]
-    for base in sys.path + ["/tmp/site", "/work/cutlass"]:
+    for base in sys.path + ["/tmp/site"]:
         path = os.path.join(base, "cutlass_library", "source", "include")
         if os.path.isdir(os.path.join(path, "cute")):
             return path
