@@ -613,7 +613,7 @@ def test_unaligned_inputs_run_on_copies():
 
 
 def _heads_per_group(bytes_per_head, heads, pairs):
-    """sm80_common.cuh's heads_per_group on this GPU."""
+    """common/launch.cuh's heads_per_group on this GPU."""
     group = torch.cuda.get_device_properties(DEV).L2_cache_size // 3 // bytes_per_head
     if group >= pairs:
         return pairs
