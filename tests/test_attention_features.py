@@ -374,3 +374,11 @@ def test_features_on_cuda_are_served_right(feature, dtype, qkv_format, mask_type
         torch.testing.assert_close(case["max_logit"].cpu().double(), per_seq.amax(0),
                                    atol=3e-2, rtol=2e-2)
     check_gradients(case, atol=5e-2, rtol=5e-2)
+
+
+def test_softmax_offset_on_another_device_is_a_clear_error():
+    dpa = tfa.DotProductAttention(2, 8, softmax_type="learnable").to("meta")
+    with pytest.raises(ValueError, match="softmax_offset .* is on meta .* move the module"):
+        dpa(*(torch.randn(3, 1, 2, 8) for _ in range(3)))
+    mha = tfa.MultiheadAttention(16, 2, softmax_type="off-by-one", device="cpu")
+    assert mha.core_attention.softmax_offset.device.type == "cpu"

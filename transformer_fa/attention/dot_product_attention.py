@@ -113,7 +113,8 @@ class DotProductAttention(torch.nn.Module):
 
     def forward(self, query_layer: Optional[torch.Tensor] = None,
                 key_layer: Optional[torch.Tensor] = None,
-                value_layer: Optional[torch.Tensor] = None, attention_mask=None, qkv_format: Optional[str] = None,
+                value_layer: Optional[torch.Tensor] = None, attention_mask=None,
+                qkv_format: Optional[str] = None,
                 cu_seqlens_q: Optional[torch.Tensor] = None,
                 cu_seqlens_kv: Optional[torch.Tensor] = None,
                 cu_seqlens_q_padded: Optional[torch.Tensor] = None,
@@ -194,6 +195,10 @@ class DotProductAttention(torch.nn.Module):
                 return (full, *max_logit) if max_logit else full
         softcap = self.softcap if softcap is None else _check_softcap(softcap)
         q, k, v = query_layer, key_layer, value_layer
+        if self.softmax_offset is not None and self.softmax_offset.device != q.device:
+            raise ValueError(f"softmax_offset (softmax_type={self.softmax_type!r}) is on "
+                             f"{self.softmax_offset.device} but the inputs are on {q.device}; "
+                             f"move the module with .to({str(q.device)!r})")
         if attn_mask_type is not None:
             attn_mask_type = masks.normalize_mask_type(attn_mask_type)
         if bottom_right_diagonal is None:
@@ -346,9 +351,8 @@ def check_unsupported_forward_args(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_pad
                                 (cu_seqlens_kv_padded, cu_seqlens_kv, "cu_seqlens_kv_padded")):
         if padded is not None and plain is None:
             raise ValueError(f"{name} needs the unpadded {name[:-7]} beside it")
-    if pad_between_seqs and cu_seqlens_q_padded is None and cu_seqlens_kv_padded is None:
-        raise ValueError("pad_between_seqs=True needs cu_seqlens_q_padded / cu_seqlens_kv_padded "
-                         "(the start of each sequence's slot)")
+    # pad_between_seqs only describes the padded offsets (TE infers it): without them there
+    # is no gap to honour, and TE's own reference runs pass True with packed inputs.
 
 
 def _padded_sides(qkv_format, q, k, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,

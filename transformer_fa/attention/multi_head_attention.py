@@ -221,6 +221,8 @@ class MultiheadAttention(torch.nn.Module):
             get_rng_state_tracker=te_kwargs.get("get_rng_state_tracker"),
             softmax_type=softmax_type,
         )
+        if self.core_attention.softmax_offset is not None:
+            self.core_attention.to(device)  # DotProductAttention makes it on the GPU, as TE
         self.proj = Linear(
             self.hidden_size_q,
             hidden_size,
