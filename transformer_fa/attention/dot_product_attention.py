@@ -149,17 +149,21 @@ class DotProductAttention(torch.nn.Module):
         if qkv_layer is not None or kv_layer is not None:
             query_layer, key_layer, value_layer = unpack_qkv(
                 qkv_layer, kv_layer, query_layer, key_layer, value_layer, qkv_interleave_dim)
+        # The arguments of a re-entry (checkpointing, padded thd) that keep their meaning.
+        again = dict(attention_mask=attention_mask, qkv_format=qkv_format,
+                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+                     max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+                     attn_mask_type=attn_mask_type, window_size=window_size,
+                     bottom_right_diagonal=bottom_right_diagonal,
+                     core_attention_bias_type=core_attention_bias_type,
+                     core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes,
+                     softcap=softcap)
         if checkpoint_core_attention and torch.is_grad_enabled():
             # TE's activation checkpointing: recompute attention in the backward.
-            return checkpoint(
-                self.forward, query_layer, key_layer, value_layer, use_reentrant=False,
-                attention_mask=attention_mask, qkv_format=qkv_format, cu_seqlens_q=cu_seqlens_q,
-                cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
-                max_seqlen_kv=max_seqlen_kv, attn_mask_type=attn_mask_type,
-                window_size=window_size, bottom_right_diagonal=bottom_right_diagonal,
-                core_attention_bias_type=core_attention_bias_type,
-                core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes,
-                softcap=softcap)
+            return checkpoint(self.forward, query_layer, key_layer, value_layer,
+                              cu_seqlens_q_padded=cu_seqlens_q_padded,
+                              cu_seqlens_kv_padded=cu_seqlens_kv_padded, use_reentrant=False,
+                              **again)
         if query_layer is None or key_layer is None or value_layer is None:
             raise ValueError("query_layer, key_layer and value_layer are required (or "
                              "qkv_layer, or query_layer with kv_layer)")
@@ -179,15 +183,7 @@ class DotProductAttention(torch.nn.Module):
                 if rows_kv is not None:
                     key_layer = key_layer.index_select(0, rows_kv)
                     value_layer = value_layer.index_select(0, rows_kv)
-                result = self.forward(
-                    query_layer, key_layer, value_layer, attention_mask=attention_mask,
-                    qkv_format=qkv_format, cu_seqlens_q=cu_seqlens_q,
-                    cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
-                    max_seqlen_kv=max_seqlen_kv, attn_mask_type=attn_mask_type,
-                    window_size=window_size, bottom_right_diagonal=bottom_right_diagonal,
-                    core_attention_bias_type=core_attention_bias_type,
-                    core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes,
-                    softcap=softcap)
+                result = self.forward(query_layer, key_layer, value_layer, **again)
                 if rows_q is None:
                     return result
                 out, *max_logit = result if isinstance(result, tuple) else (result,)

@@ -28,7 +28,8 @@ import torch
 from .. import masks
 from ..constants import ENV_FLASH_KERNELS, FLASH_FORMAT_CODES, FLASH_MAX_HEAD_DIM, MAX_GRID_YZ
 from ..params import AttentionInputs, AttentionParams
-from .support import aligned, dropout_rng_state, fresh, never_raises, op_schema
+from .support import (aligned, dropout_rng_state, fresh, never_raises, op_schema,
+                      softmax_variant_reasons)
 
 NAME = "FlashAttention"
 EXTENSION = "transformer_fa_flash"
@@ -95,12 +96,7 @@ def _reasons(p: AttentionParams) -> List[str]:
                        f"{p.core_attention_bias_type}")
     if not 0.0 <= p.attention_dropout < 1.0:
         reasons.append(f"as it does not support attention_dropout = {p.attention_dropout}")
-    if p.softmax_type != "vanilla":
-        reasons.append(f"as it does not support softmax_type = {p.softmax_type}")
-    if p.return_max_logit:
-        reasons.append("as it does not support return_max_logit = True")
-    if p.softcap > 0.0:
-        reasons.append(f"as it does not support softcap = {p.softcap}")
+    reasons += softmax_variant_reasons(p)
     return reasons
 
 # Why this backend cannot serve params (each reads after "Disabling <NAME> ").

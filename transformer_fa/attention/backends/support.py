@@ -64,3 +64,16 @@ def op_schema(call_type: type, tensors: str, returns: str, extra: str = "") -> s
     types = typing.get_type_hints(call_type)
     fields = [f"{_SCHEMA_TYPES[types[name]]} {name}" for name in call_type._fields]
     return f"({', '.join([tensors] + fields + ([extra] if extra else []))}) -> {returns}"
+
+
+def softmax_variant_reasons(p: AttentionParams) -> List[str]:
+    """Declines for TE's softmax variants, max logit and softcap, which only the unfused
+    backend computes today."""
+    reasons = []
+    if p.softmax_type != "vanilla":
+        reasons.append(f"as it does not support softmax_type = {p.softmax_type}")
+    if p.return_max_logit:
+        reasons.append("as it does not support return_max_logit = True")
+    if p.softcap > 0.0:
+        reasons.append(f"as it does not support softcap = {p.softcap}")
+    return reasons

@@ -8,6 +8,7 @@ import torch
 
 from ...constants import FUSED_HEAD_DIMS
 from ...params import AttentionParams
+from ..support import softmax_variant_reasons
 from . import cudnn_lib
 from .plans import GraphCache
 from .spec import spec_from_params
@@ -75,12 +76,7 @@ def feature_reasons(p: AttentionParams) -> List[str]:
         reasons.append("as it does not support core_attention_bias_type = pre_scale_bias")
     if p.core_attention_bias_shape == "111s":
         reasons.append("as it does not support core_attention_bias_shape = 111s")
-    if p.softmax_type != "vanilla":
-        reasons.append(f"as it does not support softmax_type = {p.softmax_type}")
-    if p.return_max_logit:
-        reasons.append("as it does not support return_max_logit = True")
-    if p.softcap > 0:
-        reasons.append(f"as it does not support softcap = {p.softcap}")
+    reasons += softmax_variant_reasons(p)
     thd = "thd" in (p.q_format, p.kv_format)
     if thd and p.core_attention_bias_type in ("post_scale_bias", "alibi"):
         reasons.append(f"as it does not support core_attention_bias_type = "
