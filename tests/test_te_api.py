@@ -423,13 +423,46 @@ def test_bottom_right_diagonal_moves_alibi_and_reaches_from_transformer_layer():
     torch.testing.assert_close(by_default(x, encoder_output=enc), top_left)
 
 
-def test_bottom_right_diagonal_false_is_refused_for_thd_windows():
-    q = torch.randn(7, HEADS, D)
+def test_bottom_right_diagonal_false_with_thd_windows_is_top_left_per_sequence():
+    """thd with a window and bottom_right_diagonal=False: each sequence's window is aligned
+    top-left by its own lengths (the unfused backend; the kernel backends decline it)."""
+    torch.manual_seed(0)
+    lens_q, lens_kv = [2, 3], [4, 5]
+    q = torch.randn(sum(lens_q), HEADS, D)
+    k, v = torch.randn(sum(lens_kv), HEADS, D), torch.randn(sum(lens_kv), HEADS, D)
     dpa = te.DotProductAttention(HEADS, D, qkv_format="thd", attn_mask_type="padding",
                                  window_size=(1, 1))
-    with pytest.raises(ValueError, match="bottom_right_diagonal=False.*thd"):
-        dpa(q, q, q, cu_seqlens_q=cu([3, 4]), cu_seqlens_kv=cu([3, 4]),
-            bottom_right_diagonal=False)
+    out = dpa(q, k, v, cu_seqlens_q=cu(lens_q), cu_seqlens_kv=cu(lens_kv),
+              bottom_right_diagonal=False)
+    starts_q, starts_kv = [0, 2], [0, 4]
+    for sq_i, skv_i, oq, okv in zip(lens_q, lens_kv, starts_q, starts_kv):
+        keep = torch.tensor([[abs(i - j) <= 1 for j in range(skv_i)] for i in range(sq_i)])
+        want = attention_one(q[oq:oq + sq_i], k[okv:okv + skv_i], v[okv:okv + skv_i],
+                             arbitrary=~keep[None])
+        torch.testing.assert_close(out[oq:oq + sq_i].double(), want.reshape(sq_i, -1),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_backends_decline_a_top_left_non_causal_diagonal():
+    import dataclasses
+    from transformer_fa.attention.backends.support import reference_only_reasons
+    from transformer_fa.attention.params import AttentionParams
+    base = AttentionParams(
+        qkv_format="bshd", q_format="bshd", kv_format="bshd", qkv_layout="bshd_bshd_bshd",
+        batch_size=1, num_heads=2, num_gqa_groups=2, max_seqlen_q=4, max_seqlen_kv=8,
+        head_dim_qk=64, head_dim_v=64, dtype=torch.bfloat16, device_type="cuda",
+        compute_capability=(9, 0), attn_mask_type="no_mask", window_size=(2, 2),
+        core_attention_bias_type="no_bias", core_attention_bias_shape=None,
+        core_attention_bias_requires_grad=False, alibi_slopes_shape=None,
+        attention_dropout=0.0, softmax_scale=0.125, deterministic=False, requires_grad=False)
+    assert reference_only_reasons(base) == []
+    top_left = dataclasses.replace(base, bottom_right_diagonal=False)
+    assert reference_only_reasons(top_left) == [
+        "as it does not support bottom_right_diagonal = False with a sliding window or ALiBi"]
+    # Alignment means nothing without a window or ALiBi, and causal types carry their own.
+    assert reference_only_reasons(dataclasses.replace(top_left, window_size=(-1, -1))) == []
+    assert reference_only_reasons(dataclasses.replace(
+        top_left, attn_mask_type="causal_bottom_right", window_size=(2, 0))) == []
 
 
 # ---------------------------------------------------------------------------- D: our errors

@@ -135,15 +135,15 @@ class DotProductAttention(torch.nn.Module):
                 kv_layer: Optional[torch.Tensor] = None, qkv_interleave_dim: int = -3,
                 softcap: Optional[float] = None):
         """TE's forward. ``fast_zero_fill`` has no effect (outputs are always zero-filled
-        where no query runs); ``cu_seqlens_*_padded`` may only repeat ``cu_seqlens_*``;
+        where no query runs); ``cu_seqlens_*_padded`` place thd sequences with gaps between
+        them (``pad_between_seqs`` only describes those offsets, as TE infers it);
         ``bf16_backward`` (FP8 attention's) and ``num_splits`` (a FlashAttention-3 tuning
         knob) do not change what is computed and are accepted as TE ignores them on other
         backends. ``qkv_layer`` / ``kv_layer`` take packed buffers (TE's): q, k, v become
         views of them along ``qkv_interleave_dim``.
         Returns the output, or ``(output, max_logit)`` with ``return_max_logit``."""
         check_unsupported_forward_args(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
-                                       cu_seqlens_kv_padded, inference_params, pad_between_seqs,
-                                       fp8_output)
+                                       cu_seqlens_kv_padded, inference_params, fp8_output)
         _check_tuning_args(num_splits, score_mod, score_mod_bprop, score_mod_tensors,
                            score_mod_bprop_tensors)
         if qkv_layer is not None or kv_layer is not None:
@@ -172,23 +172,8 @@ class DotProductAttention(torch.nn.Module):
                 self.qkv_format if qkv_format is None else qkv_format, query_layer, key_layer,
                 cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
             if rows_q is not None or rows_kv is not None:
-                if torch.compiler.is_compiling():
-                    raise ValueError("thd with padding between sequences (cu_seqlens_*_padded) "
-                                     "is not supported under torch.compile")
-                # Gather the real tokens, attend over them packed, and put the output back
-                # in the padded rows (zeros between sequences, as TE's fast_zero_fill).
-                padded_rows = query_layer.shape[0]
-                if rows_q is not None:
-                    query_layer = query_layer.index_select(0, rows_q)
-                if rows_kv is not None:
-                    key_layer = key_layer.index_select(0, rows_kv)
-                    value_layer = value_layer.index_select(0, rows_kv)
-                result = self.forward(query_layer, key_layer, value_layer, **again)
-                if rows_q is None:
-                    return result
-                out, *max_logit = result if isinstance(result, tuple) else (result,)
-                full = out.new_zeros((padded_rows, *out.shape[1:])).index_copy(0, rows_q, out)
-                return (full, *max_logit) if max_logit else full
+                return self._forward_with_gaps(query_layer, key_layer, value_layer, rows_q,
+                                               rows_kv, again)
         softcap = self.softcap if softcap is None else _check_softcap(softcap)
         q, k, v = query_layer, key_layer, value_layer
         if self.softmax_offset is not None and self.softmax_offset.device != q.device:
@@ -236,15 +221,6 @@ class DotProductAttention(torch.nn.Module):
                                        self.num_attention_heads, sq, skv, q)
         slopes = _check_alibi(core_attention_bias_type, alibi_slopes, batch,
                               self.num_attention_heads, q.device)
-        if "causal" not in mask_type and not masks.is_bottom_right(mask_type,
-                                                                   bottom_right_diagonal):
-            top_left = _top_left_diagonal(mask_type, window, core_attention_bias_type, q_format,
-                                          kv_format, batch, sq, skv, cu_q, cu_kv, arbitrary,
-                                          slopes, q)
-            if top_left is not None:
-                (mask_type, window, arbitrary, cu_q, cu_kv, core_attention_bias_type, bias,
-                 bias_shape, slopes) = top_left
-
         env = selection.read_env()
         fields = params_fields(
             qkv_format=qkv_format, q_format=q_format, kv_format=kv_format,
@@ -265,7 +241,7 @@ class DotProductAttention(torch.nn.Module):
                 t.requires_grad for t in (q, k, v)),
             is_compiling=torch.compiler.is_compiling(),
             softmax_type=self.softmax_type, return_max_logit=self.return_max_logit,
-            softcap=softcap,
+            softcap=softcap, bottom_right_diagonal=bottom_right_diagonal is not False,
         )
         backend, params = selection.select(fields, env)
         # nn.Module.__setattr__ is slow: set on change. Under compile, reading the old value
@@ -280,6 +256,24 @@ class DotProductAttention(torch.nn.Module):
                 self._dense_calls.clear()
             self._dense_calls[dense_key] = (backend, params)
         return self._run(backend, inputs, params)
+
+    def _forward_with_gaps(self, q, k, v, rows_q, rows_kv, call_args):
+        """Padded thd: gather the real tokens, attend over them packed, and put the output
+        back in the padded rows (zeros between sequences, as TE's fast_zero_fill)."""
+        if torch.compiler.is_compiling():
+            raise ValueError("thd with padding between sequences (cu_seqlens_*_padded) is not "
+                             "supported under torch.compile")
+        padded_rows = q.shape[0]
+        if rows_q is not None:
+            q = q.index_select(0, rows_q)
+        if rows_kv is not None:
+            k, v = k.index_select(0, rows_kv), v.index_select(0, rows_kv)
+        result = self.forward(q, k, v, **call_args)
+        if rows_q is None:
+            return result
+        out, *max_logit = result if isinstance(result, tuple) else (result,)
+        full = out.new_zeros((padded_rows, *out.shape[1:])).index_copy(0, rows_q, out)
+        return (full, *max_logit) if max_logit else full
 
     def _window_for(self, mask_type, window_size):
         """masks.check_set_window_size, remembered for the last (mask type, window): a
@@ -335,8 +329,7 @@ class DotProductAttention(torch.nn.Module):
 
 
 def check_unsupported_forward_args(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
-                                   cu_seqlens_kv_padded, inference_params, pad_between_seqs,
-                                   fp8_output) -> None:
+                                   cu_seqlens_kv_padded, inference_params, fp8_output) -> None:
     """TE forward arguments of features transformer_fa does not have: their neutral values
     pass, anything else is a clear error."""
     if inference_params is not None:
@@ -347,8 +340,6 @@ def check_unsupported_forward_args(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_pad
                                 (cu_seqlens_kv_padded, cu_seqlens_kv, "cu_seqlens_kv_padded")):
         if padded is not None and plain is None:
             raise ValueError(f"{name} needs the unpadded {name[:-7]} beside it")
-    # pad_between_seqs only describes the padded offsets (TE infers it): without them there
-    # is no gap to honour, and TE's own reference runs pass True with packed inputs.
 
 
 def _padded_sides(qkv_format, q, k, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
@@ -547,34 +538,3 @@ def _check_alibi(bias_type, slopes, batch, heads, device):
     if slopes.device != device:
         raise ValueError(f"alibi_slopes is on {slopes.device}, expected {device}")
     return slopes
-
-
-def _top_left_diagonal(mask_type, window, bias_type, q_format, kv_format, batch, sq, skv, cu_q,
-                       cu_kv, arbitrary, slopes, q):
-    """bottom_right_diagonal=False for a non-causal mask: the window becomes an explicit
-    'arbitrary' mask and ALiBi a post-scale bias, both built top-left (masks.py), since the
-    backends align non-causal diagonals bottom-right. None where the alignment changes nothing
-    (no window or ALiBi, or every sequence has sq == skv)."""
-    has_window = window != (-1, -1)
-    varlen = cu_q is not None
-    if not (has_window or bias_type == "alibi") or (sq == skv and not varlen):
-        return None
-    if "thd" in (q_format, kv_format):
-        raise ValueError("bottom_right_diagonal=False with a sliding window or ALiBi is not "
-                         "supported with the thd format")
-    def lengths(cu, full):
-        if varlen:
-            return padding.seqlens_from_cu(cu)
-        return torch.full((batch,), full, dtype=torch.int32, device=q.device)
-    lens_q, lens_kv = lengths(cu_q, sq), lengths(cu_kv, skv)
-    bias = bias_shape = None
-    if bias_type == "alibi":
-        bias = masks.alibi_bias(slopes, mask_type, lens_q, lens_kv, sq, skv,
-                                bottom_right_diagonal=False).to(q.dtype)
-        bias_type, slopes = "post_scale_bias", None
-        bias_shape = ("b" if bias.shape[0] > 1 else "1") + "hss"
-    if has_window or varlen:
-        keep = masks.keep_mask(mask_type, window, lens_q, lens_kv, sq, skv, arbitrary,
-                               bottom_right_diagonal=False)
-        arbitrary, mask_type, window, cu_q, cu_kv = ~keep, "arbitrary", (-1, -1), None, None
-    return mask_type, window, arbitrary, cu_q, cu_kv, bias_type, bias, bias_shape, slopes

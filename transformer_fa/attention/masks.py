@@ -18,7 +18,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .params import MASK_TYPES
+from .params import MASK_TYPES, diagonal_is_bottom_right
 
 
 def normalize_mask_type(attn_mask_type: str, name: str = "attn_mask_type") -> str:
@@ -35,14 +35,8 @@ def normalize_mask_type(attn_mask_type: str, name: str = "attn_mask_type") -> st
 
 
 def is_bottom_right(attn_mask_type: str, bottom_right_diagonal: Optional[bool] = None) -> bool:
-    """TE's diagonal alignment: causal and padding_causal are top-left and the
-    *_bottom_right types bottom-right whatever is asked; the others follow
-    ``bottom_right_diagonal`` (None = bottom-right)."""
-    if attn_mask_type in ("causal", "padding_causal"):
-        return False
-    if "bottom_right" in attn_mask_type or bottom_right_diagonal is None:
-        return True
-    return bool(bottom_right_diagonal)
+    """params.diagonal_is_bottom_right, with None meaning TE's default (bottom-right)."""
+    return diagonal_is_bottom_right(attn_mask_type, bottom_right_diagonal is not False)
 
 
 def check_set_window_size(attn_mask_type: str, window_size: Optional[Tuple[int, int]]

@@ -295,8 +295,7 @@ class MultiheadAttention(torch.nn.Module):
         (TE's).
         """
         check_unsupported_forward_args(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
-                                       cu_seqlens_kv_padded, inference_params, pad_between_seqs,
-                                       False)
+                                       cu_seqlens_kv_padded, inference_params, False)
         check_hidden_states(hidden_states, self.hidden_size, self.params_dtype, "hidden_states")
         if core_attention_bias_type not in BIAS_TYPES:
             raise ValueError(

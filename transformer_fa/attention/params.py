@@ -25,6 +25,14 @@ BIAS_TYPES = ("no_bias", "pre_scale_bias", "post_scale_bias", "alibi")
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")  # TE's softmax_type values
 
 
+def diagonal_is_bottom_right(attn_mask_type: str, bottom_right_diagonal: bool = True) -> bool:
+    """TE's diagonal alignment: causal and padding_causal are top-left and the *_bottom_right
+    types bottom-right whatever is asked; the others follow ``bottom_right_diagonal``."""
+    if attn_mask_type in ("causal", "padding_causal"):
+        return False
+    return "bottom_right" in attn_mask_type or bool(bottom_right_diagonal)
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionParams:
     qkv_format: str  # as given: "sbhd", "bshd", "thd", "sbhd_2bshd", ...
@@ -59,6 +67,8 @@ class AttentionParams:
     # dtype: per head, the largest scaled, biased, unmasked logit over the batch.
     return_max_logit: bool = False
     softcap: float = 0.0  # logits -> softcap * tanh(logits / softcap) when > 0 (FA2/Gemma 2)
+    # TE's bottom_right_diagonal for non-causal masks (windows, ALiBi): False = top-left.
+    bottom_right_diagonal: bool = True
 
     @property
     def is_padding(self) -> bool:
@@ -70,8 +80,8 @@ class AttentionParams:
 
     @property
     def is_bottom_right(self) -> bool:
-        """Diagonal (causal and sliding window) aligned to the bottom-right corner."""
-        return self.attn_mask_type not in ("causal", "padding_causal")
+        """Diagonal (causal and sliding window, ALiBi) aligned to the bottom-right corner."""
+        return diagonal_is_bottom_right(self.attn_mask_type, self.bottom_right_diagonal)
 
     @property
     def is_varlen(self) -> bool:

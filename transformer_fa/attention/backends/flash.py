@@ -29,7 +29,7 @@ from .. import masks
 from ..constants import ENV_FLASH_KERNELS, FLASH_FORMAT_CODES, FLASH_MAX_HEAD_DIM, MAX_GRID_YZ
 from ..params import AttentionInputs, AttentionParams
 from .support import (aligned, dropout_rng_state, fresh, never_raises, op_schema,
-                      softmax_variant_reasons)
+                      reference_only_reasons)
 
 NAME = "FlashAttention"
 EXTENSION = "transformer_fa_flash"
@@ -96,7 +96,7 @@ def _reasons(p: AttentionParams) -> List[str]:
                        f"{p.core_attention_bias_type}")
     if not 0.0 <= p.attention_dropout < 1.0:
         reasons.append(f"as it does not support attention_dropout = {p.attention_dropout}")
-    reasons += softmax_variant_reasons(p)
+    reasons += reference_only_reasons(p)
     return reasons
 
 # Why this backend cannot serve params (each reads after "Disabling <NAME> ").

@@ -66,10 +66,14 @@ def op_schema(call_type: type, tensors: str, returns: str, extra: str = "") -> s
     return f"({', '.join([tensors] + fields + ([extra] if extra else []))}) -> {returns}"
 
 
-def softmax_variant_reasons(p: AttentionParams) -> List[str]:
-    """Declines for TE's softmax variants, max logit and softcap, which only the unfused
-    backend computes today."""
+def reference_only_reasons(p: AttentionParams) -> List[str]:
+    """Declines for what only the unfused reference computes today: TE's softmax variants,
+    max logit, softcap, and a top-left diagonal for non-causal windows and ALiBi."""
     reasons = []
+    if not p.is_bottom_right and not p.is_causal and (
+            p.has_window or p.core_attention_bias_type == "alibi"):
+        reasons.append("as it does not support bottom_right_diagonal = False with a sliding "
+                       "window or ALiBi")
     if p.softmax_type != "vanilla":
         reasons.append(f"as it does not support softmax_type = {p.softmax_type}")
     if p.return_max_logit:

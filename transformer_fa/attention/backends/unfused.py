@@ -108,10 +108,11 @@ def run(inputs: AttentionInputs, params: AttentionParams):
         scores = scores + bias
     elif p.core_attention_bias_type == "alibi":
         scores = scores + masks.alibi_bias(inputs.alibi_slopes, p.attn_mask_type, seqlens_q,
-                                           seqlens_kv, sq, skv, dtype=dtype)
+                                           seqlens_kv, sq, skv, p.bottom_right_diagonal,
+                                           dtype=dtype)
 
     keep = masks.keep_mask(p.attn_mask_type, p.window_size, seqlens_q, seqlens_kv, sq, skv,
-                           inputs.attention_mask)
+                           inputs.attention_mask, p.bottom_right_diagonal)
     scores = scores.masked_fill(~keep, float("-inf"))
     max_logit = _max_logit(scores, q.dtype) if p.return_max_logit else None
     row_alive = keep.any(-1, keepdim=True)

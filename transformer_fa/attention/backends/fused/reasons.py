@@ -8,7 +8,7 @@ import torch
 
 from ...constants import FUSED_HEAD_DIMS
 from ...params import AttentionParams
-from ..support import softmax_variant_reasons
+from ..support import reference_only_reasons
 from . import cudnn_lib
 from .plans import GraphCache
 from .spec import spec_from_params
@@ -76,7 +76,7 @@ def feature_reasons(p: AttentionParams) -> List[str]:
         reasons.append("as it does not support core_attention_bias_type = pre_scale_bias")
     if p.core_attention_bias_shape == "111s":
         reasons.append("as it does not support core_attention_bias_shape = 111s")
-    reasons += softmax_variant_reasons(p)
+    reasons += reference_only_reasons(p)
     thd = "thd" in (p.q_format, p.kv_format)
     if thd and p.core_attention_bias_type in ("post_scale_bias", "alibi"):
         reasons.append(f"as it does not support core_attention_bias_type = "
