@@ -632,7 +632,7 @@ def test_transformer_layer_thd_with_padding_between_sequences_and_rope():
     layer = te.TransformerLayer(H, 2 * H, HEADS, attn_input_format="thd", hidden_dropout=0.0,
                                 attention_dropout=0.0, self_attn_mask_type="padding_causal",
                                 device="cpu")
-    freqs = te.RotaryPositionEmbedding(H // HEADS)(16)
+    freqs = te.RotaryPositionEmbedding(H // HEADS)(16).cpu()
     x = torch.randn(sum(slots), H)
     out = layer(x, cu_seqlens_q=cu(lens), cu_seqlens_q_padded=cu(slots), max_seqlen_q=5,
                 rotary_pos_emb=freqs, pad_between_seqs=True)
