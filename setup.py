@@ -10,11 +10,16 @@ files build for the targets of this list it runs on, csrc/generate.py); kernel s
 TRANSFORMER_FA_FLASH_KERNELS (default all; e.g. "bf16_hdim128,fp16_hdim64" for a fast
 development build, or one family's "sm80_bf16_hdim128": calls the build lacks go to another
 backend, with the reason).
+The sm90 family (Hopper's wgmma/TMA forward) includes CuTe/CUTLASS headers: those of the pip
+package nvidia-cutlass (CUTLASS_PIN; installed by this script when missing), or
+CUTLASS_INCLUDE=<dir with cute/ and cutlass/>. Without them the build leaves that family out.
 """
 import glob
 import importlib.util
 import os
 import shutil
+import subprocess
+import sys
 
 from setuptools import find_packages, setup
 
@@ -30,16 +35,46 @@ def load_generate():
     return generate
 
 
-def flash_instantiations(generate, archs):
+def flash_instantiations(generate, archs, cutlass):
     """({kernel .cu file: its nvcc targets}, macros) to build: csrc/generate.py knows the
     instantiations, their files, targets and the macros that enable their dispatch cases;
     TRANSFORMER_FA_FLASH_KERNELS picks."""
     try:
         files, macros = generate.selected(os.environ.get("TRANSFORMER_FA_FLASH_KERNELS", ""),
-                                          archs)
+                                          archs, cutlass=cutlass)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     return {os.path.join("csrc", f): targets for f, targets in files.items()}, macros
+
+
+CUTLASS_PIN = "nvidia-cutlass==4.2.0.0"  # header-only use; the version the kernels are tested with
+
+
+def _pip_cutlass_include():
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(spec.submodule_search_locations[0], "source", "include")
+    return path if os.path.isdir(os.path.join(path, "cute")) else None
+
+
+def cutlass_include():
+    """The CuTe/CUTLASS include dir for the sm90 family, or None (the family is left out)."""
+    given = os.environ.get("CUTLASS_INCLUDE")
+    if given:
+        if not os.path.isdir(os.path.join(given, "cute")):
+            raise SystemExit(f"CUTLASS_INCLUDE={given} has no cute/ directory")
+        return given
+    found = _pip_cutlass_include()
+    if found is None:
+        print(f"transformer_fa: installing {CUTLASS_PIN} (CuTe headers for the sm90 kernels)")
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", CUTLASS_PIN])
+        importlib.invalidate_caches()
+        found = _pip_cutlass_include() if done.returncode == 0 else None
+    if found is None:
+        print(f"transformer_fa: CUTLASS headers not found ({CUTLASS_PIN} could not be "
+              "installed): building without the sm90 kernel family")
+    return found
 
 
 def want_cuda_build():
@@ -68,10 +103,13 @@ def extensions():
 
     archs = os.environ.get("TRANSFORMER_FA_CUDA_ARCHS", "80;90a")
     generate = load_generate()
-    kernels, macros = flash_instantiations(generate, archs)
+    wants_cutlass = any(f.needs_cutlass and generate.family_archs(name, archs)
+                        for name, f in generate.FAMILIES.items())
+    cutlass = cutlass_include() if wants_cutlass else None
+    kernels, macros = flash_instantiations(generate, archs, cutlass is not None)
     ext = CUDAExtension(
         EXTENSION, sorted(glob.glob(os.path.join("csrc", "*.cpp"))) + sorted(kernels),
-        include_dirs=[os.path.join(ROOT, "csrc")],
+        include_dirs=[os.path.join(ROOT, "csrc")] + ([cutlass] if cutlass else []),
         extra_compile_args={"cxx": ["-O3", "-std=c++17"] + macros,
                             "nvcc": ["-O3", "-std=c++17", "--use_fast_math",
                                      "--expt-relaxed-constexpr"]})

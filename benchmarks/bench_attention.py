@@ -181,6 +181,7 @@ class Bench:
         self.deadline = time.monotonic() + preset.budget_s
         self.data = {"gpu": gpu_name(device), "date": datetime.date.today().isoformat(),
                      "torch": torch.__version__, "cudnn": cudnn_version(), "grid_repeats": 1,
+                     "flash_family": os.environ.get("TRANSFORMER_FA_FLASH_FAMILY", "auto"),
                      "records": [], "decode": [], "layer": []}
 
     def randn(self, *shape, dtype, grad=False):
@@ -520,6 +521,8 @@ def main(argv=None):
     ap.add_argument("--backends", default=",".join(BACKENDS),
                     help="comma list of the backends to measure (default: all)")
     ap.add_argument("--tag", default="", help="suffix of the result files' name")
+    ap.add_argument("--head-dims", help="comma list: the grid's head dims (default: the "
+                    "preset's)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="passes over the grid; each row records the median over the passes")
     args = ap.parse_args(argv)
@@ -533,6 +536,9 @@ def main(argv=None):
     preset = PRESETS["quick" if args.quick else "tiny" if args.tiny else "full"]
     if args.budget_s:
         preset = dataclasses.replace(preset, budget_s=args.budget_s)
+    if args.head_dims:
+        preset = dataclasses.replace(preset, head_dims=tuple(int(d) for d in
+                                                             args.head_dims.split(",")))
     torch.manual_seed(0)
     start = time.monotonic()
     out_dir = Path(args.out_dir)

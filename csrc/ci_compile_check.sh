@@ -2,8 +2,8 @@
 # CI: compile one instantiation of every kernel family with nvcc (no torch, no GPU), so that
 # a change that breaks the kernels' build cannot land. Fails loudly on any error.
 #   csrc/ci_compile_check.sh            # from anywhere; needs nvcc (CUDA 12.x/13.x)
-# Every kernel family (csrc/generate.py's FAMILIES; today sm80, whose sm_90a build also
-# compiles sm90/'s bulk dQ copy): each direction at each of the family's default targets
+# Every kernel family (csrc/generate.py's FAMILIES: sm80, whose sm_90a build also compiles
+# sm90/'s bulk dQ copy, and sm90): each direction at each of the family's default targets
 # (generate.py --compile-check-jobs). Also checks that the generated files are up to date.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -14,9 +14,19 @@ if ! command -v "$NVCC" >/dev/null 2>&1; then
 fi
 python3 generate.py --check || { echo "ci_compile_check: FAILED: stale generated files" >&2; exit 1; }
 
+# The sm90 family needs the CUTLASS/CuTe headers of the pip package nvidia-cutlass.
+CUTLASS_INCLUDE=${CUTLASS_INCLUDE:-$(python3 -c "import importlib.util, os
+spec = importlib.util.find_spec('cutlass_library')
+print(os.path.join(spec.submodule_search_locations[0], 'source', 'include') if spec else '')")}
+if [ -z "$CUTLASS_INCLUDE" ] || [ ! -d "$CUTLASS_INCLUDE/cute" ]; then
+  echo "ci_compile_check: FAILED: CUTLASS headers not found (pip install nvidia-cutlass==4.2.0.0" \
+       "or set CUTLASS_INCLUDE)" >&2
+  exit 1
+fi
+
 # The no-conversion macros are the ones torch's cpp_extension passes: the CI build must refuse
 # what the real build refuses.
-FLAGS=(-O3 -std=c++17 --use_fast_math --expt-relaxed-constexpr -I. -Xptxas -v
+FLAGS=(-O3 -std=c++17 --use_fast_math --expt-relaxed-constexpr -I. -I"$CUTLASS_INCLUDE" -Xptxas -v
        -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__
        -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__)
 # (file, target) jobs: each family's directions at each of its targets, dtypes and head dims
@@ -34,21 +44,6 @@ for job in "${JOBS[@]}"; do
       >"$log" 2>&1 ) &
   pids+=("$!:$1:$2:$log")
 done
-# The sm90a forward kernel (csrc/flash/sm90_fwd/, not wired into the tree yet) needs the
-# CUTLASS/CuTe headers of the pip package nvidia-cutlass.
-CUTLASS_INCLUDE=${CUTLASS_INCLUDE:-$(python3 -c "import importlib.util, os
-spec = importlib.util.find_spec('cutlass_library')
-print(os.path.join(spec.submodule_search_locations[0], 'source', 'include') if spec else '')")}
-if [ -z "$CUTLASS_INCLUDE" ] || [ ! -d "$CUTLASS_INCLUDE/cute" ]; then
-  echo "ci_compile_check: FAILED: CUTLASS headers not found (pip install nvidia-cutlass==4.2.0.0" \
-       "or set CUTLASS_INCLUDE)" >&2
-  exit 1
-fi
-log="$TMP/sm90_fwd_api.cu.90a.log"
-( "$NVCC" "${FLAGS[@]}" -I"$CUTLASS_INCLUDE" -diag-suppress 3357 \
-    -gencode=arch=compute_90a,code=sm_90a -c flash/sm90_fwd/sm90_fwd_api.cu \
-    -o "$TMP/sm90_fwd_api.cu.90a.o" >"$log" 2>&1 ) &
-pids+=("$!:flash/sm90_fwd/sm90_fwd_api.cu:90a:$log")
 for entry in "${pids[@]}"; do
   IFS=: read -r pid file arch log <<<"$entry"
   if wait "$pid"; then

@@ -13,6 +13,7 @@
 
 #include "flash/dispatch.h"
 #include "flash/flash.h"
+#include "flash/sm90/fwd_support.h"
 
 namespace tf = transformer_fa::flash;
 
@@ -81,9 +82,6 @@ const tf::Device& device_info(int device) {
   return info;
 }
 
-// The kernel family that runs calls on a device: sm80 on every GPU (the only family so far).
-tf::Arch family_for(const tf::Device&) { return tf::Arch::kSm80; }
-
 // The kernel head dim a head dim d runs on (the first built-in one >= d), or 0.
 int kernel_head_dim(int64_t d) {
   for (int hd : tf::kKernelHeadDims) {
@@ -91,6 +89,32 @@ int kernel_head_dim(int64_t d) {
   }
   return 0;
 }
+
+// Which family a forward asks for: 0 the fastest that serves the call, else an Arch value
+// (TRANSFORMER_FA_FLASH_FAMILY, for tests and benchmarks).
+constexpr int kAnyFamily = 0;
+
+// The family that runs a forward on a GPU of compute capability `arch`: sm90 where this build
+// has its kernel and it serves the call (1.5-1.8x the sm80 family's speed on an H100), else
+// sm80, which serves every call. `why_not_sm90` says why sm90 was not taken, when it was not.
+tf::Arch fwd_family(const tf::FwdParams& p, int arch, bool bf16, int requested,
+                    std::string& why_not_sm90) {
+  const char* declined = tf::sm90::fwd_declines(p, arch);
+  if (requested == static_cast<int>(tf::Arch::kSm80)) {
+    why_not_sm90 = "the sm80 family was requested";
+  } else if (declined != nullptr) {
+    why_not_sm90 = declined;
+  } else if (!tf::has_fwd(tf::Arch::kSm90, bf16, kernel_head_dim(p.d))) {
+    why_not_sm90 = "this build has no sm90 kernel for this dtype and head dim";
+  } else {
+    return tf::Arch::kSm90;
+  }
+  return tf::Arch::kSm80;
+}
+
+// The backward's family: sm80 for every call (the sm90 family has no backward yet). It reads
+// the LSE that either family's forward writes (float32, natural log, same layout).
+tf::Arch bwd_family(const tf::Device&) { return tf::Arch::kSm80; }
 
 // Checks q, k, v, the lengths and the mask arguments, and fills the parameters the forward
 // and the backward share. Returns the batch size.
@@ -216,7 +240,7 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
                             double softmax_scale, int64_t window_left, int64_t window_right,
                             bool bottom_right, bool return_lse, double dropout_p,
                             const c10::optional<at::Tensor>& rng_state,
-                            const c10::optional<at::Tensor>& alibi_slopes) {
+                            const c10::optional<at::Tensor>& alibi_slopes, int64_t family) {
   c10::cuda::CUDAGuard guard(q.device());
   tf::FwdParams p{};
   const int64_t b = fill_common(p, "flash_attn_fwd", q, k, v, cu_seqlens_q, cu_seqlens_k,
@@ -243,7 +267,14 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   const int hd = kernel_head_dim(p.d);
   const tf::Device& dev = device_info(q.get_device());
-  TORCH_CHECK(tf::dispatch_fwd(family_for(dev), bf16, hd, p, dev,
+  TORCH_CHECK(family == kAnyFamily || family == static_cast<int>(tf::Arch::kSm80) ||
+                  family == static_cast<int>(tf::Arch::kSm90),
+              "flash_attn_fwd: family must be 0 (any), 80 or 90, got ", num(family));
+  std::string why_not_sm90;
+  const tf::Arch arch = fwd_family(p, dev.arch, bf16, static_cast<int>(family), why_not_sm90);
+  TORCH_CHECK(family != static_cast<int>(tf::Arch::kSm90) || arch == tf::Arch::kSm90,
+              "flash_attn_fwd: the sm90 family was requested, but ", why_not_sm90);
+  TORCH_CHECK(tf::dispatch_fwd(arch, bf16, hd, p, dev,
                                c10::cuda::getCurrentCUDAStream().stream()),
               "flash_attn_fwd: this build has no ", kernel_name(q.scalar_type(), hd),
               " kernel (see TRANSFORMER_FA_FLASH_KERNELS in setup.py)");
@@ -284,7 +315,7 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   const int hd = kernel_head_dim(p.d);
   const tf::Device& dev = device_info(q.get_device());
-  const tf::Arch family = family_for(dev);
+  const tf::Arch family = bwd_family(dev);
 
   at::Tensor dq = at::empty(q.sizes(), q.options());  // every row written (from dq_accum)
   at::Tensor dk = k_thd ? at::zeros(k.sizes(), k.options()) : at::empty(k.sizes(), k.options());
@@ -334,6 +365,30 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
   return {dq, dk, dv};
 }
 
+// The family fwd would run a call on (its name, and why not sm90 when it is not), from the
+// call's shape alone: the Python backend logs it. arch: the GPU's compute capability.
+std::vector<std::string> fwd_family_of(int64_t arch, bool bf16, int64_t d, int64_t seqlen_q,
+                                       int64_t seqlen_k, bool varlen, int64_t window_left,
+                                       int64_t window_right, bool alibi, bool dropout,
+                                       int64_t family) {
+  tf::FwdParams p{};
+  static const int kSomeSequences = 1;  // a non-null cu_seqlens stands for "varlen"
+  p.d = static_cast<int>(d);
+  p.seqlen_q = static_cast<int>(seqlen_q);
+  p.seqlen_k = static_cast<int>(seqlen_k);
+  p.cu_seqlens_q = p.cu_seqlens_k = varlen ? &kSomeSequences : nullptr;
+  p.window_left = static_cast<int>(window_left < 0 ? -1 : window_left);
+  p.window_right = static_cast<int>(window_right < 0 ? -1 : window_right);
+  static const float kSomeSlope = 0.f;
+  static const int64_t kSomeState = 0;
+  p.alibi_slopes = alibi ? &kSomeSlope : nullptr;
+  p.rng_state = dropout ? &kSomeState : nullptr;
+  std::string why_not_sm90;
+  const tf::Arch arch_run = fwd_family(p, static_cast<int>(arch), bf16, static_cast<int>(family),
+                                       why_not_sm90);
+  return {arch_run == tf::Arch::kSm90 ? "sm90" : "sm80", why_not_sm90};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "transformer_fa flash attention kernels (forward and backward; families: flash/)";
   m.def("fwd", &fwd, "Flash attention forward", py::arg("q"), py::arg("k"), py::arg("v"),
@@ -341,7 +396,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("kv_format"), py::arg("max_seqlen_q"), py::arg("max_seqlen_k"),
         py::arg("softmax_scale"), py::arg("window_left"), py::arg("window_right"),
         py::arg("bottom_right"), py::arg("return_lse"), py::arg("dropout_p") = 0.0,
-        py::arg("rng_state") = py::none(), py::arg("alibi_slopes") = py::none());
+        py::arg("rng_state") = py::none(), py::arg("alibi_slopes") = py::none(),
+        py::arg("family") = kAnyFamily);
+  m.def("fwd_family", &fwd_family_of,
+        "(family name, why not sm90) of the forward of a call with this shape",
+        py::arg("arch"), py::arg("bf16"), py::arg("d"), py::arg("seqlen_q"), py::arg("seqlen_k"),
+        py::arg("varlen"), py::arg("window_left"), py::arg("window_right"), py::arg("alibi"),
+        py::arg("dropout"), py::arg("family") = kAnyFamily);
   m.def("bwd", &bwd, "Flash attention backward", py::arg("dout"), py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("cu_seqlens_q"),
         py::arg("cu_seqlens_k"), py::arg("q_format"), py::arg("kv_format"),

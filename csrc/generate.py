@@ -31,6 +31,7 @@ class Family(NamedTuple):
     archs: Optional[Tuple[str, ...]]  # the nvcc targets its files build for; None: every one
     directions: Tuple[str, ...]
     head_dims: Tuple[int, ...] = HEAD_DIMS
+    needs_cutlass: bool = False    # its files include CuTe/CUTLASS (pip nvidia-cutlass)
 
 
 # Kernel families: csrc/flash/<name>/{fwd,bwd}_launch.cuh define <name>::launch_fwd,
@@ -38,6 +39,9 @@ class Family(NamedTuple):
 # target (and serves every GPU: the INSTANTIATIONS the binding reports are its kernels').
 FAMILIES = {
     "sm80": Family(enum="kSm80", archs=None, directions=("fwd", "bwd")),
+    # wgmma/TMA forward for sm_90a; the binding runs what it declines on sm80.
+    "sm90": Family(enum="kSm90", archs=("90a",), directions=("fwd",), head_dims=(128,),
+                   needs_cutlass=True),
 }
 EVERY_GPU_FAMILY = "sm80"
 
@@ -94,6 +98,10 @@ inline bool dispatch_fwd(Arch arch, bool bf16, int hd, const FwdParams& params,
                          const Device& device, cudaStream_t stream) {{
 {fwd_cases}  return false;
 }}
+// Whether this build has the forward kernel for (family, dtype, kernel head dim).
+inline bool has_fwd(Arch arch, bool bf16, int hd) {{
+{has_fwd_cases}  return false;
+}}
 inline bool dispatch_plan_bwd(Arch arch, bool bf16, int hd, BwdParams& params,
                               const Device& device, BwdPlan& plan) {{
 {plan_cases}  return false;
@@ -118,6 +126,10 @@ CASE = """#ifdef {macro}
     {body};
     return true;
   }}
+#endif
+"""
+HAS_CASE = """#ifdef {macro}
+  if (arch == Arch::{enum} && {not_}bf16 && hd == {d}) return true;
 #endif
 """
 BUILT_CASE = """#ifdef {macro}
@@ -163,10 +175,11 @@ def family_archs(family: str, archs: str):
     return tuple(a for a in wanted if allowed is None or a in allowed)
 
 
-def selected(names: str, archs: str = DEFAULT_ARCHS):
+def selected(names: str, archs: str = DEFAULT_ARCHS, cutlass: bool = True):
     """({kernel file relative to csrc/: its nvcc targets}, macros) of the instantiations that
     setup.py builds: those in the comma list `names` (TRANSFORMER_FA_FLASH_KERNELS; all when
-    empty) whose family builds for some target in `archs` (TRANSFORMER_FA_CUDA_ARCHS)."""
+    empty) whose family builds for some target in `archs` (TRANSFORMER_FA_CUDA_ARCHS) and,
+    for a family that needs CuTe, when `cutlass` (its headers were found)."""
     known = instantiations()
     by_name = {}
     for family, dtype, d in known:
@@ -187,10 +200,14 @@ def selected(names: str, archs: str = DEFAULT_ARCHS):
             raise ValueError(f"TRANSFORMER_FA_FLASH_KERNELS names {w}, but its family builds "
                              f"for {', '.join(FAMILIES[by_name[w][0][0]].archs)} only and "
                              f"TRANSFORMER_FA_CUDA_ARCHS is {archs!r}")
+        if w.startswith(tuple(f"{f}_" for f in FAMILIES)) and not cutlass and \
+                FAMILIES[by_name[w][0][0]].needs_cutlass:
+            raise ValueError(f"TRANSFORMER_FA_FLASH_KERNELS names {w}, whose family needs the "
+                             "CUTLASS headers (pip install nvidia-cutlass), which were not found")
     files, macros = {}, []
     for family, dtype, d in chosen:
         targets = family_archs(family, archs)
-        if not targets:
+        if not targets or (FAMILIES[family].needs_cutlass and not cutlass):
             continue
         macros.append(f"-D{kernel_macro(family, dtype, d)}")
         for direction in FAMILIES[family].directions:
@@ -240,7 +257,7 @@ def kernel_files():
 
 
 def dispatch_header() -> str:
-    fwd, plan, bwd, built = [], [], [], []
+    fwd, has_fwd, plan, bwd, built = [], [], [], [], []
     for family, dtype, d in instantiations():
         spec = FAMILIES[family]
         enum = DTYPES[dtype][0]
@@ -249,12 +266,14 @@ def dispatch_header() -> str:
                   not_="" if dtype == "bf16" else "!", d=d)
         if "fwd" in spec.directions:
             fwd.append(CASE.format(body=f"run_fwd{template}(params, device, stream)", **kw))
+            has_fwd.append(HAS_CASE.format(**kw))
         if "bwd" in spec.directions:
             plan.append(CASE.format(body=f"plan = plan_bwd{template}(params, device)", **kw))
             bwd.append(CASE.format(body=f"run_bwd{template}(params, device, stream)", **kw))
         if family == EVERY_GPU_FAMILY:
             built.append(BUILT_CASE.format(macro=kw["macro"], name=kernel_name(dtype, d)))
     return DISPATCH_HEADER.format(dims=", ".join(map(str, HEAD_DIMS)), fwd_cases="".join(fwd),
+                                  has_fwd_cases="".join(has_fwd),
                                   plan_cases="".join(plan), bwd_cases="".join(bwd),
                                   every=EVERY_GPU_FAMILY, built="".join(built))
 

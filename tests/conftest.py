@@ -7,13 +7,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from transformer_fa.attention import selection  # noqa: E402
 
-ENV_VARS = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN", "NVTE_DEBUG",
-            "NVTE_DEBUG_LEVEL", "NVTE_ALLOW_NONDETERMINISTIC_ALGO")
+ENV_VARS = selection.ENV_VARS
 
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
-    """Each test starts with no NVTE_* variables and an empty backend cache."""
+    """Each test starts with none of the selection's variables (NVTE_*, the flash kernel
+    family) and an empty backend cache."""
     for name in ENV_VARS:
         monkeypatch.delenv(name, raising=False)
     selection.clear_cache()

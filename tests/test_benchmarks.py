@@ -8,7 +8,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import bench_attention, report  # noqa: E402
 
-TOP_KEYS = ["gpu", "date", "torch", "cudnn", "grid_repeats", "records", "decode", "layer"]
+TOP_KEYS = ["gpu", "date", "torch", "cudnn", "grid_repeats", "flash_family", "records", "decode", "layer"]
 
 
 def test_tiny_run_on_cpu(tmp_path):

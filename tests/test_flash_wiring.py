@@ -33,11 +33,12 @@ class TorchFlash:
         self.calls = []  # (name, dict of the interesting arguments)
 
     def fwd(self, q, k, v, cu_q, cu_k, q_format, kv_format, max_seqlen_q, max_seqlen_k, scale,
-            left, right, bottom_right, return_lse, dropout_p, rng_state, alibi_slopes):
+            left, right, bottom_right, return_lse, dropout_p, rng_state, alibi_slopes, family):
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not aligned(t):
                 raise RuntimeError(f"flash_attn_fwd: {name} is not kernel-ready")
-        self.calls.append(("fwd", dict(return_lse=return_lse, rng=_copy(rng_state))))
+        self.calls.append(("fwd", dict(return_lse=return_lse, rng=_copy(rng_state),
+                                       family=family)))
         out, lse, _ = _attend(q, k, v, None, cu_q, cu_k, q_format, kv_format, scale, left,
                               right, bottom_right, dropout_p, rng_state, alibi_slopes)
         return [out.to(q.dtype), lse if return_lse else lse.new_empty((0,))]
@@ -271,7 +272,26 @@ def test_no_grad_asks_for_no_lse(ext):
     inputs, params, _ = build(CASES["bshd-causal-gqa"])
     with torch.no_grad():
         flash.run(inputs, params)
-    assert ext.calls == [("fwd", dict(return_lse=False, rng=None))]
+    assert ext.calls == [("fwd", dict(return_lse=False, rng=None, family=0))]
+
+
+@pytest.mark.parametrize("value,family", [("sm80", 80), ("sm90", 90), ("auto", 0), ("", 0)])
+def test_kernel_family_request_reaches_the_binding(ext, monkeypatch, value, family):
+    """TRANSFORMER_FA_FLASH_FAMILY picks the forward's kernel family (tests, benchmarks)."""
+    monkeypatch.setenv("TRANSFORMER_FA_FLASH_FAMILY", value)
+    inputs, params, _ = build(CASES["bshd-causal-gqa"])
+    with torch.no_grad():
+        flash.run(inputs, params)
+    assert ext.calls[0][1]["family"] == family
+
+
+def test_unknown_kernel_family_is_a_clear_error(ext, monkeypatch):
+    monkeypatch.setenv("TRANSFORMER_FA_FLASH_FAMILY", "sm100")
+    inputs, params, _ = build(CASES["bshd-causal-gqa"])
+    with pytest.raises(ValueError, match="TRANSFORMER_FA_FLASH_FAMILY must be one of auto, "
+                                         "sm80, sm90, got 'sm100'"):
+        flash.run(inputs, params)
+    assert ext.calls == []
 
 
 def test_strided_dout_is_copied(ext):

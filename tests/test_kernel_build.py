@@ -12,20 +12,36 @@ generate = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(generate)
 
 
-def test_default_builds_every_instantiation_for_both_targets():
+def test_default_builds_every_instantiation_for_its_targets():
     files, macros = generate.selected("")
-    assert len(files) == 2 * len(macros) == 2 * 2 * len(generate.HEAD_DIMS)
+    sm80 = {f: t for f, t in files.items() if f.endswith("_sm80.cu")}
+    sm90 = {f: t for f, t in files.items() if f.endswith("_sm90.cu")}
+    assert len(sm80) == 2 * 2 * len(generate.HEAD_DIMS)  # fwd and bwd, 2 dtypes
+    assert set(sm80.values()) == {("80", "90a")}
+    assert sorted(sm90) == [f"flash/instantiations/fwd_{t}_hdim128_sm90.cu"
+                            for t in ("bf16", "fp16")]
+    assert set(sm90.values()) == {("90a",)}
+    assert len(files) == len(sm80) + len(sm90) and len(macros) == len(sm80) // 2 + len(sm90)
     assert all((CSRC / f).is_file() for f in files)
-    assert set(files.values()) == {("80", "90a")}
     dispatch = (CSRC / "flash" / "dispatch.h").read_text()
     assert all(f"#ifdef {m[2:]}" in dispatch for m in macros)
 
 
 def test_a_subset_builds_both_directions_of_each_named_kernel():
     files, macros = generate.selected(" bf16_hdim128, sm80_fp16_hdim64 ")
-    assert macros == ["-DTFA_FLASH_SM80_FP16_HDIM64", "-DTFA_FLASH_SM80_BF16_HDIM128"]
-    assert list(files) == sorted(f"flash/instantiations/{d}_{k}_sm80.cu" for d in ("fwd", "bwd")
-                                 for k in ("bf16_hdim128", "fp16_hdim64"))
+    assert macros == ["-DTFA_FLASH_SM80_FP16_HDIM64", "-DTFA_FLASH_SM80_BF16_HDIM128",
+                      "-DTFA_FLASH_SM90_BF16_HDIM128"]
+    assert list(files) == sorted([f"flash/instantiations/{d}_{k}_sm80.cu" for d in ("fwd", "bwd")
+                                  for k in ("bf16_hdim128", "fp16_hdim64")]
+                                 + ["flash/instantiations/fwd_bf16_hdim128_sm90.cu"])
+
+
+def test_without_cutlass_the_sm90_family_is_left_out():
+    files, macros = generate.selected("bf16_hdim128", cutlass=False)
+    assert macros == ["-DTFA_FLASH_SM80_BF16_HDIM128"]
+    assert all(f.endswith("_sm80.cu") for f in files)
+    with pytest.raises(ValueError, match="sm90_bf16_hdim128, whose family needs the CUTLASS"):
+        generate.selected("sm90_bf16_hdim128", cutlass=False)
 
 
 def test_unknown_names_are_refused():
@@ -33,15 +49,7 @@ def test_unknown_names_are_refused():
         generate.selected("bf16_hdim100,bf16_hdim128")
 
 
-@pytest.fixture
-def with_sm90a_family(monkeypatch):
-    """A family that builds for sm_90a only, beside sm80 (as a Hopper family will)."""
-    families = dict(generate.FAMILIES, sm90=generate.Family(enum="kSm90", archs=("90a",),
-                                                            directions=("fwd",)))
-    monkeypatch.setattr(generate, "FAMILIES", families)
-
-
-def test_a_family_builds_only_for_its_targets(with_sm90a_family):
+def test_a_family_builds_only_for_its_targets():
     files, macros = generate.selected("bf16_hdim128")
     assert files == {"flash/instantiations/bwd_bf16_hdim128_sm80.cu": ("80", "90a"),
                      "flash/instantiations/fwd_bf16_hdim128_sm80.cu": ("80", "90a"),
@@ -59,11 +67,11 @@ def test_a_family_builds_only_for_its_targets(with_sm90a_family):
     with pytest.raises(ValueError, match="sm90_bf16_hdim128, but its family builds for 90a"):
         generate.selected("sm90_bf16_hdim128", "80")
     # The CI compile check covers each family at each of its targets.
-    assert ("flash/instantiations/fwd_fp16_hdim64_sm90.cu", "90a") in \
-        generate.compile_check_jobs()
+    assert [job for job in generate.compile_check_jobs() if job[0].endswith("_sm90.cu")] == \
+        [("flash/instantiations/fwd_fp16_hdim128_sm90.cu", "90a")]
 
 
-def test_dispatch_lists_the_user_names_of_the_every_gpu_family(with_sm90a_family):
+def test_dispatch_lists_the_user_names_of_the_every_gpu_family():
     header = generate.dispatch_header()
     assert "arch == Arch::kSm90 && bf16 && hd == 128" in header
     assert header.count('built.push_back("bf16_hdim128")') == 1

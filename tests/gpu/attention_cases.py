@@ -2,6 +2,7 @@
 buffer where a layout packs them, and the float32 reference with the FlashAttention error rule.
 """
 import dataclasses
+import logging
 
 import torch
 
@@ -261,3 +262,28 @@ def out_to_padded(out, c: Case):
     if c.fmt == "sbhd":
         return out.view(c.sq, c.b, c.hq, c.dv).transpose(0, 1)
     return out.view(c.b, c.sq, c.hq, c.dv)
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+class capture_log:
+    """The DotProductAttention logger's lines (it may not propagate to the root logger)."""
+
+    def __enter__(self):
+        self.logger = logging.getLogger("DotProductAttention")
+        self.level = self.logger.level
+        self.handler = _Records()
+        self.logger.addHandler(self.handler)
+        self.logger.setLevel(logging.DEBUG)
+        return self.handler.lines
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self.handler)
+        self.logger.setLevel(self.level)

@@ -10,7 +10,6 @@ except the ones marked ``must``: those the backend claims and must serve.
 Skipped without CUDA or without cudnn-frontend.
 """
 import dataclasses
-import logging
 import math
 
 import pytest
@@ -23,8 +22,8 @@ if not torch.cuda.is_available():
 from transformer_fa.attention.backends import fused  # noqa: E402
 from transformer_fa.attention.params import AttentionInputs, AttentionParams  # noqa: E402
 
-from attention_cases import (DEV, Case, alibi_bias, build_inputs, check, cu_seqlens,  # noqa: E402
-                             keep_mask, out_to_padded, pad_rows, reference, to_format,
+from attention_cases import (DEV, Case, alibi_bias, build_inputs, capture_log, check,  # noqa: E402
+                             cu_seqlens, keep_mask, out_to_padded, pad_rows, reference, to_format,
                              to_padded, valid_rows)
 
 CC = torch.cuda.get_device_capability()
@@ -273,31 +272,6 @@ def test_bias_and_alibi(case):
 def test_alibi_far_from_the_diagonal(case):
     """Forward and gradients within the rule where the ALiBi bias is large."""
     run_case(case)
-
-
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
-class capture_log:
-    """The DotProductAttention logger's lines (it may not propagate to the root logger)."""
-
-    def __enter__(self):
-        self.logger = logging.getLogger("DotProductAttention")
-        self.level = self.logger.level
-        self.handler = _Records()
-        self.logger.addHandler(self.handler)
-        self.logger.setLevel(logging.DEBUG)
-        return self.handler.lines
-
-    def __exit__(self, *exc):
-        self.logger.removeHandler(self.handler)
-        self.logger.setLevel(self.level)
 
 
 # ------------------------------------------------------------------------------------------

@@ -23,3 +23,7 @@ ENV_DEBUG = "NVTE_DEBUG"
 ENV_DEBUG_LEVEL = "NVTE_DEBUG_LEVEL"
 ENV_ALLOW_NONDETERMINISTIC_ALGO = "NVTE_ALLOW_NONDETERMINISTIC_ALGO"
 ENV_FLASH_KERNELS = "TRANSFORMER_FA_FLASH_KERNELS"  # the kernel set setup.py builds
+# The flash forward's kernel family: unset or "auto" (the fastest that serves the call),
+# "sm80" or "sm90" (tests and benchmarks compare them).
+ENV_FLASH_FAMILY = "TRANSFORMER_FA_FLASH_FAMILY"
+FLASH_FAMILIES = {"auto": 0, "sm80": 80, "sm90": 90}

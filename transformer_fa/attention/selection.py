@@ -43,7 +43,8 @@ _log_level_set = None  # the level last applied to the logger (plain global: che
 
 
 ENV_VARS = tuple(SWITCHES.values()) + (
-    constants.ENV_DEBUG, constants.ENV_DEBUG_LEVEL, constants.ENV_ALLOW_NONDETERMINISTIC_ALGO)
+    constants.ENV_DEBUG, constants.ENV_DEBUG_LEVEL, constants.ENV_ALLOW_NONDETERMINISTIC_ALGO,
+    constants.ENV_FLASH_FAMILY)
 # os.getenv encodes the name on every call (a few microseconds for six variables, on every
 # attention call); os.environ's own dict, keyed by the encoded names, answers at once.
 _ENV_DATA = getattr(os.environ, "_data", None)
@@ -125,6 +126,9 @@ def _decide(params: AttentionParams, enabled: Dict[str, bool]) -> str:
     for backend in preference_order(params):
         if available[backend.NAME]:
             logger.info("Selected backend = %s", backend.NAME)
+            describe = getattr(backend, "describe_choice", None)
+            if describe is not None and logger.isEnabledFor(logging.DEBUG):
+                logger.debug("%s", describe(params))
             return backend.NAME
     details = "; ".join(f"{name}: {', '.join(r)}" for name, r in reasons.items())
     raise ValueError(
@@ -132,10 +136,11 @@ def _decide(params: AttentionParams, enabled: Dict[str, bool]) -> str:
 
 
 @torch.compiler.assume_constant_result
-def _select_name(fields: tuple, enabled: Tuple[bool, ...], level: int) -> str:
+def _select_name(fields: tuple, enabled: Tuple[bool, ...], level: int, family) -> str:
     # Under torch.compile this runs once at trace time and its answer is baked into the graph
-    # (which is why it takes plain tuples: those are constants to the tracer).
-    key = (fields, enabled, level)
+    # (which is why it takes plain tuples: those are constants to the tracer). family: the
+    # raw TRANSFORMER_FA_FLASH_FAMILY, which FlashAttention's verdict depends on.
+    key = (fields, enabled, level, family)
     name = _cache.get(key)
     if name is None:
         params = AttentionParams(*fields)
@@ -198,13 +203,13 @@ def select(fields: tuple, env: tuple) -> Tuple[ModuleType, AttentionParams]:
         fields = tuple(_guard_float(value) if type(value) is float else value
                        for value in fields)
         # assume_constant_result takes constants only: decide for the traced shape's hints.
-        name = _select_name(_static_fields(fields), enabled, log_level(env))
+        name = _select_name(_static_fields(fields), enabled, log_level(env), env[6])
         return _BACKENDS_BY_NAME[name], AttentionParams(*fields)
     key = (fields, env)
     entry = _entries.get(key)
     if entry is None:
         enabled = tuple(not _is_zero(value) for value in env[:3])
-        name = _select_name(fields, enabled, log_level(env))
+        name = _select_name(fields, enabled, log_level(env), env[6])
         if len(_entries) >= _CACHE_LIMIT:
             _entries.clear()
         entry = _entries[key] = (_BACKENDS_BY_NAME[name], AttentionParams(*fields))

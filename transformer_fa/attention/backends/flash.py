@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from typing import List, NamedTuple, Optional
+import os
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
 from .. import masks
-from ..constants import ENV_FLASH_KERNELS, FLASH_FORMAT_CODES, FLASH_MAX_HEAD_DIM, MAX_GRID_YZ
+from ..constants import (ENV_FLASH_FAMILY, ENV_FLASH_KERNELS, FLASH_FAMILIES, FLASH_FORMAT_CODES,
+                         FLASH_MAX_HEAD_DIM, MAX_GRID_YZ)
 from ..params import AttentionInputs, AttentionParams
 from .support import (aligned, dropout_rng_state, fresh, never_raises, op_schema,
                       reference_only_reasons)
@@ -97,10 +99,43 @@ def _reasons(p: AttentionParams) -> List[str]:
     if not 0.0 <= p.attention_dropout < 1.0:
         reasons.append(f"as it does not support attention_dropout = {p.attention_dropout}")
     reasons += reference_only_reasons(p)
+    if not reasons and requested_family() == FLASH_FAMILIES["sm90"]:
+        family, why_not_sm90 = forward_family(p)
+        if family != "sm90":
+            reasons.append(f"as {ENV_FLASH_FAMILY}=sm90 and the sm90 kernels do not serve this "
+                           f"call: {why_not_sm90}")
     return reasons
 
 # Why this backend cannot serve params (each reads after "Disabling <NAME> ").
 not_supported_reasons = never_raises(_reasons)
+
+
+def requested_family() -> int:
+    """The forward kernel family asked for by TRANSFORMER_FA_FLASH_FAMILY (0: any)."""
+    name = os.environ.get(ENV_FLASH_FAMILY, "auto").strip().lower() or "auto"
+    if name not in FLASH_FAMILIES:
+        raise ValueError(f"{ENV_FLASH_FAMILY} must be one of {', '.join(FLASH_FAMILIES)}, "
+                         f"got {name!r}")
+    return FLASH_FAMILIES[name]
+
+
+def forward_family(p: AttentionParams) -> Tuple[str, str]:
+    """(the kernel family the forward of params runs on, why not sm90 when it is not): the
+    binding's own rule (csrc/flash_api.cpp, fwd_family), asked with the call's shape."""
+    cc = p.compute_capability
+    left, right = FlashCall.window_of(p)
+    return tuple(_extension().fwd_family(
+        cc[0] * 10 + cc[1], p.dtype == torch.bfloat16, int(p.head_dim_qk), int(p.max_seqlen_q),
+        int(p.max_seqlen_kv), bool(p.is_varlen), left, right,
+        p.core_attention_bias_type == "alibi", p.attention_dropout > 0.0, requested_family()))
+
+
+def describe_choice(p: AttentionParams) -> str:
+    """What runs inside the backend, for the debug log after it is selected."""
+    family, why_not_sm90 = forward_family(p)
+    if family == "sm90":
+        return "FlashAttention forward kernel family = sm90 (wgmma, TMA), backward = sm80"
+    return f"FlashAttention kernel family = sm80 (not sm90: {why_not_sm90})"
 
 
 # --------------------------------------------------------------------------------------------
@@ -123,15 +158,21 @@ class FlashCall(NamedTuple):
     dropout_p: float
     deterministic: bool  # backward only
     return_lse: bool  # forward only; the backward needs the LSE
+    family: int = 0  # forward only: the kernel family asked for (0: the fastest that serves)
+
+    @staticmethod
+    def window_of(p: AttentionParams) -> Tuple[int, int]:
+        """The kernels' (window_left, window_right): right is 0 for causal masks."""
+        left, right = p.window_size
+        return int(left), 0 if p.is_causal else int(right)
 
     @classmethod
     def from_params(cls, p: AttentionParams, return_lse: bool) -> "FlashCall":
-        left, right = p.window_size
-        if p.is_causal:
-            right = 0
+        left, right = cls.window_of(p)
         return cls(p.q_format, p.kv_format, int(p.max_seqlen_q), int(p.max_seqlen_kv),
-                   float(p.softmax_scale), int(left), int(right), bool(p.is_bottom_right),
-                   float(p.attention_dropout), bool(p.deterministic), bool(return_lse))
+                   float(p.softmax_scale), left, right, bool(p.is_bottom_right),
+                   float(p.attention_dropout), bool(p.deterministic), bool(return_lse),
+                   requested_family())
 
 
 def _ready(t: torch.Tensor) -> torch.Tensor:
@@ -146,7 +187,7 @@ def _fwd_ext(q, k, v, cu_q, cu_kv, rng, slopes, call: FlashCall):
     out, lse = _ext.fwd(q, k, v, cu_q, cu_kv, FLASH_FORMAT_CODES[c.q_format],
                         FLASH_FORMAT_CODES[c.kv_format], c.max_seqlen_q, c.max_seqlen_kv,
                         c.softmax_scale, c.window_left, c.window_right, c.bottom_right,
-                        c.return_lse, c.dropout_p, rng, slopes)
+                        c.return_lse, c.dropout_p, rng, slopes, c.family)
     return out, lse
 
 

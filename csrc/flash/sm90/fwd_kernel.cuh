@@ -7,8 +7,8 @@
 // With a persistent grid each CTA loops over tiles, so the producer loads the
 // next tile's K and Q while the consumers finish the last one.
 //
-// Family-free host code stays out: the launcher is in fwd_launch_sm90.cuh.
-// No torch headers here (project rule: only the binding includes torch).
+// The sm90 family's forward kernel; its launch (params -> TMA descriptors, grid) is
+// fwd_launch.cuh. No torch headers here (only the binding includes torch).
 #pragma once
 
 #include <cstdint>
@@ -24,7 +24,9 @@
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
-namespace flash_sm90 {
+namespace transformer_fa {
+namespace flash {
+namespace sm90 {
 
 using namespace cute;
 
@@ -578,4 +580,6 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   }
 }
 
-}  // namespace flash_sm90
+}  // namespace sm90
+}  // namespace flash
+}  // namespace transformer_fa

@@ -1,0 +1,237 @@
+"""FlashAttention's sm90 kernel family (csrc/flash/sm90/: wgmma, TMA, warp specialization) on
+an sm_90 GPU: its forward against float64 math, the family choice (what it serves, what it
+declines, the debug log), and the sm80 backward of an sm90 forward.
+
+Error rule per case, for O and for the LSE: max |ours - float64| <= 2 x max |the same math in
+the input dtype - float64| + 1e-3 (relative to the reference's magnitude; attention_cases.check
+with a float64 reference). Outputs are allocated over NaN-poisoned memory, so an element the
+kernel does not write fails. Skipped without an sm_90 GPU or without the family in the build.
+"""
+import math
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("the sm90 kernels need CUDA", allow_module_level=True)
+
+from transformer_fa.attention.backends import flash  # noqa: E402
+
+if not flash.is_built() or flash._extension() is None:
+    pytest.skip("transformer_fa_flash is not built", allow_module_level=True)
+
+from attention_cases import DEV, capture_log, check  # noqa: E402
+
+EXT = flash._extension()
+CC = torch.cuda.get_device_capability()
+ARCH = CC[0] * 10 + CC[1]
+if ARCH != 90 or EXT.fwd_family(90, True, 128, 128, 128, False, -1, -1, False, False)[0] != "sm90":
+    pytest.skip("needs an sm_90 GPU and a build with the sm90 family", allow_module_level=True)
+
+BSHD, SBHD = 0, 1
+D = 128
+
+
+def make_qkv(b, s, h, hkv, dtype, layout, gain=1.0, seed=0):
+    """q, k, v ([b, s, h, d] views, or [s, b, h, d] for sbhd) in one of the layouts: separate
+    bshd tensors, separate sbhd, or slices of one packed [b, s, 3, h, d] buffer (bs3hd)."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+
+    def randn(*shape):
+        return (torch.randn(*shape, generator=gen, device=DEV) * gain).to(dtype)
+
+    if layout == "bs3hd":
+        assert h == hkv
+        qkv = randn(b, s, 3, h, D)
+        return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    if layout == "sbhd":
+        return randn(s, b, h, D), randn(s, b, hkv, D), randn(s, b, hkv, D)
+    return randn(b, s, h, D), randn(b, s, hkv, D), randn(b, s, hkv, D)
+
+
+def to_bshd(x, layout):
+    return x.transpose(0, 1) if layout == "sbhd" else x
+
+
+def reference(q, k, v, causal, scale, dtype):
+    """(out [b, s, h, d], lse [b, h, s]) of bshd q, k, v in `dtype` math (float64 for the
+    reference, the input dtype for the error baseline)."""
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    g = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if causal:
+        n = q.shape[1]
+        keep = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(s.double(), dim=-1)
+    p = torch.softmax(s.double(), dim=-1).to(dtype)
+    return torch.einsum("bhqk,bkhd->bqhd", p, v), lse
+
+
+def poison():
+    junk = torch.full((64 << 20,), float("nan"), device=DEV)
+    del junk
+
+
+def run_fwd(q, k, v, layout, causal, family, return_lse=True):
+    fmt = SBHD if layout == "sbhd" else BSHD
+    s = q.shape[0] if layout == "sbhd" else q.shape[1]
+    poison()
+    return EXT.fwd(q, k, v, None, None, fmt, fmt, s, s, 1 / math.sqrt(D), -1,
+                   0 if causal else -1, False, return_lse, 0.0, None, None, family)
+
+
+# (b, s, h, hkv, layout, input gain): small and large grids (the persistent grid loops when
+# tiles outnumber SMs: 4 x 16 x 8 and 8 x 16 x 4 = 512 tiles on 132 SMs), GQA and MQA, the
+# layouts' strides, a sharper softmax (gain 4).
+CASES = {
+    "b2-s128-h2": (2, 128, 2, 2, "bshd", 1.0),
+    "b1-s1024-h4": (1, 1024, 4, 4, "bshd", 1.0),
+    "gqa-b2-s512-h8-hkv2": (2, 512, 8, 2, "bshd", 1.0),
+    "mqa-b1-s2048-h4-hkv1": (1, 2048, 4, 1, "bshd", 1.0),
+    "packed-bs3hd-b2-s512-h4": (2, 512, 4, 4, "bs3hd", 1.0),
+    "sbhd-b3-s256-h4-hkv2": (3, 256, 4, 2, "sbhd", 1.0),
+    "sharp-b2-s512-h4": (2, 512, 4, 4, "bshd", 4.0),
+    "loops-b4-s2048-h8-hkv2": (4, 2048, 8, 2, "bshd", 1.0),
+    "loops-b8-s1024-h16": (8, 1024, 16, 16, "bshd", 1.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("causal", [False, True], ids=["no_mask", "causal"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_forward_matches_float64(name, causal, dtype):
+    b, s, h, hkv, layout, gain = CASES[name]
+    q, k, v = make_qkv(b, s, h, hkv, dtype, layout, gain)
+    out, lse = run_fwd(q, k, v, layout, causal, family=90)
+    qb, kb, vb = (to_bshd(x, layout) for x in (q, k, v))
+    ref, ref_lse = reference(qb, kb, vb, causal, 1 / math.sqrt(D), torch.float64)
+    base, base_lse = reference(qb, kb, vb, causal, 1 / math.sqrt(D), dtype)
+    check(f"{name} out", to_bshd(out, layout).double(), ref, base.double(), 1e-3)
+    check(f"{name} lse", lse.double(), ref_lse, base_lse, 1e-3)
+    # the sm80 family on the same call obeys the same rule (and so agrees with sm90)
+    out80, lse80 = run_fwd(q, k, v, layout, causal, family=80)
+    check(f"{name} sm80 out", to_bshd(out80, layout).double(), ref, base.double(), 1e-3)
+
+
+def test_forward_without_lse():
+    q, k, v = make_qkv(2, 256, 4, 2, torch.bfloat16, "bshd")
+    out, lse = run_fwd(q, k, v, "bshd", True, family=90, return_lse=False)
+    ref, _ = run_fwd(q, k, v, "bshd", True, family=90)
+    assert lse.numel() == 0
+    assert torch.equal(out, ref)
+
+
+def test_auto_family_runs_sm90_where_it_serves():
+    """The default (family 0) gives bitwise what the forced sm90 family gives."""
+    q, k, v = make_qkv(2, 512, 8, 2, torch.bfloat16, "bshd", seed=3)
+    auto, _ = run_fwd(q, k, v, "bshd", True, family=0)
+    sm90, _ = run_fwd(q, k, v, "bshd", True, family=90)
+    sm80, _ = run_fwd(q, k, v, "bshd", True, family=80)
+    assert torch.equal(auto, sm90)
+    assert not torch.equal(auto, sm80)  # a different kernel: rounding differs somewhere
+
+
+# (d, sq, sk, varlen, window_left, window_right, alibi, dropout) -> the reason's words
+DECLINED = {
+    "head dim 64": ((64, 256, 256, False, -1, -1, False, False), "head dim 128 kernels only"),
+    "sq != sk": ((128, 256, 384, False, -1, 0, False, False), "seqlen_q == seqlen_kv"),
+    "length 200": ((128, 200, 200, False, -1, -1, False, False), "multiples of 128"),
+    "varlen": ((128, 256, 256, True, -1, -1, False, False), "varlen"),
+    "window": ((128, 256, 256, False, 64, 0, False, False), "sliding windows"),
+    "alibi": ((128, 256, 256, False, -1, 0, True, False), "ALiBi"),
+    "dropout": ((128, 256, 256, False, -1, -1, False, True), "dropout"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DECLINED))
+def test_declined_calls_run_on_sm80_and_say_why(name):
+    (d, sq, sk, varlen, left, right, alibi, dropout), words = DECLINED[name]
+    family, why = EXT.fwd_family(ARCH, True, d, sq, sk, varlen, left, right, alibi, dropout)
+    assert family == "sm80" and words in why, (family, why)
+    assert EXT.fwd_family(ARCH, True, 128, 256, 256, False, -1, 0, False, False) == ["sm90", ""]
+    assert EXT.fwd_family(ARCH, True, 128, 256, 256, False, -1, 0, False, False, 80)[0] == "sm80"
+    assert EXT.fwd_family(80, True, 128, 256, 256, False, -1, 0, False, False)[0] == "sm80"
+
+
+def test_forced_sm90_on_a_declined_call_is_a_clear_error():
+    q = torch.randn(1, 200, 2, D, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="sm90 family was requested, but it needs sequence "
+                                           "lengths that are multiples of 128"):
+        EXT.fwd(q, q, q, None, None, 0, 0, 200, 200, 0.1, -1, -1, False, True, 0.0, None, None,
+                90)
+    with pytest.raises(RuntimeError, match="family must be 0"):
+        EXT.fwd(q, q, q, None, None, 0, 0, 200, 200, 0.1, -1, -1, False, True, 0.0, None, None,
+                100)
+
+
+def _dpa_grads(dpa, q, k, v):
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out = dpa(*leaves)
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    dout = torch.randn(out.shape, generator=gen, device=DEV).to(out.dtype)
+    return out, torch.autograd.grad(out, leaves, dout), dout
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["no_mask", "causal"])
+def test_training_step_sm90_forward_sm80_backward(monkeypatch, causal):
+    """Through DotProductAttention (FlashAttention selected): the sm90 forward's O and LSE
+    feed the sm80 backward; gradients obey the rule against float64 autograd."""
+    import transformer_fa as tfa
+
+    monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
+    monkeypatch.setenv("NVTE_DEBUG", "1")
+    monkeypatch.setenv("NVTE_DEBUG_LEVEL", "2")
+    b, s, h, hkv = 2, 512, 8, 2
+    q, k, v = make_qkv(b, s, h, hkv, torch.bfloat16, "bshd", seed=7)
+    dpa = tfa.DotProductAttention(h, D, num_gqa_groups=hkv, qkv_format="bshd",
+                                  attn_mask_type="causal" if causal else "no_mask").cuda()
+    with capture_log() as lines:
+        out, grads, dout = _dpa_grads(dpa, q, k, v)
+    assert dpa.last_backend == "FlashAttention"
+    assert any("FlashAttention forward kernel family = sm90" in line for line in lines), lines
+    scale = 1 / math.sqrt(D)
+    results = {}
+    for dtype in (torch.float64, torch.bfloat16):
+        leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+        ref, _ = reference(*leaves, causal, scale, dtype)
+        results[dtype] = (ref, torch.autograd.grad(ref, leaves, dout.to(dtype)))
+    (ref, ref_grads), (base, base_grads) = results[torch.float64], results[torch.bfloat16]
+    check("out", out.view(b, s, h, D).double(), ref, base.double(), 1e-3)
+    for name, g, r, bg in zip("qkv", grads, ref_grads, base_grads):
+        check(f"d{name}", g.double(), r, bg.double(), 1e-3)
+
+
+def test_debug_log_names_the_family_and_why_not_sm90(monkeypatch):
+    import transformer_fa as tfa
+
+    monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
+    monkeypatch.setenv("NVTE_DEBUG", "1")
+    monkeypatch.setenv("NVTE_DEBUG_LEVEL", "2")
+    dpa = tfa.DotProductAttention(4, 64, qkv_format="bshd", attn_mask_type="causal").cuda()
+    q = torch.randn(2, 256, 4, 64, device=DEV, dtype=torch.bfloat16)
+    with capture_log() as lines, torch.no_grad():
+        dpa(q, q, q)
+    assert dpa.last_backend == "FlashAttention"
+    assert any("FlashAttention kernel family = sm80 (not sm90: it has head dim 128 kernels only)"
+               in line for line in lines), lines
+
+
+def test_requested_sm90_family_declines_with_a_reason(monkeypatch):
+    """TRANSFORMER_FA_FLASH_FAMILY=sm90 on a call the sm90 kernels do not serve: FlashAttention
+    is declined with the reason and the next backend runs."""
+    import transformer_fa as tfa
+
+    monkeypatch.setenv("TRANSFORMER_FA_FLASH_FAMILY", "sm90")
+    monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
+    monkeypatch.setenv("NVTE_DEBUG", "1")
+    monkeypatch.setenv("NVTE_DEBUG_LEVEL", "2")
+    dpa = tfa.DotProductAttention(2, D, qkv_format="bshd", attn_mask_type="causal").cuda()
+    q = torch.randn(1, 200, 2, D, device=DEV, dtype=torch.bfloat16)
+    with capture_log() as lines, torch.no_grad():
+        dpa(q, q, q)
+    assert dpa.last_backend == "UnfusedDotProductAttention"
+    assert any("Disabling FlashAttention as TRANSFORMER_FA_FLASH_FAMILY=sm90 and the sm90 "
+               "kernels do not serve this call: it needs sequence lengths that are multiples "
+               "of 128" in line for line in lines), lines
