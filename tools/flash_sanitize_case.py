@@ -7,6 +7,7 @@ With --backward, the backward runs after each forward (and once deterministic).
 See tests/gpu/README.md for the commands.
 
     python tools/flash_sanitize_case.py [--backward] [--dims 64,128]
+    python tools/flash_sanitize_case.py --sm90
 """
 import argparse
 import math
@@ -21,9 +22,24 @@ from transformer_fa.attention.backends import flash  # noqa: E402
 parser = argparse.ArgumentParser()
 parser.add_argument("--backward", action="store_true", help="run the backward too")
 parser.add_argument("--dims", default="40,64,128,192,256", help="head dims, comma separated")
+parser.add_argument("--sm90", action="store_true",
+                    help="only the sm90 family's forward (d128 bshd, its persistent grid "
+                         "looping over more tiles than SMs), causal and not")
 args = parser.parse_args()
 
 assert flash._extension() is not None, flash._ext_error
+if args.sm90:
+    # 3 x 8 heads x 8 query tiles = 192 tiles: a persistent CTA takes a second tile (Q and the
+    # O staging buffer reused) on a 132-SM H100. GQA (8 query heads on 2 KV heads).
+    q = torch.randn(3, 1024, 8, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(3, 1024, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    for right in (-1, 0):
+        call = flash.FlashCall("bshd", "bshd", 1024, 1024, 1 / math.sqrt(128), -1, right, False,
+                               0.0, False, True, 90)
+        out, lse = flash._fwd_impl(q, k, v, None, None, None, None, call)
+    torch.cuda.synchronize()
+    print("sanitize case done (sm90)", out.float().abs().sum().item())
+    sys.exit(0)
 lens_q, lens_k = [37, 130, 1, 70], [50, 129, 9, 200]
 cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32,
                     device="cuda")

@@ -196,7 +196,7 @@ def test_training_step_sm90_forward_sm80_backward(monkeypatch, causal):
     for dtype in (torch.float64, torch.bfloat16):
         leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
         ref, _ = reference(*leaves, causal, scale, dtype)
-        results[dtype] = (ref, torch.autograd.grad(ref, leaves, dout.to(dtype)))
+        results[dtype] = (ref, torch.autograd.grad(ref, leaves, dout.view(b, s, h, D).to(dtype)))
     (ref, ref_grads), (base, base_grads) = results[torch.float64], results[torch.bfloat16]
     check("out", out.view(b, s, h, D).double(), ref, base.double(), 1e-3)
     for name, g, r, bg in zip("qkv", grads, ref_grads, base_grads):
