@@ -40,7 +40,7 @@ def test_dot_product_attention_takes_te_init_arguments():
     assert dpa(q, q, q).shape == (2, 5, HEADS * D)
     with pytest.raises(ValueError, match="tp_size=2 .*single device"):
         te.DotProductAttention(HEADS, D, tp_size=2)
-    with pytest.raises(ValueError, match="cp_group"):
+    with pytest.raises(TypeError, match="cp_group must be a torch.distributed ProcessGroup"):
         te.DotProductAttention(HEADS, D, cp_group=object())
 
 

@@ -12,7 +12,7 @@ from typing import Callable, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from .attention import masks
+from .attention import context_parallel, masks
 from .attention.constants import TENSOR_FORMATS as _FORMATS
 from .attention.multi_head_attention import MultiheadAttention, check_bool_masks
 from .module._common import (
@@ -236,6 +236,12 @@ class TransformerLayer(torch.nn.Module):
         if drop_path is not None:
             out = drop_path(out)
         return residual + out
+
+    def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream,
+                                   cp_comm_type: str = "p2p") -> None:
+        """TE's: context parallelism for the attention of this layer."""
+        context_parallel.set_group_on_submodules(self, cp_group, cp_global_ranks, cp_stream,
+                                                 cp_comm_type)
 
     def forward(
         self,

@@ -11,7 +11,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..module._common import check_te_only_kwargs
-from . import layout, masks, padding, selection
+from . import context_parallel, layout, masks, padding, selection
+from .backends import unfused
 from .params import BIAS_TYPES, SOFTMAX_TYPES, AttentionInputs, params_fields
 
 logger = logging.getLogger("DotProductAttention")
@@ -36,7 +37,9 @@ class DotProductAttention(torch.nn.Module):
     ``attention_dropout`` applies in training mode only; ``softmax_scale`` defaults to
     ``1/sqrt(k_channels)``. After each forward, ``last_backend`` names the backend that ran.
     ``bottom_right_diagonal`` aligns the window and ALiBi of non-causal masks (TE's).
-    Tensor/context parallel arguments are accepted at their single-device values;
+    Tensor parallel arguments are accepted at their single-device values; ``cp_group``,
+    ``cp_global_ranks``, ``cp_stream``, ``cp_comm_type`` (TE's) turn on context parallelism
+    (see ``set_context_parallel_group`` and ``attention/context_parallel.py``);
     ``get_rng_state_tracker`` (TE's) forks its RNG state around dropout.
 
     ``softmax_type`` (TE): "vanilla"; "off-by-one" adds 1 to every softmax denominator;
@@ -62,9 +65,8 @@ class DotProductAttention(torch.nn.Module):
                  softcap: float = 0.0):
         super().__init__()
         check_te_only_kwargs(dict(sequence_parallel=sequence_parallel, tp_size=tp_size,
-                                  tp_group=tp_group, cp_group=cp_group,
-                                  cp_global_ranks=cp_global_ranks, cp_stream=cp_stream,
-                                  cp_comm_type=cp_comm_type), type(self).__name__)
+                                  tp_group=tp_group), type(self).__name__)
+        self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
         self.get_rng_state_tracker = get_rng_state_tracker
         self.bottom_right_diagonal = bottom_right_diagonal
         self.name = name
@@ -167,6 +169,17 @@ class DotProductAttention(torch.nn.Module):
         if query_layer is None or key_layer is None or value_layer is None:
             raise ValueError("query_layer, key_layer and value_layer are required (or "
                              "qkv_layer, or query_layer with kv_layer)")
+        if context_parallel.size_and_rank(self.cp_group)[0] > 1:
+            self.last_backend = unfused.NAME  # CP runs the unfused math, block by block
+            return context_parallel.attention(
+                self, query_layer, key_layer, value_layer,
+                self.qkv_format if qkv_format is None else qkv_format,
+                self.attn_mask_type if attn_mask_type is None else attn_mask_type,
+                self.window_size if window_size is None else window_size,
+                refused=_cp_refused(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+                                    cu_seqlens_kv_padded, core_attention_bias_type,
+                                    core_attention_bias, alibi_slopes,
+                                    self.softcap if softcap is None else softcap))
         if cu_seqlens_q_padded is not None or cu_seqlens_kv_padded is not None:
             rows_q, rows_kv = _padded_sides(
                 self.qkv_format if qkv_format is None else qkv_format, query_layer, key_layer,
@@ -257,6 +270,16 @@ class DotProductAttention(torch.nn.Module):
             self._dense_calls[dense_key] = (backend, params)
         return self._run(backend, inputs, params)
 
+    def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream,
+                                   cp_comm_type: str = "p2p") -> None:
+        """TE's: attend with context parallelism over ``cp_group`` (a ProcessGroup; None
+        turns it off). ``cp_global_ranks`` are the group's global ranks (checked against it),
+        ``cp_stream`` a CUDA stream (accepted; the ring's transfers overlap the compute
+        without it), ``cp_comm_type`` "p2p", "all_gather" or "a2a" ("a2a+p2p" is refused)."""
+        ranks = context_parallel.check_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+        self.cp_group, self.cp_global_ranks = cp_group, ranks
+        self.cp_stream, self.cp_comm_type = cp_stream, cp_comm_type
+
     def _forward_with_gaps(self, q, k, v, rows_q, rows_kv, call_args):
         """Padded thd: gather the real tokens, attend over them packed, and put the output
         back in the padded rows (zeros between sequences, as TE's fast_zero_fill)."""
@@ -340,6 +363,16 @@ def check_unsupported_forward_args(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_pad
                                 (cu_seqlens_kv_padded, cu_seqlens_kv, "cu_seqlens_kv_padded")):
         if padded is not None and plain is None:
             raise ValueError(f"{name} needs the unpadded {name[:-7]} beside it")
+
+
+def _cp_refused(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
+                bias_type, bias, alibi_slopes, softcap) -> dict:
+    """The forward arguments context parallelism refuses, None where not given / neutral."""
+    return dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+                cu_seqlens_q_padded=cu_seqlens_q_padded,
+                cu_seqlens_kv_padded=cu_seqlens_kv_padded,
+                core_attention_bias_type=None if bias_type == "no_bias" else bias_type,
+                core_attention_bias=bias, alibi_slopes=alibi_slopes, softcap=softcap or None)
 
 
 def _padded_sides(qkv_format, q, k, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,

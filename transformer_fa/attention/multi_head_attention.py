@@ -26,7 +26,7 @@ from ..module._common import (
 )
 from ..module.layernorm import LayerNorm, RMSNorm
 from ..module.linear import LayerNormLinear, Linear
-from . import masks
+from . import context_parallel, masks
 from .constants import TENSOR_FORMATS as _FORMATS
 from .dot_product_attention import DotProductAttention, check_unsupported_forward_args
 from .params import BIAS_TYPES
@@ -221,6 +221,7 @@ class MultiheadAttention(torch.nn.Module):
             get_rng_state_tracker=te_kwargs.get("get_rng_state_tracker"),
             softmax_type=softmax_type,
         )
+        self.cp_size, self.cp_rank = 1, 0  # context parallelism: set_context_parallel_group
         if self.core_attention.softmax_offset is not None:
             self.core_attention.to(device)  # DotProductAttention makes it on the GPU, as TE
         self.proj = Linear(
@@ -263,6 +264,14 @@ class MultiheadAttention(torch.nn.Module):
         q = run(proj, hidden_states)
         q = q.view(*q.shape[:-1], self.num_attention_heads, hn)
         return q, k, v, ln_out
+
+    def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream,
+                                   cp_comm_type: str = "p2p") -> None:
+        """TE's: context parallelism for the core attention (and the RoPE positions)."""
+        context_parallel.check_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+        self.cp_size, self.cp_rank = context_parallel.size_and_rank(cp_group)
+        context_parallel.set_group_on_submodules(self, cp_group, cp_global_ranks, cp_stream,
+                                                 cp_comm_type)
 
     def forward(
         self,
@@ -324,10 +333,12 @@ class MultiheadAttention(torch.nn.Module):
                 q, q_emb, self.qkv_format, interleaved=self.rotary_pos_interleaved,
                 # thd with gaps: positions count from each sequence's padded start
                 cu_seqlens=cu_seqlens_q if cu_seqlens_q_padded is None else cu_seqlens_q_padded,
+                cp_size=self.cp_size, cp_rank=self.cp_rank,
             )
             k = apply_rotary_pos_emb(
                 k, k_emb, self.qkv_format, interleaved=self.rotary_pos_interleaved,
                 cu_seqlens=cu_seqlens_kv if cu_seqlens_kv_padded is None else cu_seqlens_kv_padded,
+                cp_size=self.cp_size, cp_rank=self.cp_rank,
             )
         if self.q_norm is not None and not self.qk_norm_before_rope:
             q, k = self.q_norm(q), self.k_norm(k)

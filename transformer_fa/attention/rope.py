@@ -87,10 +87,22 @@ def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
     return torch.stack((-x2, x1), dim=-1).flatten(-2)
 
 
+def _cp_positions(local_len, cp_size: int, cp_rank: int, local_pos: torch.Tensor) -> torch.Tensor:
+    """Global positions of a rank's tokens under context parallelism (TE's load balancing: the
+    first half of the rank's part of a sequence is chunk ``cp_rank`` of ``2 * cp_size``, the
+    second half chunk ``2 * cp_size - 1 - cp_rank``). ``local_len``: an int or per token."""
+    half = local_len // 2
+    first = cp_rank * half + local_pos
+    second = (2 * cp_size - 1 - cp_rank) * half + local_pos - half
+    return torch.where(local_pos < half, first, second)
+
+
 def _token_positions(
-    cu_seqlens: torch.Tensor, total: int, start_positions: Optional[torch.Tensor]
+    cu_seqlens: torch.Tensor, total: int, start_positions: Optional[torch.Tensor],
+    cp_size: int = 1, cp_rank: int = 0,
 ) -> torch.Tensor:
-    """Position of every thd token inside its own sequence (tokens past cu_seqlens[-1] get 0)."""
+    """Position of every thd token inside its own sequence (tokens past cu_seqlens[-1] get 0).
+    With cp_size > 1, ``cu_seqlens`` are this rank's and the positions global ones."""
     cu = cu_seqlens.to(torch.int64)
     token = torch.arange(total, device=cu.device)
     # which sequence each token belongs to: number of sequence ends at or before it
@@ -98,6 +110,8 @@ def _token_positions(
     inside = seq_id < cu.numel() - 1
     seq_id = seq_id.clamp(max=cu.numel() - 2)
     pos = token - cu[seq_id]
+    if cp_size > 1:
+        pos = _cp_positions(cu[seq_id + 1] - cu[seq_id], cp_size, cp_rank, pos)
     if start_positions is not None:
         pos = pos + start_positions.to(device=cu.device, dtype=torch.int64)[seq_id]
     return torch.where(inside, pos, torch.zeros_like(pos))
@@ -111,6 +125,15 @@ def _check_positions(pos: torch.Tensor, max_len: int, what: str) -> None:
         return
     if int(pos.max()) >= max_len:
         raise ValueError(f"{what} the {max_len} positions freqs covers")
+
+
+def _check_cp_lengths(cu_seqlens: torch.Tensor, cp_size: int) -> None:
+    """Context parallelism cuts every sequence into 2 * cp_size chunks (eager-only check)."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    if not torch.compiler.is_compiling() and bool((lengths % (2 * cp_size) != 0).any()):
+        raise ValueError(f"cu_seqlens: sequence lengths {lengths.tolist()} must be divisible "
+                         f"by 2 * cp_size = {2 * cp_size} under context parallelism (pass "
+                         f"the padded cu_seqlens, as TE)")
 
 
 def apply_rotary_pos_emb(
@@ -129,12 +152,18 @@ def apply_rotary_pos_emb(
     freqs: ``[s2, 1, 1, d2]`` from ``RotaryPositionEmbedding`` with ``s2 >= s`` and ``d2 <= d``;
         channels past ``d2`` pass through unchanged.
     start_positions: optional ``[b]`` offsets added to each sequence's positions.
-    cu_seqlens: int32 ``[b + 1]`` sequence starts, required for thd.
+    cu_seqlens: int32 ``[b + 1]`` sequence starts, required for thd (with cp_size > 1 those
+        of the whole, padded sequences, as TE: this rank holds ``cu_seqlens // cp_size``).
+    cp_size, cp_rank: context parallelism (TE's): ``t`` is this rank's load-balanced part of
+        each sequence (chunks ``cp_rank`` and ``2 * cp_size - 1 - cp_rank`` of ``2 * cp_size``)
+        and gets the angles of those global positions.
     """
     if tensor_format not in _TENSOR_FORMATS:
         raise ValueError(f"tensor_format must be one of {_TENSOR_FORMATS}, got {tensor_format!r}")
-    if cp_size != 1 or cp_rank != 0:
-        raise ValueError("cp_size/cp_rank: context parallelism is not supported")
+    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
+        raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
+    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank must be an int in [0, cp_size={cp_size}), got {cp_rank!r}")
     if freqs.dim() != 4 or freqs.shape[1] != 1 or freqs.shape[2] != 1:
         raise ValueError(f"freqs must have shape [s, 1, 1, d], got {tuple(freqs.shape)}")
     rot_dim = freqs.shape[-1]
@@ -150,7 +179,10 @@ def apply_rotary_pos_emb(
             raise ValueError("cu_seqlens is required when tensor_format is 'thd'")
         if t.dim() != 3:
             raise ValueError(f"t must be [t, h, d] for thd, got {tuple(t.shape)}")
-        pos = _token_positions(cu_seqlens, t.shape[0], start_positions)
+        if cp_size > 1:
+            _check_cp_lengths(cu_seqlens, cp_size)
+            cu_seqlens = cu_seqlens // cp_size
+        pos = _token_positions(cu_seqlens, t.shape[0], start_positions, cp_size, cp_rank)
         _check_positions(pos, max_len, "a sequence is longer than")
         angles = table[pos].unsqueeze(1)  # [t, 1, d2]
     else:
@@ -158,7 +190,7 @@ def apply_rotary_pos_emb(
             raise ValueError(f"t must be 4-D for {tensor_format}, got {tuple(t.shape)}")
         seq_dim = 0 if tensor_format == "sbhd" else 1
         seqlen = t.shape[seq_dim]
-        if start_positions is None:
+        if start_positions is None and cp_size == 1:
             if seqlen > max_len:
                 raise ValueError(
                     f"sequence length {seqlen} exceeds the {max_len} positions in freqs"
@@ -167,10 +199,19 @@ def apply_rotary_pos_emb(
             if tensor_format == "bshd":
                 angles = angles.transpose(0, 1)  # [1, s, 1, d2]
         else:
-            start = start_positions.to(device=table.device, dtype=torch.int64)
-            pos = start[:, None] + torch.arange(seqlen, device=table.device)  # [b, s]
+            pos = torch.arange(seqlen, device=table.device)
+            if cp_size > 1:
+                if seqlen % 2:
+                    raise ValueError(f"t has {seqlen} tokens on this rank: context parallelism "
+                                     f"needs an even number (2 of 2 * cp_size chunks)")
+                pos = _cp_positions(seqlen, cp_size, cp_rank, pos)
+            if start_positions is None:
+                pos = pos.unsqueeze(0)  # [1, s]
+            else:
+                start = start_positions.to(device=table.device, dtype=torch.int64)
+                pos = start[:, None] + pos  # [b, s]
             _check_positions(pos, max_len, "start_positions + sequence length exceed")
-            angles = table[pos].unsqueeze(2)  # [b, s, 1, d2]
+            angles = table[pos].unsqueeze(2)  # [b|1, s, 1, d2]
             if tensor_format == "sbhd":
                 angles = angles.transpose(0, 1)
 

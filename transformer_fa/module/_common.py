@@ -11,7 +11,6 @@ _TE_ONLY_NEUTRAL = {
     "tp_size": 1,
     "fuse_wgrad_accumulation": False,
     "ub_tp_comm_overlap": False,
-    "cp_group": None,  # context parallelism
 }
 # Accepted and ignored: they select an implementation strategy, not the function computed.
 _TE_ONLY_IGNORED = {
@@ -33,9 +32,6 @@ _TE_ONLY_IGNORED = {
     "delay_wgrad_compute",
     "symmetric_ar_type",
     "save_original_input",
-    "cp_global_ranks",  # only read with a cp_group
-    "cp_stream",
-    "cp_comm_type",
 }
 
 

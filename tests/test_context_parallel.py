@@ -1,0 +1,272 @@
+"""Context parallelism over gloo: each rank's output and gradients must equal the slice of a
+single-process run on the full tensors (float64), for every cp_comm_type, mask and format.
+
+The distributed cases run in one spawn per world size (process start-up dominates the time):
+each worker runs every case and reports a traceback per failing case, which the
+parametrized tests below read.
+"""
+import datetime
+import json
+import os
+import tempfile
+import traceback
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import transformer_fa as te
+from transformer_fa.attention.rope import RotaryPositionEmbedding, apply_rotary_pos_emb
+
+HEADS, GROUPS, DIM, BATCH = 8, 4, 8, 2
+COMMS = ("p2p", "all_gather", "a2a")
+WORLDS = (2, 4)
+
+
+def shard(x, dim, world, rank):
+    """TE's load-balanced part of rank ``rank``: chunks rank and 2*world-1-rank of 2*world."""
+    chunks = x.chunk(2 * world, dim)
+    return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], dim)
+
+
+def close(actual, expected, what):
+    assert torch.allclose(actual, expected, atol=1e-10, rtol=1e-9), (
+        f"{what}: max abs error {(actual - expected).abs().max().item():.3g}")
+
+
+# -------------------------------------------------------------------- distributed cases
+
+def attention_case(comm, mask, fmt, window=None, kv_factor=1):
+    """DotProductAttention under CP against the full-sequence module, forward and backward."""
+    def run(world, rank, group):
+        seq = 4 * world
+        seq_dim = 0 if fmt == "sbhd" else 1
+        torch.manual_seed(0)
+
+        def full(s, h):
+            shape = (s, BATCH, h, DIM) if fmt == "sbhd" else (BATCH, s, h, DIM)
+            return torch.randn(shape, dtype=torch.float64)
+        q, k, v = full(seq, HEADS), full(seq * kv_factor, GROUPS), full(seq * kv_factor, GROUPS)
+        dout = torch.randn(q.shape[:-2] + (HEADS * DIM,), dtype=torch.float64)
+        args = dict(qkv_format=fmt, attn_mask_type=mask, window_size=window)
+        expected = [t.clone().requires_grad_() for t in (q, k, v)]
+        reference = te.DotProductAttention(HEADS, DIM, GROUPS, **args)
+        out_full = reference(*expected)
+        out_full.backward(dout)
+
+        local = [shard(t, seq_dim, world, rank).requires_grad_() for t in (q, k, v)]
+        dpa = te.DotProductAttention(HEADS, DIM, GROUPS, cp_group=group, cp_comm_type=comm,
+                                     cp_global_ranks=list(range(world)), **args)
+        out = dpa(*local)
+        out.backward(shard(dout, seq_dim, world, rank))
+        close(out, shard(out_full, seq_dim, world, rank), "output")
+        for name, mine, ref in zip("qkv", local, expected):
+            close(mine.grad, shard(ref.grad, seq_dim, world, rank), f"d{name}")
+    return run
+
+
+def layer_case(comm, fmt):
+    """A TransformerLayer with RoPE and set_context_parallel_group against the full layer:
+    outputs, input gradients and (summed over the ranks) parameter gradients."""
+    def run(world, rank, group):
+        seq, hidden = 4 * world, HEADS * DIM
+        seq_dim = 0 if fmt == "sbhd" else 1
+
+        def make():
+            torch.manual_seed(1)
+            return te.TransformerLayer(hidden, 2 * hidden, HEADS, num_gqa_groups=GROUPS,
+                                       hidden_dropout=0.0, attention_dropout=0.0,
+                                       attn_input_format=fmt, device="cpu",
+                                       params_dtype=torch.float64)
+        reference, layer = make(), make()
+        layer.set_context_parallel_group(group, list(range(world)), None, comm)
+        freqs = RotaryPositionEmbedding(DIM)(seq).to("cpu", torch.float64)
+        x = torch.randn((seq, BATCH, hidden) if fmt == "sbhd" else (BATCH, seq, hidden),
+                        dtype=torch.float64, requires_grad=True)
+        out_full = reference(x, rotary_pos_emb=freqs)
+        out_full.sum().backward()
+        x_local = shard(x.detach(), seq_dim, world, rank).requires_grad_()
+        out = layer(x_local, rotary_pos_emb=freqs)
+        out.sum().backward()
+        close(out, shard(out_full, seq_dim, world, rank), "output")
+        close(x_local.grad, shard(x.grad, seq_dim, world, rank), "input grad")
+        for (name, param), ref in zip(layer.named_parameters(), reference.parameters()):
+            dist.all_reduce(param.grad, group=group)
+            close(param.grad, ref.grad, f"grad of {name}")
+    return run
+
+
+@contextmanager
+def no_communication():
+    """Any collective or point-to-point call inside fails the case."""
+    names = ("all_gather", "all_to_all", "all_reduce", "batch_isend_irecv")
+    saved = {name: getattr(dist, name) for name in names}
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("communication before the input was checked")
+    for name in names:
+        setattr(dist, name, refuse)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def errors_case(world, rank, group):
+    """Bad CP input raises a ValueError naming the problem, before any communication."""
+    def dpa(**kwargs):
+        args = dict(qkv_format="bshd", cp_group=group)
+        args.update(kwargs)
+        heads = args.pop("heads", HEADS)
+        return te.DotProductAttention(heads, DIM, args.pop("groups", GROUPS), **args)
+
+    def qkv(seq, heads=HEADS, groups=GROUPS, fmt="bshd"):
+        shape = (BATCH, seq) if fmt == "bshd" else (seq, BATCH)
+        return (torch.randn(shape + (heads, DIM)), torch.randn(shape + (groups, DIM)),
+                torch.randn(shape + (groups, DIM)))
+
+    cases = [
+        ("divisible by 2 \\* cp_size", lambda: dpa()(*qkv(3))),
+        ("qkv_format='thd' with context parallelism", lambda: dpa(qkv_format="thd")(
+            torch.randn(8, HEADS, DIM), torch.randn(8, GROUPS, DIM), torch.randn(8, GROUPS, DIM),
+            cu_seqlens_q=torch.tensor([0, 8], dtype=torch.int32),
+            cu_seqlens_kv=torch.tensor([0, 8], dtype=torch.int32))),
+        ("attn_mask_type='padding' with context", lambda: dpa(attn_mask_type="padding")(
+            *qkv(4), attention_mask=torch.zeros(BATCH, 1, 1, 4, dtype=torch.bool))),
+        ("window_size=\\(2, 0\\) with cp_comm_type='p2p'", lambda: dpa(window_size=(2, 0))(
+            *qkv(4))),
+        ("num_gqa_groups=1 divisible by cp_size", lambda: dpa(cp_comm_type="a2a", groups=1)(
+            *qkv(4, groups=1))),
+        ("core_attention_bias_type \\('alibi'\\)", lambda: dpa()(
+            *qkv(4), core_attention_bias_type="alibi")),
+        ("softmax_type='off-by-one'", lambda: dpa(softmax_type="off-by-one")(*qkv(4))),
+        ("attention_dropout=0.1 in training", lambda: dpa(attention_dropout=0.1)(*qkv(4))),
+        ("causal attention with context parallelism needs as many queries", lambda: dpa()(
+            qkv(4)[0], *qkv(8)[1:])),
+    ]
+    with no_communication():
+        for pattern, call in cases:
+            with pytest.raises(ValueError, match=pattern):
+                call()
+        with pytest.raises(ValueError, match="cp_global_ranks=.* does not match cp_group"):
+            dpa(cp_global_ranks=list(range(1, world + 1)))
+
+
+CASES = {}
+for _comm in COMMS:
+    for _mask in ("causal", "no_mask"):
+        for _fmt in ("bshd", "sbhd"):
+            CASES[f"{_comm}-{_mask}-{_fmt}"] = attention_case(_comm, _mask, _fmt)
+    CASES[f"{_comm}-cross-no_mask"] = attention_case(_comm, "no_mask", "bshd", kv_factor=2)
+    CASES[f"{_comm}-layer-rope"] = layer_case(_comm, "sbhd" if _comm == "a2a" else "bshd")
+for _comm in ("all_gather", "a2a"):
+    CASES[f"{_comm}-causal-window"] = attention_case(_comm, "causal", "bshd", window=(3, 0))
+    CASES[f"{_comm}-no_mask-window"] = attention_case(_comm, "no_mask", "sbhd", window=(2, 1))
+CASES["errors"] = errors_case
+
+
+def _worker(rank, world, init_file, result_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    group = dist.new_group(list(range(world)))
+    results = {}
+    for name, case in CASES.items():
+        try:
+            case(world, rank, group)
+            results[name] = None
+        except Exception:  # noqa: BLE001 - reported per case by the tests below
+            results[name] = traceback.format_exc()
+    with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
+def cp_results(request):
+    world = request.param
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), tmp), nprocs=world)
+        results = []
+        for rank in range(world):
+            with open(os.path.join(tmp, f"rank{rank}.json")) as f:
+                results.append(json.load(f))
+    return results
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_context_parallel_matches_full_sequence(cp_results, case):
+    failures = [f"rank {rank}:\n{r[case]}" for rank, r in enumerate(cp_results) if r[case]]
+    assert not failures, "\n".join(failures)
+
+
+# ------------------------------------------------------------------- single-process tests
+
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd", "thd"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_rope_cp_rank_matches_full_sequence_sliced(fmt, world):
+    seq = 8 * world
+    freqs = RotaryPositionEmbedding(DIM)(seq + 4).cpu()
+    torch.manual_seed(0)
+    if fmt == "thd":
+        lengths = [4 * world, 8 * world]  # each divisible by 2 * world
+        cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32)
+        t = torch.randn(sum(lengths), HEADS, DIM)
+        full = apply_rotary_pos_emb(t, freqs, "thd", cu_seqlens=cu)
+        for rank in range(world):
+            local = torch.cat([shard(part, 0, world, rank)
+                               for part in (t[:lengths[0]], t[lengths[0]:])])
+            expected = torch.cat([shard(part, 0, world, rank)
+                                  for part in (full[:lengths[0]], full[lengths[0]:])])
+            got = apply_rotary_pos_emb(local, freqs, "thd", cu_seqlens=cu, cp_size=world,
+                                       cp_rank=rank)
+            torch.testing.assert_close(got, expected)
+        return
+    seq_dim = 0 if fmt == "sbhd" else 1
+    shape = (seq, BATCH, HEADS, DIM) if fmt == "sbhd" else (BATCH, seq, HEADS, DIM)
+    t = torch.randn(shape)
+    start = torch.tensor([0, 3])
+    for start_positions in (None, start):
+        full = apply_rotary_pos_emb(t, freqs, fmt, start_positions=start_positions)
+        for rank in range(world):
+            got = apply_rotary_pos_emb(shard(t, seq_dim, world, rank), freqs, fmt,
+                                       start_positions=start_positions, cp_size=world,
+                                       cp_rank=rank)
+            torch.testing.assert_close(got, shard(full, seq_dim, world, rank))
+
+
+def test_rope_cp_arguments_are_checked():
+    freqs = RotaryPositionEmbedding(DIM)(16).cpu()
+    t = torch.randn(6, BATCH, HEADS, DIM)
+    with pytest.raises(ValueError, match="cp_rank must be an int in \\[0, cp_size=2\\)"):
+        apply_rotary_pos_emb(t, freqs, cp_size=2, cp_rank=2)
+    with pytest.raises(ValueError, match="cp_size must be a positive int"):
+        apply_rotary_pos_emb(t, freqs, cp_size=0)
+    with pytest.raises(ValueError, match="needs an even number"):
+        apply_rotary_pos_emb(t[:5], freqs, cp_size=2, cp_rank=1)
+    with pytest.raises(ValueError, match="exceed the 16 positions"):
+        apply_rotary_pos_emb(t, freqs, cp_size=4, cp_rank=0)
+    with pytest.raises(ValueError, match="divisible by 2 \\* cp_size = 4"):
+        apply_rotary_pos_emb(t[:, 0], freqs, "thd", cp_size=2,
+                             cu_seqlens=torch.tensor([0, 6, 12], dtype=torch.int32))
+
+
+def test_cp_arguments_are_checked_without_a_group():
+    with pytest.raises(ValueError, match="cp_comm_type must be one of"):
+        te.DotProductAttention(HEADS, DIM, cp_comm_type="ring")
+    with pytest.raises(TypeError, match="cp_stream must be a torch.cuda.Stream"):
+        te.DotProductAttention(HEADS, DIM, cp_stream=object())
+    with pytest.raises(TypeError, match="cp_group must be a torch.distributed ProcessGroup"):
+        te.DotProductAttention(HEADS, DIM, cp_group="group")
+    with pytest.raises(ValueError, match="'a2a\\+p2p' .* is not supported yet"):
+        te.DotProductAttention(HEADS, DIM, cp_group=[None, None], cp_comm_type="a2a+p2p")
+    mha = te.MultiheadAttention(HEADS * DIM, HEADS, device="cpu")
+    with pytest.raises(ValueError, match="cp_comm_type must be one of"):
+        mha.set_context_parallel_group(None, None, None, "ring")
+    # No group: single-device attention, whatever the comm type says.
+    dpa = te.DotProductAttention(HEADS, DIM, cp_comm_type="a2a")
+    assert dpa(*(torch.randn(6, BATCH, HEADS, DIM) for _ in range(3))).shape == (
+        6, BATCH, HEADS * DIM)

@@ -1,0 +1,407 @@
+"""Context parallelism (CP) for DotProductAttention over torch.distributed, with TE's API.
+
+Each rank of ``cp_group`` holds a part of every sequence, load-balanced for causal masks as in
+TE: the sequence is cut into ``2 * cp_size`` chunks and rank r holds chunks r and
+``2 * cp_size - 1 - r`` (in that order). Three ways to attend over the whole sequence:
+
+- ``"p2p"``: K/V blocks travel around the ring (batched isend/irecv, posted before the
+  current block is computed so that the transfer overlaps it); the partial outputs are merged
+  by their log-sum-exp. The backward recomputes each block from the saved LSE and passes dK/dV
+  around the ring with their K/V block, so only the local q, k, v, output and LSE are kept.
+- ``"all_gather"``: K/V are gathered and the local query chunks attend with their offsets.
+- ``"a2a"``: heads and sequence are exchanged with all-to-all (Ulysses): each rank attends
+  over the whole sequence for ``h / cp_size`` heads, then the output goes back.
+
+All three run one piece of math, ``attend`` (the unfused backend's softmax attention, with an
+LSE and a causal offset), in PyTorch on any device; ``all_gather`` and ``a2a`` differentiate it
+with autograd (their communication has autograd functions), ``p2p`` has its own backward.
+Supported: sbhd/bshd, ``no_mask`` and ``causal``, GQA/MQA, sliding windows with
+``all_gather``/``a2a`` (as TE). Everything else is refused before any communication.
+"""
+from __future__ import annotations
+
+import logging
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import layout, masks
+from .backends import unfused
+
+logger = logging.getLogger("DotProductAttention")
+
+COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+_FORMATS = ("sbhd", "bshd")
+_MASK_TYPES = ("no_mask", "causal")
+
+
+# ----------------------------------------------------------------------------- configuration
+
+def check_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type) -> Optional[List[int]]:
+    """Validates TE's CP arguments; returns the group's global ranks (None without a group)."""
+    if cp_comm_type not in COMM_TYPES:
+        raise ValueError(f"cp_comm_type must be one of {COMM_TYPES}, got {cp_comm_type!r}")
+    if cp_stream is not None and not isinstance(cp_stream, torch.cuda.Stream):
+        raise TypeError(f"cp_stream must be a torch.cuda.Stream or None, got "
+                        f"{type(cp_stream).__name__}")
+    if cp_group is None:
+        return None
+    if cp_comm_type == "a2a+p2p" or isinstance(cp_group, (list, tuple)):
+        raise ValueError("cp_comm_type='a2a+p2p' (hierarchical CP, cp_group = [a2a_group, "
+                         "p2p_group]) is not supported yet; use 'p2p', 'all_gather' or 'a2a' "
+                         "with one process group")
+    if not isinstance(cp_group, dist.ProcessGroup):
+        raise TypeError(f"cp_group must be a torch.distributed ProcessGroup or None, got "
+                        f"{type(cp_group).__name__}")
+    ranks = dist.get_process_group_ranks(cp_group)
+    if cp_global_ranks is not None and list(cp_global_ranks) != ranks:
+        raise ValueError(f"cp_global_ranks={list(cp_global_ranks)} does not match cp_group, "
+                         f"whose global ranks are {ranks}")
+    return ranks
+
+
+def size_and_rank(cp_group) -> Tuple[int, int]:
+    """(cp_size, cp_rank): (1, 0) without a group."""
+    if cp_group is None:
+        return 1, 0
+    return dist.get_world_size(cp_group), dist.get_rank(cp_group)
+
+
+def set_group_on_submodules(module: torch.nn.Module, cp_group, cp_global_ranks, cp_stream,
+                            cp_comm_type) -> None:
+    """TE's set_context_parallel_group of a composite module: every submodule that has one."""
+    for child in module.modules():
+        if child is not module and hasattr(child, "set_context_parallel_group"):
+            child.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+
+
+# --------------------------------------------------------------------------------- the math
+
+def _keep_mask(sq: int, skv: int, q_offset: int, window, device) -> Optional[torch.Tensor]:
+    """Query i (at position q_offset + i) sees key j iff j lies in its window; None = all."""
+    if window is None or tuple(window) == (-1, -1):
+        return None
+    q_pos = torch.arange(sq, device=device).unsqueeze(-1) + q_offset
+    k_pos = torch.arange(skv, device=device)
+    left, right = window
+    keep = torch.ones(sq, skv, dtype=torch.bool, device=device)
+    if left >= 0:
+        keep &= k_pos >= q_pos - left
+    if right >= 0:
+        keep &= k_pos <= q_pos + right
+    return keep
+
+
+def _logits(q, k, scale, q_offset, window):
+    """Masked, scaled scores of q ``[b, h, sq, d]`` against k ``[b, hkv, skv, d]``, grouped as
+    GQA ``[b, hkv, g, sq, skv]``: formed in the input dtype, then in the compute dtype (as the
+    unfused backend)."""
+    b, h, sq, d = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    q5 = q.reshape(b, hkv, h // hkv, sq, d)
+    logits = torch.matmul(q5, k.unsqueeze(2).transpose(-1, -2))
+    logits = logits.to(unfused.compute_dtype(q.dtype)) * scale
+    keep = _keep_mask(sq, skv, q_offset, window, q.device)
+    return logits if keep is None else logits.masked_fill(~keep, float("-inf"))
+
+
+def attend(q, k, v, scale: float, q_offset: int = 0, window=None):
+    """Attention of q ``[b, h, sq, d]`` over k, v ``[b, hkv, skv, d]`` (GQA by broadcasting)
+    where query i sits at key position ``q_offset + i``; ``window`` (left, right) as TE's
+    window_size, (-1, 0) = causal, None = no mask. Returns ``(out [b, h, sq, dv], lse
+    [b, h, sq])`` in the compute dtype (float32, or float64 for float64); differentiable."""
+    b, h, sq, _ = q.shape
+    logits = _logits(q, k, scale, q_offset, window)
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    # A row with no key has lse -inf: its probabilities are 0 (not NaN).
+    probs = torch.exp(logits - lse.masked_fill(torch.isinf(lse), 0.0))
+    out = torch.matmul(probs, v.unsqueeze(2).to(probs.dtype))
+    return out.reshape(b, h, sq, v.shape[-1]), lse.reshape(b, h, sq)
+
+
+def attend_backward(q, k, v, dout, lse, delta, scale: float, q_offset: int = 0, window=None):
+    """Gradients (dq, dk, dv) of one ``attend`` block, given the final (merged) LSE and
+    ``delta = rowsum(dout * out)`` of its rows: flash attention's backward, in PyTorch."""
+    b, h, sq, d = q.shape
+    hkv = k.shape[1]
+    g = h // hkv
+    logits = _logits(q, k, scale, q_offset, window)
+    dtype = logits.dtype
+    probs = torch.exp(logits - lse.reshape(b, hkv, g, sq, 1))
+    dout5 = dout.reshape(b, hkv, g, sq, -1).to(dtype)
+    dv = torch.matmul(probs.transpose(-1, -2), dout5).sum(2)
+    dprobs = torch.matmul(dout5, v.unsqueeze(2).to(dtype).transpose(-1, -2))
+    dlogits = probs * (dprobs - delta.reshape(b, hkv, g, sq, 1)) * scale
+    dq = torch.matmul(dlogits, k.unsqueeze(2).to(dtype)).reshape(b, h, sq, d)
+    dk = torch.matmul(dlogits.transpose(-1, -2), q.reshape(b, hkv, g, sq, d).to(dtype)).sum(2)
+    return dq, dk, dv
+
+
+# ------------------------------------------------------------------------- communication
+
+class _Ring:
+    """The CP group as a ring: each shift sends to the next rank and receives from the
+    previous one, asynchronously (NCCL runs it on its own stream, beside the compute)."""
+
+    def __init__(self, group, global_ranks: Sequence[int]):
+        self.group = group
+        self.size, self.rank = size_and_rank(group)
+        self.next = global_ranks[(self.rank + 1) % self.size]
+        self.prev = global_ranks[(self.rank - 1) % self.size]
+
+    def start_shift(self, tensors):
+        """Posts the shift of ``tensors`` (sent as one buffer); ``finish_shift`` waits."""
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        received = torch.empty_like(flat)
+        requests = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, flat, self.next, self.group),
+            dist.P2POp(dist.irecv, received, self.prev, self.group)])
+        return requests, received, [t.shape for t in tensors]
+
+    @staticmethod
+    def finish_shift(pending):
+        requests, received, shapes = pending
+        for request in requests:
+            request.wait()
+        sizes = [s.numel() for s in shapes]
+        return tuple(part.view(shape) for part, shape in zip(received.split(sizes), shapes))
+
+
+def _ring_block(src: int, rank: int, causal: bool, len_q: int, len_kv: int):
+    """(query rows, key rows, window) that rank ``rank`` computes against the K/V of rank
+    ``src``. Causal and load-balanced: its own block is causal; of an earlier rank's K/V only
+    the first chunk is in the past, seen by both local chunks; a later rank's K/V is wholly in
+    the past of the second local chunk only. The rest is masked and skipped."""
+    everything = slice(None)
+    if not causal:
+        return everything, everything, None
+    if src == rank:
+        return everything, everything, (-1, 0)
+    if src < rank:
+        return everything, slice(0, len_kv // 2), None
+    return slice(len_q // 2, None), everything, None
+
+
+def _merge(out, lse, rows, block_out, block_lse) -> None:
+    """Adds a block's partial result to the running (out, lse) of ``rows``, in place."""
+    old_out, old_lse = out[:, :, rows], lse[:, :, rows]
+    new_lse = torch.logaddexp(old_lse, block_lse)
+    finite = new_lse.masked_fill(torch.isinf(new_lse), 0.0)
+    out[:, :, rows] = (old_out * torch.exp(old_lse - finite).unsqueeze(-1)
+                       + block_out * torch.exp(block_lse - finite).unsqueeze(-1))
+    lse[:, :, rows] = new_lse
+
+
+class _RingAttention(torch.autograd.Function):
+    """p2p CP over bhsd tensors. The backward does not go through autograd of the forward
+    (which would keep every K/V block and its scores): it recomputes each block from the
+    saved LSE (``attend_backward``) while K/V and their dK/dV accumulators travel the ring."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, causal, ring):
+        len_q, len_kv = q.shape[2], k.shape[2]
+        dtype = unfused.compute_dtype(q.dtype)
+        out = q.new_zeros(q.shape[:3] + (v.shape[-1],), dtype=dtype)
+        lse = q.new_full(q.shape[:3], float("-inf"), dtype=dtype)
+        kv = (k, v)
+        for step in range(ring.size):
+            pending = ring.start_shift(kv) if step + 1 < ring.size else None
+            rows, cols, window = _ring_block((ring.rank - step) % ring.size, ring.rank, causal,
+                                             len_q, len_kv)
+            block_out, block_lse = attend(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                                          scale, 0, window)
+            _merge(out, lse, rows, block_out, block_lse)
+            if pending is not None:
+                kv = ring.finish_shift(pending)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.causal, ctx.ring = scale, causal, ring
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, scale = ctx.ring, ctx.scale
+        len_q, len_kv = q.shape[2], k.shape[2]
+        delta = (dout.to(out.dtype) * out).sum(-1)
+        dq = q.new_zeros(q.shape, dtype=out.dtype)
+        kv = (k, v)
+        dkv = (k.new_zeros(k.shape, dtype=out.dtype), v.new_zeros(v.shape, dtype=out.dtype))
+        for step in range(ring.size):
+            pending = ring.start_shift(kv) if step + 1 < ring.size else None
+            rows, cols, window = _ring_block((ring.rank - step) % ring.size, ring.rank,
+                                             ctx.causal, len_q, len_kv)
+            block_dq, block_dk, block_dv = attend_backward(
+                q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], dout[:, :, rows],
+                lse[:, :, rows], delta[:, :, rows], scale, 0, window)
+            dq[:, :, rows] += block_dq
+            dkv[0][:, :, cols] += block_dk
+            dkv[1][:, :, cols] += block_dv
+            # The accumulators follow their K/V block; after the last step each has visited
+            # every rank and this shift hands it to its owner.
+            dkv = ring.finish_shift(ring.start_shift(dkv))
+            if pending is not None:
+                kv = ring.finish_shift(pending)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+
+
+class _AllGather(torch.autograd.Function):
+    """Concatenates every rank's ``x`` along ``dim``; the backward sums the gradients over
+    the ranks and keeps this rank's part (a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        size, rank = size_and_rank(ctx.group)
+        return grad.chunk(size, ctx.dim)[rank], None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """Splits ``x`` along ``scatter_dim`` over the ranks and concatenates what every rank
+    sent along ``gather_dim``; the backward is the exchange the other way."""
+
+    @staticmethod
+    def forward(ctx, x, scatter_dim, gather_dim, group):
+        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
+        return _all_to_all(x, scatter_dim, gather_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        return _all_to_all(grad, gather_dim, scatter_dim, ctx.group), None, None, None
+
+
+def _all_to_all(x, scatter_dim, gather_dim, group):
+    inputs = [part.contiguous() for part in x.chunk(dist.get_world_size(group), scatter_dim)]
+    outputs = [torch.empty_like(part) for part in inputs]
+    dist.all_to_all(outputs, inputs, group=group)
+    return torch.cat(outputs, gather_dim)
+
+
+def _natural_order(cp_size: int, chunk: int, device) -> torch.Tensor:
+    """Index that puts a sequence gathered in rank order (rank r: chunks r, 2c-1-r) into
+    natural chunk order."""
+    gathered_chunk = [2 * j if j < cp_size else 2 * (2 * cp_size - 1 - j) + 1
+                      for j in range(2 * cp_size)]
+    starts = torch.tensor(gathered_chunk, device=device) * chunk
+    return (starts.unsqueeze(1) + torch.arange(chunk, device=device)).reshape(-1)
+
+
+def _all_gather_attention(q, k, v, scale, window, group):
+    """Gather K/V (natural order); each local query chunk attends at its global offset,
+    over the keys its window can reach."""
+    cp_size, cp_rank = size_and_rank(group)
+    kv_chunk = k.shape[2] // 2
+    order = _natural_order(cp_size, kv_chunk, k.device)
+    kv = _AllGather.apply(torch.cat([k, v], dim=-1), 2, group).index_select(2, order)
+    k_all, v_all = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
+    q_chunk = q.shape[2] // 2
+    outs = []
+    for half, global_chunk in enumerate((cp_rank, 2 * cp_size - 1 - cp_rank)):
+        offset = global_chunk * q_chunk
+        first, last = 0, k_all.shape[2]
+        if window is not None and window[0] >= 0:
+            first = max(0, offset - window[0])
+        if window is not None and window[1] >= 0:
+            last = min(last, offset + q_chunk + window[1])
+        out, _ = attend(q[:, :, half * q_chunk:(half + 1) * q_chunk], k_all[:, :, first:last],
+                        v_all[:, :, first:last], scale, offset - first, window)
+        outs.append(out)
+    return torch.cat(outs, dim=2)
+
+
+def _a2a_attention(q, k, v, scale, window, group):
+    """Ulysses: [b, h, s/c, d] -> [b, h/c, s, d] by all-to-all, attention over the whole
+    sequence (natural order), and back."""
+    cp_size, _ = size_and_rank(group)
+    order = _natural_order(cp_size, q.shape[2] // 2, q.device)
+    kv_order = _natural_order(cp_size, k.shape[2] // 2, k.device)
+    q_all = _AllToAll.apply(q, 1, 2, group).index_select(2, order)
+    k_all = _AllToAll.apply(k, 1, 2, group).index_select(2, kv_order)
+    v_all = _AllToAll.apply(v, 1, 2, group).index_select(2, kv_order)
+    out, _ = attend(q_all, k_all, v_all, scale, 0, window)
+    out = out.index_select(2, torch.argsort(order))  # back to the gathered (rank) order
+    return _AllToAll.apply(out, 2, 1, group)
+
+
+# ----------------------------------------------------------------------------- entry point
+
+def check_call(module, q, k, v, qkv_format, mask_type, window, cp_size,
+               refused) -> Tuple[str, Tuple[int, int]]:
+    """Everything a CP call needs, checked on this rank before any communication."""
+    comm = module.cp_comm_type
+    q_format, kv_format = layout.split_qkv_format(qkv_format)
+    if q_format != kv_format or q_format not in _FORMATS:
+        raise ValueError(f"qkv_format={qkv_format!r} with context parallelism is not supported "
+                         f"yet; use one of {_FORMATS}")
+    if mask_type not in _MASK_TYPES:
+        raise ValueError(f"attn_mask_type={mask_type!r} with context parallelism is not "
+                         f"supported; use one of {_MASK_TYPES}")
+    for name, value in refused.items():  # None = not given (or at its neutral value)
+        if value is not None:
+            shown = "a tensor" if isinstance(value, torch.Tensor) else repr(value)
+            raise ValueError(f"{name} ({shown}) is not supported with context parallelism")
+    if module.softmax_type != "vanilla" or module.return_max_logit:
+        raise ValueError(f"softmax_type={module.softmax_type!r} / return_max_logit="
+                         f"{module.return_max_logit} are not supported with context "
+                         f"parallelism; use softmax_type='vanilla', return_max_logit=False")
+    if module.training and module.attention_dropout > 0.0:
+        raise ValueError(f"attention_dropout={module.attention_dropout} in training is not "
+                         f"supported with context parallelism; use 0.0 (or eval mode)")
+    layout.validate_qkv(q, k, v, q_format, kv_format, module.num_attention_heads,
+                        module.num_gqa_groups, module.head_dim_qk, module.head_dim_v)
+    len_q, _ = layout.seq_batch_of(q, q_format)
+    len_kv, _ = layout.seq_batch_of(k, kv_format)
+    for name, length in (("query_layer", len_q), ("key_layer", len_kv)):
+        if length % 2:
+            raise ValueError(f"{name} has {length} tokens on this rank: context parallelism "
+                             f"needs the full sequence ({length} * cp_size) divisible by "
+                             f"2 * cp_size = {2 * cp_size}, each rank holding 2 chunks")
+    if mask_type == "causal" and len_q != len_kv:
+        raise ValueError(f"causal attention with context parallelism needs as many queries "
+                         f"as keys per rank, got {len_q} and {len_kv}")
+    sliding = window not in ((-1, -1), (-1, 0))
+    if sliding and comm == "p2p":
+        raise ValueError(f"window_size={window} with cp_comm_type='p2p' is not supported (as "
+                         f"in TE); use cp_comm_type='all_gather' or 'a2a'")
+    if sliding and len_q != len_kv:
+        raise ValueError(f"window_size={window} with context parallelism needs as many "
+                         f"queries as keys per rank, got {len_q} and {len_kv}")
+    if comm == "a2a":
+        for name, heads in (("num_attention_heads", module.num_attention_heads),
+                            ("num_gqa_groups", module.num_gqa_groups)):
+            if heads % cp_size:
+                raise ValueError(f"cp_comm_type='a2a' needs {name}={heads} divisible by "
+                                 f"cp_size={cp_size}")
+    return comm, window
+
+
+def attention(module, q, k, v, qkv_format: str, mask_type: str, window, refused: dict):
+    """DotProductAttention's forward under CP: q, k, v are this rank's load-balanced part of
+    the sequences; returns this rank's part of the output (same order), heads merged."""
+    cp_size, _ = size_and_rank(module.cp_group)
+    mask_type = masks.normalize_mask_type(mask_type)
+    window = masks.check_set_window_size(mask_type, window)
+    comm, window = check_call(module, q, k, v, qkv_format, mask_type, window, cp_size, refused)
+    logger.debug("Context parallelism: cp_comm_type=%s, cp_size=%d, %s, %s (unfused math)",
+                 comm, cp_size, qkv_format, mask_type)
+    fmt = qkv_format
+    q, k, v = (unfused._to_bhsd(t, fmt, None, 0) for t in (q, k, v))
+    scale = module.softmax_scale
+    no_window = None if window == (-1, -1) else window
+    if comm == "p2p":
+        ring = _Ring(module.cp_group, module.cp_global_ranks)
+        out = _RingAttention.apply(q, k, v, scale, mask_type == "causal", ring)
+    elif comm == "all_gather":
+        out = _all_gather_attention(q, k, v, scale, no_window, module.cp_group)
+    else:
+        out = _a2a_attention(q, k, v, scale, no_window, module.cp_group)
+    return unfused._from_bhsd(out.to(q.dtype), fmt, None, None)
