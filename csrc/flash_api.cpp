@@ -369,8 +369,8 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
 // call's shape alone: the Python backend logs it. arch: the GPU's compute capability.
 std::vector<std::string> fwd_family_of(int64_t arch, bool bf16, int64_t d, int64_t seqlen_q,
                                        int64_t seqlen_k, bool varlen, int64_t window_left,
-                                       int64_t window_right, bool alibi, bool dropout,
-                                       int64_t family) {
+                                       int64_t window_right, bool bottom_right, bool alibi,
+                                       bool dropout, int64_t family) {
   tf::FwdParams p{};
   static const int kSomeSequences = 1;  // a non-null cu_seqlens stands for "varlen"
   p.d = static_cast<int>(d);
@@ -379,6 +379,7 @@ std::vector<std::string> fwd_family_of(int64_t arch, bool bf16, int64_t d, int64
   p.cu_seqlens_q = p.cu_seqlens_k = varlen ? &kSomeSequences : nullptr;
   p.window_left = static_cast<int>(window_left < 0 ? -1 : window_left);
   p.window_right = static_cast<int>(window_right < 0 ? -1 : window_right);
+  p.bottom_right = bottom_right;
   static const float kSomeSlope = 0.f;
   static const int64_t kSomeState = 0;
   p.alibi_slopes = alibi ? &kSomeSlope : nullptr;
@@ -401,8 +402,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fwd_family", &fwd_family_of,
         "(family name, why not sm90) of the forward of a call with this shape",
         py::arg("arch"), py::arg("bf16"), py::arg("d"), py::arg("seqlen_q"), py::arg("seqlen_k"),
-        py::arg("varlen"), py::arg("window_left"), py::arg("window_right"), py::arg("alibi"),
-        py::arg("dropout"), py::arg("family") = kAnyFamily);
+        py::arg("varlen"), py::arg("window_left"), py::arg("window_right"),
+        py::arg("bottom_right"), py::arg("alibi"), py::arg("dropout"),
+        py::arg("family") = kAnyFamily);
   m.def("bwd", &bwd, "Flash attention backward", py::arg("dout"), py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("cu_seqlens_q"),
         py::arg("cu_seqlens_k"), py::arg("q_format"), py::arg("kv_format"),

@@ -25,14 +25,15 @@ from attention_cases import DEV, capture_log, check  # noqa: E402
 EXT = flash._extension()
 CC = torch.cuda.get_device_capability()
 ARCH = CC[0] * 10 + CC[1]
-if ARCH != 90 or EXT.fwd_family(90, True, 128, 128, 128, False, -1, -1, False, False)[0] != "sm90":
+if ARCH != 90 or EXT.fwd_family(90, True, 128, 128, 128, False, -1, -1, False, False,
+                                 False)[0] != "sm90":
     pytest.skip("needs an sm_90 GPU and a build with the sm90 family", allow_module_level=True)
 
 BSHD, SBHD = 0, 1
 D = 128
 
 
-def make_qkv(b, s, h, hkv, dtype, layout, gain=1.0, seed=0):
+def make_qkv(b, sq, sk, h, hkv, dtype, layout, gain=1.0, seed=0):
     """q, k, v ([b, s, h, d] views, or [s, b, h, d] for sbhd) in one of the layouts: separate
     bshd tensors, separate sbhd, or slices of one packed [b, s, 3, h, d] buffer (bs3hd)."""
     gen = torch.Generator(device=DEV).manual_seed(seed)
@@ -41,28 +42,30 @@ def make_qkv(b, s, h, hkv, dtype, layout, gain=1.0, seed=0):
         return (torch.randn(*shape, generator=gen, device=DEV) * gain).to(dtype)
 
     if layout == "bs3hd":
-        assert h == hkv
-        qkv = randn(b, s, 3, h, D)
+        assert h == hkv and sq == sk
+        qkv = randn(b, sq, 3, h, D)
         return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     if layout == "sbhd":
-        return randn(s, b, h, D), randn(s, b, hkv, D), randn(s, b, hkv, D)
-    return randn(b, s, h, D), randn(b, s, hkv, D), randn(b, s, hkv, D)
+        return randn(sq, b, h, D), randn(sk, b, hkv, D), randn(sk, b, hkv, D)
+    return randn(b, sq, h, D), randn(b, sk, hkv, D), randn(b, sk, hkv, D)
 
 
 def to_bshd(x, layout):
     return x.transpose(0, 1) if layout == "sbhd" else x
 
 
-def reference(q, k, v, causal, scale, dtype):
-    """(out [b, s, h, d], lse [b, h, s]) of bshd q, k, v in `dtype` math (float64 for the
-    reference, the input dtype for the error baseline)."""
+def reference(q, k, v, causal, scale, dtype, bottom_right=False):
+    """(out [b, sq, h, d], lse [b, h, sq]) of bshd q, k, v in `dtype` math (float64 for the
+    reference, the input dtype for the error baseline). Causal: query i sees keys
+    j <= i + (sk - sq if bottom_right else 0)."""
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     g = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
     if causal:
-        n = q.shape[1]
-        keep = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        sq, sk = q.shape[1], k.shape[1]
+        keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(
+            sk - sq if bottom_right else 0)
         s = s.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(s.double(), dim=-1)
     p = torch.softmax(s.double(), dim=-1).to(dtype)
@@ -74,49 +77,65 @@ def poison():
     del junk
 
 
-def run_fwd(q, k, v, layout, causal, family, return_lse=True):
+def run_fwd(q, k, v, layout, causal, family, return_lse=True, bottom_right=False):
     fmt = SBHD if layout == "sbhd" else BSHD
-    s = q.shape[0] if layout == "sbhd" else q.shape[1]
+    sq, sk = (q.shape[0], k.shape[0]) if layout == "sbhd" else (q.shape[1], k.shape[1])
     poison()
-    return EXT.fwd(q, k, v, None, None, fmt, fmt, s, s, 1 / math.sqrt(D), -1,
-                   0 if causal else -1, False, return_lse, 0.0, None, None, family)
+    return EXT.fwd(q, k, v, None, None, fmt, fmt, sq, sk, 1 / math.sqrt(D), -1,
+                   0 if causal else -1, bottom_right, return_lse, 0.0, None, None, family)
 
 
-# (b, s, h, hkv, layout, input gain): small and large grids (the persistent grid loops when
-# tiles outnumber SMs: 4 x 16 x 8 and 8 x 16 x 4 = 512 tiles on 132 SMs), GQA and MQA, the
-# layouts' strides, a sharper softmax (gain 4).
+# (b, sq, sk, h, hkv, layout, input gain): small and large grids (the persistent grid loops
+# when tiles outnumber SMs: 4 x 16 x 8 and 8 x 16 x 4 = 512 tiles on 132 SMs), GQA and MQA,
+# the layouts' strides, a sharper softmax (gain 4), lengths that are not tile multiples (the
+# key tail masked, the query tail not stored), one token, and sq != sk both ways.
 CASES = {
-    "b2-s128-h2": (2, 128, 2, 2, "bshd", 1.0),
-    "b1-s1024-h4": (1, 1024, 4, 4, "bshd", 1.0),
-    "gqa-b2-s512-h8-hkv2": (2, 512, 8, 2, "bshd", 1.0),
-    "mqa-b1-s2048-h4-hkv1": (1, 2048, 4, 1, "bshd", 1.0),
-    "packed-bs3hd-b2-s512-h4": (2, 512, 4, 4, "bs3hd", 1.0),
-    "sbhd-b3-s256-h4-hkv2": (3, 256, 4, 2, "sbhd", 1.0),
-    "sharp-b2-s512-h4": (2, 512, 4, 4, "bshd", 4.0),
-    "loops-b4-s2048-h8-hkv2": (4, 2048, 8, 2, "bshd", 1.0),
-    "loops-b8-s1024-h16": (8, 1024, 16, 16, "bshd", 1.0),
+    "b2-s128-h2": (2, 128, 128, 2, 2, "bshd", 1.0),
+    "b1-s1024-h4": (1, 1024, 1024, 4, 4, "bshd", 1.0),
+    "gqa-b2-s512-h8-hkv2": (2, 512, 512, 8, 2, "bshd", 1.0),
+    "mqa-b1-s2048-h4-hkv1": (1, 2048, 2048, 4, 1, "bshd", 1.0),
+    "packed-bs3hd-b2-s512-h4": (2, 512, 512, 4, 4, "bs3hd", 1.0),
+    "sbhd-b3-s256-h4-hkv2": (3, 256, 256, 4, 2, "sbhd", 1.0),
+    "sharp-b2-s512-h4": (2, 512, 512, 4, 4, "bshd", 4.0),
+    "loops-b4-s2048-h8-hkv2": (4, 2048, 2048, 8, 2, "bshd", 1.0),
+    "loops-b8-s1024-h16": (8, 1024, 1024, 16, 16, "bshd", 1.0),
+    "tail-b2-s200-h4": (2, 200, 200, 4, 4, "bshd", 1.0),
+    "one-token-b3-s1-h2": (3, 1, 1, 2, 2, "bshd", 1.0),
+    "packed-tail-b2-s333-h2": (2, 333, 333, 2, 2, "bs3hd", 1.0),
+    "cross-b2-sq300-sk700-h4-hkv2": (2, 300, 700, 4, 2, "bshd", 1.0),
+    "cross-b2-sq700-sk300-h4": (2, 700, 300, 4, 4, "bshd", 1.0),
+    "cross-sbhd-b2-sq129-sk257-h4-hkv2": (2, 129, 257, 4, 2, "sbhd", 1.0),
+    "decode-b4-sq1-sk1000-h8-hkv2": (4, 1, 1000, 8, 2, "bshd", 1.0),
+    "chunk-b2-sq130-sk1100-h4": (2, 130, 1100, 4, 4, "bshd", 2.0),
 }
+MASKS = {"no_mask": (False, False), "causal": (True, False), "causal_bottom_right": (True, True)}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-@pytest.mark.parametrize("causal", [False, True], ids=["no_mask", "causal"])
+@pytest.mark.parametrize("mask", sorted(MASKS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_forward_matches_float64(name, causal, dtype):
-    b, s, h, hkv, layout, gain = CASES[name]
-    q, k, v = make_qkv(b, s, h, hkv, dtype, layout, gain)
-    out, lse = run_fwd(q, k, v, layout, causal, family=90)
+def test_forward_matches_float64(name, mask, dtype):
+    b, sq, sk, h, hkv, layout, gain = CASES[name]
+    causal, bottom_right = MASKS[mask]
+    if bottom_right and sq == sk:
+        pytest.skip("the same mask as top-left causal")
+    if bottom_right and sq > sk:
+        pytest.skip("declined by the sm90 family (test_declined_calls_...)")
+    q, k, v = make_qkv(b, sq, sk, h, hkv, dtype, layout, gain)
+    out, lse = run_fwd(q, k, v, layout, causal, family=90, bottom_right=bottom_right)
     qb, kb, vb = (to_bshd(x, layout) for x in (q, k, v))
-    ref, ref_lse = reference(qb, kb, vb, causal, 1 / math.sqrt(D), torch.float64)
-    base, base_lse = reference(qb, kb, vb, causal, 1 / math.sqrt(D), dtype)
+    scale = 1 / math.sqrt(D)
+    ref, ref_lse = reference(qb, kb, vb, causal, scale, torch.float64, bottom_right)
+    base, base_lse = reference(qb, kb, vb, causal, scale, dtype, bottom_right)
     check(f"{name} out", to_bshd(out, layout).double(), ref, base.double(), 1e-3)
     check(f"{name} lse", lse.double(), ref_lse, base_lse, 1e-3)
     # the sm80 family on the same call obeys the same rule (and so agrees with sm90)
-    out80, lse80 = run_fwd(q, k, v, layout, causal, family=80)
+    out80, _ = run_fwd(q, k, v, layout, causal, family=80, bottom_right=bottom_right)
     check(f"{name} sm80 out", to_bshd(out80, layout).double(), ref, base.double(), 1e-3)
 
 
 def test_forward_without_lse():
-    q, k, v = make_qkv(2, 256, 4, 2, torch.bfloat16, "bshd")
+    q, k, v = make_qkv(2, 256, 256, 4, 2, torch.bfloat16, "bshd")
     out, lse = run_fwd(q, k, v, "bshd", True, family=90, return_lse=False)
     ref, _ = run_fwd(q, k, v, "bshd", True, family=90)
     assert lse.numel() == 0
@@ -125,7 +144,7 @@ def test_forward_without_lse():
 
 def test_auto_family_runs_sm90_where_it_serves():
     """The default (family 0) gives bitwise what the forced sm90 family gives."""
-    q, k, v = make_qkv(2, 512, 8, 2, torch.bfloat16, "bshd", seed=3)
+    q, k, v = make_qkv(2, 512, 512, 8, 2, torch.bfloat16, "bshd", seed=3)
     auto, _ = run_fwd(q, k, v, "bshd", True, family=0)
     sm90, _ = run_fwd(q, k, v, "bshd", True, family=90)
     sm80, _ = run_fwd(q, k, v, "bshd", True, family=80)
@@ -133,36 +152,40 @@ def test_auto_family_runs_sm90_where_it_serves():
     assert not torch.equal(auto, sm80)  # a different kernel: rounding differs somewhere
 
 
-# (d, sq, sk, varlen, window_left, window_right, alibi, dropout) -> the reason's words
+# (d, sq, sk, varlen, window_left, window_right, bottom_right, alibi, dropout) -> the
+# reason's words
 DECLINED = {
-    "head dim 64": ((64, 256, 256, False, -1, -1, False, False), "head dim 128 kernels only"),
-    "sq != sk": ((128, 256, 384, False, -1, 0, False, False), "seqlen_q == seqlen_kv"),
-    "length 200": ((128, 200, 200, False, -1, -1, False, False), "multiples of 128"),
-    "varlen": ((128, 256, 256, True, -1, -1, False, False), "varlen"),
-    "window": ((128, 256, 256, False, 64, 0, False, False), "sliding windows"),
-    "alibi": ((128, 256, 256, False, -1, 0, True, False), "ALiBi"),
-    "dropout": ((128, 256, 256, False, -1, -1, False, True), "dropout"),
+    "head dim 64": ((64, 256, 256, False, -1, -1, False, False, False),
+                    "head dim 128 kernels only"),
+    "bottom-right sq > sk": ((128, 384, 256, False, -1, 0, True, False, False),
+                             "bottom-right causal masks with seqlen_q > seqlen_kv"),
+    "no keys": ((128, 256, 0, False, -1, -1, False, False, False), "at least one key"),
+    "varlen": ((128, 256, 256, True, -1, -1, False, False, False), "varlen"),
+    "window": ((128, 256, 256, False, 64, 0, False, False, False), "sliding windows"),
+    "alibi": ((128, 256, 256, False, -1, 0, False, True, False), "ALiBi"),
+    "dropout": ((128, 256, 256, False, -1, -1, False, False, True), "dropout"),
 }
 
 
 @pytest.mark.parametrize("name", sorted(DECLINED))
 def test_declined_calls_run_on_sm80_and_say_why(name):
-    (d, sq, sk, varlen, left, right, alibi, dropout), words = DECLINED[name]
-    family, why = EXT.fwd_family(ARCH, True, d, sq, sk, varlen, left, right, alibi, dropout)
+    args, words = DECLINED[name]
+    family, why = EXT.fwd_family(ARCH, True, *args)
     assert family == "sm80" and words in why, (family, why)
-    assert EXT.fwd_family(ARCH, True, 128, 256, 256, False, -1, 0, False, False) == ["sm90", ""]
-    assert EXT.fwd_family(ARCH, True, 128, 256, 256, False, -1, 0, False, False, 80)[0] == "sm80"
-    assert EXT.fwd_family(80, True, 128, 256, 256, False, -1, 0, False, False)[0] == "sm80"
+    served = (128, 200, 300, False, -1, 0, True, False, False)
+    assert EXT.fwd_family(ARCH, True, *served) == ["sm90", ""]
+    assert EXT.fwd_family(ARCH, True, *served, 80)[0] == "sm80"
+    assert EXT.fwd_family(80, True, *served)[0] == "sm80"
 
 
 def test_forced_sm90_on_a_declined_call_is_a_clear_error():
-    q = torch.randn(1, 200, 2, D, device=DEV, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="sm90 family was requested, but it needs sequence "
-                                           "lengths that are multiples of 128"):
-        EXT.fwd(q, q, q, None, None, 0, 0, 200, 200, 0.1, -1, -1, False, True, 0.0, None, None,
+    q = torch.randn(1, 256, 2, 64, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="sm90 family was requested, but it has head dim 128 "
+                                           "kernels only"):
+        EXT.fwd(q, q, q, None, None, 0, 0, 256, 256, 0.1, -1, -1, False, True, 0.0, None, None,
                 90)
     with pytest.raises(RuntimeError, match="family must be 0"):
-        EXT.fwd(q, q, q, None, None, 0, 0, 200, 200, 0.1, -1, -1, False, True, 0.0, None, None,
+        EXT.fwd(q, q, q, None, None, 0, 0, 256, 256, 0.1, -1, -1, False, True, 0.0, None, None,
                 100)
 
 
@@ -183,8 +206,8 @@ def test_training_step_sm90_forward_sm80_backward(monkeypatch, causal):
     monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
     monkeypatch.setenv("NVTE_DEBUG", "1")
     monkeypatch.setenv("NVTE_DEBUG_LEVEL", "2")
-    b, s, h, hkv = 2, 512, 8, 2
-    q, k, v = make_qkv(b, s, h, hkv, torch.bfloat16, "bshd", seed=7)
+    b, s, h, hkv = 2, 300, 8, 2  # 300: the sm90 query and key tails
+    q, k, v = make_qkv(b, s, s, h, hkv, torch.bfloat16, "bshd", seed=7)
     dpa = tfa.DotProductAttention(h, D, num_gqa_groups=hkv, qkv_format="bshd",
                                   attn_mask_type="causal" if causal else "no_mask").cuda()
     with capture_log() as lines:
@@ -227,11 +250,11 @@ def test_requested_sm90_family_declines_with_a_reason(monkeypatch):
     monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
     monkeypatch.setenv("NVTE_DEBUG", "1")
     monkeypatch.setenv("NVTE_DEBUG_LEVEL", "2")
-    dpa = tfa.DotProductAttention(2, D, qkv_format="bshd", attn_mask_type="causal").cuda()
-    q = torch.randn(1, 200, 2, D, device=DEV, dtype=torch.bfloat16)
+    dpa = tfa.DotProductAttention(2, 64, qkv_format="bshd", attn_mask_type="causal").cuda()
+    q = torch.randn(1, 256, 2, 64, device=DEV, dtype=torch.bfloat16)
     with capture_log() as lines, torch.no_grad():
         dpa(q, q, q)
     assert dpa.last_backend == "UnfusedDotProductAttention"
     assert any("Disabling FlashAttention as TRANSFORMER_FA_FLASH_FAMILY=sm90 and the sm90 "
-               "kernels do not serve this call: it needs sequence lengths that are multiples "
-               "of 128" in line for line in lines), lines
+               "kernels do not serve this call: it has head dim 128 kernels only" in line
+               for line in lines), lines

@@ -160,6 +160,10 @@ struct FwdConfig {
     float* lse;          // float32, natural log; nullptr: not written
     int64_t lse_batch_stride, lse_head_stride, lse_row_stride;
     int seqlen_q, seqlen_k, heads, heads_per_kv;
+    // Causal: query row i sees keys j <= i + causal_offset (seqlen_k - seqlen_q for the
+    // bottom-right diagonal, 0 for top-left); the launch keeps it >= 0 when bottom-right, so
+    // that every query tile has a key block.
+    int causal_offset;
     float softmax_scale, scale_log2;
     TileScheduler scheduler;
   };
@@ -332,9 +336,13 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   int const warp_idx = cutlass::canonical_warp_idx_sync();
   int const warpgroup_idx = cutlass::canonical_warp_group_idx();
   TileScheduler const& scheduler = params.scheduler;
-  int const n_blocks_total = params.seqlen_k / kBlockN;
+  // Lengths need not be tile multiples: TMA zero-fills rows past them, the last key block's
+  // columns past seqlen_k are masked, and rows past seqlen_q are not stored.
+  int const n_blocks_total = ceil_div(params.seqlen_k, kBlockN);
   auto n_block_max_of = [&](int m_block) {
-    return kCausal ? min(n_blocks_total, ceil_div((m_block + 1) * kBlockM, kBlockN)) : n_blocks_total;
+    return kCausal ? min(n_blocks_total,
+                         ceil_div((m_block + 1) * kBlockM + params.causal_offset, kBlockN))
+                   : n_blocks_total;
   };
 
   if (warp_idx == 0 && threadIdx.x == 0) {
@@ -467,15 +475,19 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
     scheduler.template decode<kCausal>(tile, m_block, head, batch);
     int const n_block_max = n_block_max_of(m_block);
     // Blocks from this one on (right of it) cross the diagonal.
-    int const n_block_first_masked = kCausal ? (m_block * kBlockM) / kBlockN : n_block_max;
+    int const n_block_first_masked =
+        kCausal ? (m_block * kBlockM + params.causal_offset) / kBlockN : n_block_max;
 
-    // Causal mask for one S tile: key column > query row is out.
-    auto apply_causal_mask = [&](auto& tSrS, int n_block) {
+    // Mask of one S tile: key columns past seqlen_k, and with causal those past the query
+    // row's diagonal, are out.
+    auto apply_mask = [&](auto& tSrS, int n_block) {
       Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
-      int const offset = m_block * kBlockM - n_block * kBlockN;
+      int const key_limit = params.seqlen_k - 1 - n_block * kBlockN;  // last key, local
+      int const offset = m_block * kBlockM + params.causal_offset - n_block * kBlockN;
       CUTE_UNROLL
       for (int r = 0; r < size<0>(s); ++r) {
-        int const col_limit = get<0>(tScS_rc(r, 0)) + offset;   // last allowed local column
+        int const col_limit =                                     // last allowed local column
+            kCausal ? min(key_limit, get<0>(tScS_rc(r, 0)) + offset) : key_limit;
         CUTE_UNROLL
         for (int c = 0; c < size<1>(s); ++c) {
           if (get<1>(tScS_rc(r, c)) > col_limit) { s(r, c) = -INFINITY; }
@@ -491,7 +503,9 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
       wg_gemm<true>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
       warpgroup_wait<0>();
       pipe_k.consumer_release(read_k);
-      if (kCausal && n_block >= n_block_first_masked) { apply_causal_mask(tSrS, n_block); }
+      // The first block is the only one that can hold the key tail.
+      bool const key_tail = n_block == n_blocks_total - 1 && params.seqlen_k % kBlockN != 0;
+      if ((kCausal && n_block >= n_block_first_masked) || key_tail) { apply_mask(tSrS, n_block); }
       Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
       softmax.template step<true, kCausal>(s, o_scale);
       convert_fragment<Element>(tSrS, tOrP);
@@ -513,7 +527,7 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
       scheduler_hand_over();
       warpgroup_wait<1>();
       pipe_k.consumer_release(read_k);
-      if constexpr (kMasked) { apply_causal_mask(tSrS, n_block); }
+      if constexpr (kMasked) { apply_mask(tSrS, n_block); }
       Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
       softmax.template step<false, kMasked>(s, o_scale);
       warpgroup_wait<0>();
@@ -544,14 +558,16 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
     scale_rows(tOrO_rc, o_scale);
 
     // ---------------- epilogue ----------------
-    // LSE: the first thread of each quad owns its two rows.
+    // LSE: the first thread of each quad owns its two rows (rows past seqlen_q: none).
+    int const rows_in_tile = params.seqlen_q - m_block * kBlockM;
     if (params.lse != nullptr && tidx % 4 == 0) {
       float* lse_out = params.lse + int64_t(batch) * params.lse_batch_stride +
                        int64_t(head) * params.lse_head_stride +
                        int64_t(m_block) * kBlockM * params.lse_row_stride;
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
-        lse_out[get<0>(tOcO_rc(r, 0)) * params.lse_row_stride] = lse[r];
+        int const row = get<0>(tOcO_rc(r, 0));
+        if (row < rows_in_tile) { lse_out[row * params.lse_row_stride] = lse[r]; }
       }
     }
 
@@ -570,12 +586,15 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
                       int64_t(head) * params.o_head_stride +
                       int64_t(m_block * kBlockM + consumer_wg * 64) * params.o_row_stride;
     Element const* s_tile = shared.o.data() + consumer_wg * 64 * Cfg::kOPitch;
+    int const rows_here = rows_in_tile - consumer_wg * 64;  // of this warpgroup's 64
     CUTE_UNROLL
     for (int i = tid_in_wg; i < 64 * kChunksPerRow; i += 128) {
       int const row = i / kChunksPerRow;
       int const col = (i % kChunksPerRow) * 8;
-      *reinterpret_cast<uint4*>(o_tile + int64_t(row) * params.o_row_stride + col) =
-          *reinterpret_cast<uint4 const*>(s_tile + row * Cfg::kOPitch + col);
+      if (row < rows_here) {
+        *reinterpret_cast<uint4*>(o_tile + int64_t(row) * params.o_row_stride + col) =
+            *reinterpret_cast<uint4 const*>(s_tile + row * Cfg::kOPitch + col);
+      }
     }
   }
 }

@@ -47,7 +47,7 @@ inline TileScheduler make_scheduler(const FwdParams& p, const Device& device, in
   const int heads_batches = p.h * p.b;
   const int per_group = int(std::max<int64_t>(
       1, std::min<int64_t>(heads_batches, l2_budget / kv_bytes_per_head)));
-  const int num_m_blocks = p.seqlen_q / block_m;
+  const int num_m_blocks = (p.seqlen_q + block_m - 1) / block_m;
   return TileScheduler{num_m_blocks, heads_batches, p.h, per_group, num_m_blocks * heads_batches};
 }
 
@@ -76,7 +76,7 @@ void launch(const FwdParams& a, const Device& device, cudaStream_t stream) {
            shape_q, shape_k, shape_vt,
            static_cast<Element*>(a.o), a.o_batch_stride, a.o_row_stride, a.o_head_stride,
            a.lse, a.lse_batch_stride, a.lse_head_stride, a.lse_row_stride,
-           a.seqlen_q, a.seqlen_k, a.h, a.h / a.h_k,
+           a.seqlen_q, a.seqlen_k, a.h, a.h / a.h_k, a.bottom_right ? a.seqlen_k - a.seqlen_q : 0,
            a.scale_softmax, a.scale_softmax_log2,
            make_scheduler(a, device, Cfg::kBlockM, Cfg::kHeadDim * int(sizeof(Element)))};
 

@@ -9,8 +9,7 @@ namespace transformer_fa {
 namespace flash {
 namespace sm90 {
 
-// The forward's query and key tile (fwd_launch.cuh's FwdConfig): the kernel has no tail
-// masking yet, so it serves lengths that are multiples of it.
+// The forward's query and key tile (fwd_launch.cuh's FwdConfig).
 constexpr int kFwdBlock = 128;
 constexpr int kFwdHeadDim = 128;
 
@@ -23,14 +22,15 @@ inline const char* fwd_declines(const FwdParams& p, int arch) {
   if (p.d != kFwdHeadDim) return "it has head dim 128 kernels only";
   if (p.cu_seqlens_q != nullptr || p.cu_seqlens_k != nullptr)
     return "it does not take varlen (cu_seqlens) calls yet";
-  if (p.seqlen_q != p.seqlen_k) return "it needs seqlen_q == seqlen_kv";
-  if (p.seqlen_q % kFwdBlock != 0) return "it needs sequence lengths that are multiples of 128";
+  if (p.seqlen_k == 0) return "it needs at least one key";
   const bool no_mask = p.window_left < 0 && p.window_right < 0;
   const bool causal = p.window_left < 0 && p.window_right == 0;
   if (!no_mask && !causal) return "it does not take sliding windows yet";
+  // (query rows before the diagonal's start have no key; the kernel has no empty tiles)
+  if (causal && p.bottom_right && p.seqlen_q > p.seqlen_k)
+    return "it does not take bottom-right causal masks with seqlen_q > seqlen_kv";
   if (p.alibi_slopes != nullptr) return "it does not take ALiBi";
   if (p.rng_state != nullptr) return "it does not take dropout";
-  // seqlen_q == seqlen_k: top-left and bottom-right causal are the same mask.
   return nullptr;
 }
 

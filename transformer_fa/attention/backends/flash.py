@@ -126,7 +126,7 @@ def forward_family(p: AttentionParams) -> Tuple[str, str]:
     left, right = FlashCall.window_of(p)
     return tuple(_extension().fwd_family(
         cc[0] * 10 + cc[1], p.dtype == torch.bfloat16, int(p.head_dim_qk), int(p.max_seqlen_q),
-        int(p.max_seqlen_kv), bool(p.is_varlen), left, right,
+        int(p.max_seqlen_kv), bool(p.is_varlen), left, right, bool(p.is_bottom_right),
         p.core_attention_bias_type == "alibi", p.attention_dropout > 0.0, requested_family()))
 
 
