@@ -33,7 +33,7 @@ BSHD, SBHD = 0, 1
 D = 128
 
 
-def make_qkv(b, sq, sk, h, hkv, dtype, layout, gain=1.0, seed=0):
+def make_qkv(b, sq, sk, h, hkv, dtype, layout, gain=1.0, seed=0, d=D):
     """q, k, v ([b, s, h, d] views, or [s, b, h, d] for sbhd) in one of the layouts: separate
     bshd tensors, separate sbhd, or slices of one packed [b, s, 3, h, d] buffer (bs3hd)."""
     gen = torch.Generator(device=DEV).manual_seed(seed)
@@ -43,11 +43,11 @@ def make_qkv(b, sq, sk, h, hkv, dtype, layout, gain=1.0, seed=0):
 
     if layout == "bs3hd":
         assert h == hkv and sq == sk
-        qkv = randn(b, sq, 3, h, D)
+        qkv = randn(b, sq, 3, h, d)
         return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     if layout == "sbhd":
-        return randn(sq, b, h, D), randn(sk, b, hkv, D), randn(sk, b, hkv, D)
-    return randn(b, sq, h, D), randn(b, sk, hkv, D), randn(b, sk, hkv, D)
+        return randn(sq, b, h, d), randn(sk, b, hkv, d), randn(sk, b, hkv, d)
+    return randn(b, sq, h, d), randn(b, sk, hkv, d), randn(b, sk, hkv, d)
 
 
 def to_bshd(x, layout):
@@ -81,7 +81,7 @@ def run_fwd(q, k, v, layout, causal, family, return_lse=True, bottom_right=False
     fmt = SBHD if layout == "sbhd" else BSHD
     sq, sk = (q.shape[0], k.shape[0]) if layout == "sbhd" else (q.shape[1], k.shape[1])
     poison()
-    return EXT.fwd(q, k, v, None, None, fmt, fmt, sq, sk, 1 / math.sqrt(D), -1,
+    return EXT.fwd(q, k, v, None, None, fmt, fmt, sq, sk, 1 / math.sqrt(q.shape[-1]), -1,
                    0 if causal else -1, bottom_right, return_lse, 0.0, None, None, family)
 
 
@@ -114,17 +114,18 @@ MASKS = {"no_mask": (False, False), "causal": (True, False), "causal_bottom_righ
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("mask", sorted(MASKS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_forward_matches_float64(name, mask, dtype):
+@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+def test_forward_matches_float64(name, mask, dtype, d):
     b, sq, sk, h, hkv, layout, gain = CASES[name]
     causal, bottom_right = MASKS[mask]
     if bottom_right and sq == sk:
         pytest.skip("the same mask as top-left causal")
     if bottom_right and sq > sk:
         pytest.skip("declined by the sm90 family (test_declined_calls_...)")
-    q, k, v = make_qkv(b, sq, sk, h, hkv, dtype, layout, gain)
+    q, k, v = make_qkv(b, sq, sk, h, hkv, dtype, layout, gain, d=d)
     out, lse = run_fwd(q, k, v, layout, causal, family=90, bottom_right=bottom_right)
     qb, kb, vb = (to_bshd(x, layout) for x in (q, k, v))
-    scale = 1 / math.sqrt(D)
+    scale = 1 / math.sqrt(d)
     ref, ref_lse = reference(qb, kb, vb, causal, scale, torch.float64, bottom_right)
     base, base_lse = reference(qb, kb, vb, causal, scale, dtype, bottom_right)
     check(f"{name} out", to_bshd(out, layout).double(), ref, base.double(), 1e-3)
@@ -155,8 +156,8 @@ def test_auto_family_runs_sm90_where_it_serves():
 # (d, sq, sk, varlen, window_left, window_right, bottom_right, alibi, dropout) -> the
 # reason's words
 DECLINED = {
-    "head dim 64": ((64, 256, 256, False, -1, -1, False, False, False),
-                    "head dim 128 kernels only"),
+    "head dim 96": ((96, 256, 256, False, -1, -1, False, False, False),
+                    "head dim 64 and 128 kernels only"),
     "bottom-right sq > sk": ((128, 384, 256, False, -1, 0, True, False, False),
                              "bottom-right causal masks with seqlen_q > seqlen_kv"),
     "no keys": ((128, 256, 0, False, -1, -1, False, False, False), "at least one key"),
@@ -179,9 +180,9 @@ def test_declined_calls_run_on_sm80_and_say_why(name):
 
 
 def test_forced_sm90_on_a_declined_call_is_a_clear_error():
-    q = torch.randn(1, 256, 2, 64, device=DEV, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="sm90 family was requested, but it has head dim 128 "
-                                           "kernels only"):
+    q = torch.randn(1, 256, 2, 96, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="sm90 family was requested, but it has head dim 64 "
+                                           "and 128 kernels only"):
         EXT.fwd(q, q, q, None, None, 0, 0, 256, 256, 0.1, -1, -1, False, True, 0.0, None, None,
                 90)
     with pytest.raises(RuntimeError, match="family must be 0"):
@@ -232,13 +233,13 @@ def test_debug_log_names_the_family_and_why_not_sm90(monkeypatch):
     monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
     monkeypatch.setenv("NVTE_DEBUG", "1")
     monkeypatch.setenv("NVTE_DEBUG_LEVEL", "2")
-    dpa = tfa.DotProductAttention(4, 64, qkv_format="bshd", attn_mask_type="causal").cuda()
-    q = torch.randn(2, 256, 4, 64, device=DEV, dtype=torch.bfloat16)
+    dpa = tfa.DotProductAttention(4, 96, qkv_format="bshd", attn_mask_type="causal").cuda()
+    q = torch.randn(2, 256, 4, 96, device=DEV, dtype=torch.bfloat16)
     with capture_log() as lines, torch.no_grad():
         dpa(q, q, q)
     assert dpa.last_backend == "FlashAttention"
-    assert any("FlashAttention kernel family = sm80 (not sm90: it has head dim 128 kernels only)"
-               in line for line in lines), lines
+    assert any("FlashAttention kernel family = sm80 (not sm90: it has head dim 64 and 128 "
+               "kernels only)" in line for line in lines), lines
 
 
 def test_requested_sm90_family_declines_with_a_reason(monkeypatch):
@@ -250,11 +251,11 @@ def test_requested_sm90_family_declines_with_a_reason(monkeypatch):
     monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
     monkeypatch.setenv("NVTE_DEBUG", "1")
     monkeypatch.setenv("NVTE_DEBUG_LEVEL", "2")
-    dpa = tfa.DotProductAttention(2, 64, qkv_format="bshd", attn_mask_type="causal").cuda()
-    q = torch.randn(1, 256, 2, 64, device=DEV, dtype=torch.bfloat16)
+    dpa = tfa.DotProductAttention(2, 96, qkv_format="bshd", attn_mask_type="causal").cuda()
+    q = torch.randn(1, 256, 2, 96, device=DEV, dtype=torch.bfloat16)
     with capture_log() as lines, torch.no_grad():
         dpa(q, q, q)
     assert dpa.last_backend == "UnfusedDotProductAttention"
     assert any("Disabling FlashAttention as TRANSFORMER_FA_FLASH_FAMILY=sm90 and the sm90 "
-               "kernels do not serve this call: it has head dim 128 kernels only" in line
+               "kernels do not serve this call: it has head dim 64 and 128 kernels only" in line
                for line in lines), lines

@@ -11,7 +11,6 @@ namespace sm90 {
 
 // The forward's query and key tile (fwd_launch.cuh's FwdConfig).
 constexpr int kFwdBlock = 128;
-constexpr int kFwdHeadDim = 128;
 
 // Why the sm90 forward cannot run `p` on a device of compute capability `arch` (major * 10 +
 // minor), or nullptr when it can. The binding has checked the tensors already (dtypes,
@@ -19,7 +18,8 @@ constexpr int kFwdHeadDim = 128;
 // Everything declined here runs on the sm80 family.
 inline const char* fwd_declines(const FwdParams& p, int arch) {
   if (arch != 90) return "it runs on sm_90 GPUs only (sm_90a code)";
-  if (p.d != kFwdHeadDim) return "it has head dim 128 kernels only";
+  // (other head dims would need their columns past d masked in the epilogue)
+  if (p.d != 64 && p.d != 128) return "it has head dim 64 and 128 kernels only";
   if (p.cu_seqlens_q != nullptr || p.cu_seqlens_k != nullptr)
     return "it does not take varlen (cu_seqlens) calls yet";
   if (p.seqlen_k == 0) return "it needs at least one key";
