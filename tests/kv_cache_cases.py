@@ -1,15 +1,29 @@
 """Shared by the KV cache tests (CPU and GPU): a small TransformerLayer stack run step by step
 with an InferenceParams, against the same stack over each whole sequence without a cache."""
 from collections import OrderedDict
-from typing import Dict, List
+from typing import Dict, List, NamedTuple
 
 import torch
 
 import transformer_fa as tfa
 
-HIDDEN, HEADS, GQA, LAYERS = 32, 4, 2, 2
-HEAD_DIM = HIDDEN // HEADS
-MAX_SEQLEN = 32
+LAYERS = 2
+
+
+class Config(NamedTuple):
+    hidden: int = 32
+    heads: int = 4
+    gqa: int = 2  # K/V heads
+    max_seqlen: int = 32
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+CPU = Config()
+HIDDEN, HEADS, GQA, HEAD_DIM, MAX_SEQLEN = CPU.hidden, CPU.heads, CPU.gqa, CPU.head_dim, \
+    CPU.max_seqlen
 
 # Sequences joining, leaving, changing order, prefill and multi-token steps.
 SCHEDULE: List[Dict[int, int]] = [
@@ -22,19 +36,31 @@ SCHEDULE: List[Dict[int, int]] = [
 ]
 
 
-def make_stack(qkv_format: str, dtype=torch.float32, device="cpu", seed=0, **layer_args):
+def make_stack(qkv_format: str, dtype=torch.float32, device="cpu", seed=0, cfg=CPU,
+               **layer_args):
     """LAYERS TransformerLayers with distinct layer_numbers and the same weights for any
-    format (seeded)."""
-    torch.manual_seed(seed)
-    args = dict(num_gqa_groups=GQA, hidden_dropout=0.0, attention_dropout=0.0,
-                params_dtype=dtype, device=device, attn_input_format=qkv_format)
+    format, dtype and device (seeded, drawn on the CPU in float32)."""
+    args = dict(num_gqa_groups=cfg.gqa, hidden_dropout=0.0, attention_dropout=0.0,
+                attn_input_format=qkv_format)
     args.update(layer_args)
-    return [tfa.TransformerLayer(HIDDEN, 2 * HIDDEN, HEADS, layer_number=i + 1, **args).eval()
-            for i in range(LAYERS)]
+
+    def stack(params_dtype, on):
+        return [tfa.TransformerLayer(cfg.hidden, 2 * cfg.hidden, cfg.heads, layer_number=i + 1,
+                                     params_dtype=params_dtype, device=on, **args).eval()
+                for i in range(LAYERS)]
+
+    torch.manual_seed(seed)
+    drawn = stack(torch.float32, "cpu")
+    if dtype == torch.float32 and device == "cpu":
+        return drawn
+    layers = stack(dtype, device)
+    for layer, weights in zip(layers, drawn):
+        layer.load_state_dict(weights.state_dict())
+    return layers
 
 
-def rope_table(device="cpu"):
-    return tfa.RotaryPositionEmbedding(HEAD_DIM).to(device)(MAX_SEQLEN)
+def rope_table(device="cpu", cfg=CPU):
+    return tfa.RotaryPositionEmbedding(cfg.head_dim).to(device)(cfg.max_seqlen)
 
 
 def run_stack(stack, x, **kwargs):
@@ -43,14 +69,14 @@ def run_stack(stack, x, **kwargs):
     return x
 
 
-def sequence_inputs(schedule, dtype=torch.float32, device="cpu", seed=1):
+def sequence_inputs(schedule, dtype=torch.float32, device="cpu", seed=1, cfg=CPU):
     """Random hidden states for every token of every sequence of the schedule."""
     totals: Dict[int, int] = {}
     for step in schedule:
         for seq, n in step.items():
             totals[seq] = totals.get(seq, 0) + n
     gen = torch.Generator().manual_seed(seed)
-    return {seq: torch.randn(n, HIDDEN, generator=gen).to(device=device, dtype=dtype)
+    return {seq: torch.randn(n, cfg.hidden, generator=gen).to(device=device, dtype=dtype)
             for seq, n in totals.items()}
 
 
@@ -81,12 +107,13 @@ def unpack_step(out: torch.Tensor, lengths: List[int], qkv_format: str) -> List[
 
 
 def make_params(qkv_format, is_paged, dtype=torch.float32, device="cpu", page_size=4,
-                total_num_pages=None, max_batch_size=3):
+                total_num_pages=None, max_batch_size=3, cfg=CPU):
     paged = dict(is_paged=True, page_size=page_size,
-                 total_num_pages=total_num_pages or max_batch_size * MAX_SEQLEN // page_size)
-    return tfa.InferenceParams(max_batch_size, MAX_SEQLEN, num_heads_kv=GQA, head_dim_k=HEAD_DIM,
-                               dtype=dtype, max_ctx_len=MAX_SEQLEN, qkv_format=qkv_format,
-                               device=device, **(paged if is_paged else {}))
+                 total_num_pages=total_num_pages or max_batch_size * cfg.max_seqlen // page_size)
+    return tfa.InferenceParams(max_batch_size, cfg.max_seqlen, num_heads_kv=cfg.gqa,
+                               head_dim_k=cfg.head_dim, dtype=dtype, max_ctx_len=cfg.max_seqlen,
+                               qkv_format=qkv_format, device=device,
+                               **(paged if is_paged else {}))
 
 
 def run_schedule(stack, params, inputs, qkv_format, rope, schedule=SCHEDULE):
@@ -106,8 +133,3 @@ def run_schedule(stack, params, inputs, qkv_format, rope, schedule=SCHEDULE):
             positions[seq] = (done.get(seq, 0), done.get(seq, 0) + n)
             done[seq] = done.get(seq, 0) + n
         yield step, dict(zip(step, outs)), positions
-
-
-def copy_weights(dst_stack, src_stack):
-    for dst, src in zip(dst_stack, src_stack):
-        dst.load_state_dict(src.state_dict())

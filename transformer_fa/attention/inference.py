@@ -563,7 +563,7 @@ def _claim_layer(inference_params: InferenceParams, layer_number, module) -> Non
     if layer_number is None:
         raise ValueError("inference_params needs the module's layer_number (a distinct int per "
                          "layer): pass layer_number= when building it")
-    owner = inference_params._layer_owners.setdefault(layer_number, module)
+    owner = inference_params._layer_owners.get(layer_number, module)
     if owner is not module:
         raise ValueError(f"layer_number={layer_number} is used by two attention modules with "
                          f"one InferenceParams; give every layer its own layer_number")
@@ -611,6 +611,7 @@ def attention_over_cache(inference_params, module, q, k, v, qkv_format: str,
 
     k_cache, v_cache, cu_q, cu_kv, max_kv, kv_format = inference_params.step(
         module.layer_number, k, v, q_format)
+    inference_params._layer_owners[module.layer_number] = module
     if inference_params.is_paged:
         # The kernels do not read block tables yet: this step's pages are gathered into a
         # contiguous [b, pages * page_size, h, d] copy for the call (pages up to the longest
