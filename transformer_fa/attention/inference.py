@@ -227,6 +227,7 @@ class NonPagedKVCacheManager(_TokenCache):
         super().__init__(max_batch_size, max_seqlen, num_heads, head_dim_k, dtype,
                          max_batch_size, max_seqlen, head_dim_v, device)
         self._rows_of_layer: Dict[int, List] = {}  # layer -> seq id held by each row
+        self._continuing: set = set()  # sequences of the step with tokens cached before it
 
     def allocate_memory(self, layer_number: int):
         super().allocate_memory(layer_number)
@@ -235,6 +236,7 @@ class NonPagedKVCacheManager(_TokenCache):
     def reset(self):
         super().reset()
         self._rows_of_layer = {layer: [] for layer in self._rows_of_layer}
+        self._continuing = set()
 
     def pre_step(self, step_dict: "OrderedDict"):
         after = self._lengths_after(step_dict)
