@@ -18,8 +18,8 @@ def test_default_builds_every_instantiation_for_its_targets():
     sm90 = {f: t for f, t in files.items() if f.endswith("_sm90.cu")}
     assert len(sm80) == 2 * 2 * len(generate.HEAD_DIMS)  # fwd and bwd, 2 dtypes
     assert set(sm80.values()) == {("80", "90a")}
-    assert sorted(sm90) == [f"flash/instantiations/fwd_{t}_hdim128_sm90.cu"
-                            for t in ("bf16", "fp16")]
+    assert sorted(sm90) == sorted(f"flash/instantiations/fwd_{t}_hdim{d}_sm90.cu"
+                                  for t in ("bf16", "fp16") for d in (64, 128))
     assert set(sm90.values()) == {("90a",)}
     assert len(files) == len(sm80) + len(sm90) and len(macros) == len(sm80) // 2 + len(sm90)
     assert all((CSRC / f).is_file() for f in files)
@@ -68,7 +68,7 @@ def test_a_family_builds_only_for_its_targets():
         generate.selected("sm90_bf16_hdim128", "80")
     # The CI compile check covers each family at each of its targets.
     assert [job for job in generate.compile_check_jobs() if job[0].endswith("_sm90.cu")] == \
-        [("flash/instantiations/fwd_fp16_hdim128_sm90.cu", "90a")]
+        [("flash/instantiations/fwd_fp16_hdim64_sm90.cu", "90a")]
 
 
 def test_dispatch_lists_the_user_names_of_the_every_gpu_family():

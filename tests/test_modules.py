@@ -423,7 +423,7 @@ def test_mha_bad_arguments():
     mha = make_mha(hidden_size=24, kv_channels=4)  # explicit kv_channels: no divisibility rule
     assert mha.hidden_size_q == 16
     x = torch.randn(3, 1, 24)
-    with pytest.raises(ValueError, match="inference_params"):
+    with pytest.raises(TypeError, match="inference_params must be a transformer_fa.InferenceParams"):
         mha(x, inference_params=object())
     with pytest.raises(TypeError, match="attention_mask"):
         mha(x, attention_mask=torch.zeros(1, 1, 1, 3), attn_mask_type="padding")

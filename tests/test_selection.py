@@ -141,7 +141,8 @@ BAD_INPUTS = [
     ("alibi dtype", lambda: qkv(), {"core_attention_bias_type": "alibi",
                                     "alibi_slopes": torch.ones(2, dtype=torch.float64)}, TypeError,
      "alibi_slopes must be a float32"),
-    ("inference", lambda: qkv(), {"inference_params": object()}, ValueError, "inference_params"),
+    ("inference", lambda: qkv(), {"inference_params": object()}, TypeError,
+     "inference_params must be a transformer_fa.InferenceParams"),
 ]
 
 

@@ -62,7 +62,7 @@ def test_dot_product_attention_forward_te_arguments():
         dpa(q, q, q, cu_seqlens_q=c, cu_seqlens_kv=c, pad_between_seqs=True), out)
     with pytest.raises(ValueError, match="fp8_output=True.*FP8"):
         dpa(q, q, q, cu_seqlens_q=c, cu_seqlens_kv=c, fp8_output=True)
-    with pytest.raises(ValueError, match="KV cache .*not supported yet"):
+    with pytest.raises(TypeError, match="inference_params must be a transformer_fa.InferenceParams"):
         dpa(q, q, q, cu_seqlens_q=c, cu_seqlens_kv=c, inference_params=object())
 
 

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import module_reference as ref
+from transformer_fa.attention.inference import InferenceParams
 from transformer_fa.attention.rope import RotaryPositionEmbedding
 from transformer_fa.transformer import TransformerLayer
 
@@ -230,8 +231,10 @@ def test_layer_bad_arguments():
     x = torch.randn(3, 1, H)
     with pytest.raises(ValueError, match="encoder_output"):
         layer(x)
-    with pytest.raises(ValueError, match="inference_params"):
-        layer(x, encoder_output=x, inference_params=object())
+    cache = InferenceParams(1, 8, num_heads_kv=2, head_dim_k=4, dtype=torch.float32,
+                               device="cpu")
+    with pytest.raises(ValueError, match="inference_params.*self attention"):
+        layer(x, encoder_output=x, inference_params=cache)
     with pytest.raises(ValueError, match="self_attn_mask_type"):
         layer(x, encoder_output=x, self_attn_mask_type="diagonal")
     with pytest.raises(TypeError, match="attention_mask"):

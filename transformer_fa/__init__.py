@@ -2,8 +2,8 @@
 __version__ = "0.1.0"
 
 from . import attention, common
-from .attention import (DotProductAttention, MultiheadAttention, RotaryPositionEmbedding,
-                        apply_rotary_pos_emb)
+from .attention import (DotProductAttention, InferenceParams, MultiheadAttention,
+                        RotaryPositionEmbedding, apply_rotary_pos_emb)
 from .module import LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
 from .distributed import CudaRNGStatesTracker, checkpoint
 from .fp8 import (autocast, fp8_autocast, fp8_model_init, is_fp8_available,
@@ -19,4 +19,4 @@ __all__ = ["attention", "DotProductAttention", "MultiheadAttention", "Transforme
            "fp8_autocast", "fp8_model_init", "is_fp8_available", "checkpoint",
            "CudaRNGStatesTracker", "make_graphed_callables", "quantized_model_init",
            "is_mxfp8_available", "is_fp8_block_scaling_available", "is_nvfp4_available",
-           "get_device_compute_capability", "is_bf16_available"]
+           "get_device_compute_capability", "is_bf16_available", "InferenceParams"]

@@ -289,6 +289,9 @@ class TransformerLayer(torch.nn.Module):
         check_bool_masks(enc_dec_attn_mask, "enc_dec_attn_mask", enc_dec_attn_mask_type)
         if self.layer_type == "decoder" and encoder_output is None:
             raise ValueError("encoder_output is required with layer_type='decoder'")
+        if self.layer_type == "decoder" and inference_params is not None:
+            raise ValueError("inference_params: the KV cache serves self attention only; "
+                             "layer_type='decoder' (cross attention) is not supported with it")
 
         check_hidden_states(hidden_states, self.hidden_size, self.params_dtype, "hidden_states")
         hidden_states = hidden_states.contiguous()

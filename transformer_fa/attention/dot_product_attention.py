@@ -11,7 +11,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..module._common import check_te_only_kwargs
-from . import context_parallel, layout, masks, padding, selection
+from . import context_parallel, inference, layout, masks, padding, selection
 from .backends import unfused
 from .params import BIAS_TYPES, SOFTMAX_TYPES, AttentionInputs, params_fields
 
@@ -145,7 +145,7 @@ class DotProductAttention(torch.nn.Module):
         views of them along ``qkv_interleave_dim``.
         Returns the output, or ``(output, max_logit)`` with ``return_max_logit``."""
         check_unsupported_forward_args(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
-                                       cu_seqlens_kv_padded, inference_params, fp8_output)
+                                       cu_seqlens_kv_padded, fp8_output)
         _check_tuning_args(num_splits, score_mod, score_mod_bprop, score_mod_tensors,
                            score_mod_bprop_tensors)
         if qkv_layer is not None or kv_layer is not None:
@@ -160,6 +160,15 @@ class DotProductAttention(torch.nn.Module):
                      core_attention_bias_type=core_attention_bias_type,
                      core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes,
                      softcap=softcap)
+        if inference_params is not None:
+            # KV cache: append k, v in place, then attend over the cache (a varlen call).
+            q, k_cache, v_cache, cache_args = inference.attention_over_cache(
+                inference_params, self, query_layer, key_layer, value_layer,
+                self.qkv_format if qkv_format is None else qkv_format,
+                self.attn_mask_type if attn_mask_type is None else attn_mask_type,
+                dict(again, cu_seqlens_q_padded=cu_seqlens_q_padded,
+                     cu_seqlens_kv_padded=cu_seqlens_kv_padded))
+            return self.forward(q, k_cache, v_cache, **cache_args)
         if checkpoint_core_attention and torch.is_grad_enabled():
             # TE's activation checkpointing: recompute attention in the backward.
             return checkpoint(self.forward, query_layer, key_layer, value_layer,
@@ -352,11 +361,9 @@ class DotProductAttention(torch.nn.Module):
 
 
 def check_unsupported_forward_args(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
-                                   cu_seqlens_kv_padded, inference_params, fp8_output) -> None:
+                                   cu_seqlens_kv_padded, fp8_output) -> None:
     """TE forward arguments of features transformer_fa does not have: their neutral values
     pass, anything else is a clear error."""
-    if inference_params is not None:
-        raise ValueError("inference_params: KV cache inference is not supported yet; pass None")
     if fp8_output:
         raise ValueError("fp8_output=True needs FP8 attention, which is not supported yet")
     for padded, plain, name in ((cu_seqlens_q_padded, cu_seqlens_q, "cu_seqlens_q_padded"),

@@ -26,7 +26,7 @@ from ..module._common import (
 )
 from ..module.layernorm import LayerNorm, RMSNorm
 from ..module.linear import LayerNormLinear, Linear
-from . import context_parallel, masks
+from . import context_parallel, inference, masks
 from .constants import TENSOR_FORMATS as _FORMATS
 from .dot_product_attention import DotProductAttention, check_unsupported_forward_args
 from .params import BIAS_TYPES
@@ -304,7 +304,10 @@ class MultiheadAttention(torch.nn.Module):
         (TE's).
         """
         check_unsupported_forward_args(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
-                                       cu_seqlens_kv_padded, inference_params, False)
+                                       cu_seqlens_kv_padded, False)
+        if inference_params is not None:
+            inference.allocate_on_first_use(inference_params, self.layer_number,
+                                            self.attention_type)
         check_hidden_states(hidden_states, self.hidden_size, self.params_dtype, "hidden_states")
         if core_attention_bias_type not in BIAS_TYPES:
             raise ValueError(
@@ -329,15 +332,24 @@ class MultiheadAttention(torch.nn.Module):
             q_emb, k_emb = (
                 rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
             )
+            # thd with gaps: positions count from each sequence's padded start
+            cu_rope_q = cu_seqlens_q if cu_seqlens_q_padded is None else cu_seqlens_q_padded
+            cu_rope_kv = cu_seqlens_kv if cu_seqlens_kv_padded is None else cu_seqlens_kv_padded
+            starts = None
+            if inference_params is not None:  # each sequence continues at its cached length
+                (q_emb, k_emb), cu_rope_q, starts = inference.rope_for_step(
+                    inference_params, self.qkv_format,
+                    None if self.qkv_format == "thd" else q.shape[self.qkv_format.index("s")],
+                    (q_emb, k_emb))
+                cu_rope_kv = cu_rope_q
             q = apply_rotary_pos_emb(
                 q, q_emb, self.qkv_format, interleaved=self.rotary_pos_interleaved,
-                # thd with gaps: positions count from each sequence's padded start
-                cu_seqlens=cu_seqlens_q if cu_seqlens_q_padded is None else cu_seqlens_q_padded,
+                cu_seqlens=cu_rope_q, start_positions=starts,
                 cp_size=self.cp_size, cp_rank=self.cp_rank,
             )
             k = apply_rotary_pos_emb(
                 k, k_emb, self.qkv_format, interleaved=self.rotary_pos_interleaved,
-                cu_seqlens=cu_seqlens_kv if cu_seqlens_kv_padded is None else cu_seqlens_kv_padded,
+                cu_seqlens=cu_rope_kv, start_positions=starts,
                 cp_size=self.cp_size, cp_rank=self.cp_rank,
             )
         if self.q_norm is not None and not self.qk_norm_before_rope:
@@ -365,6 +377,7 @@ class MultiheadAttention(torch.nn.Module):
             core_attention_bias_type=core_attention_bias_type,
             core_attention_bias=core_attention_bias,
             alibi_slopes=alibi_slopes,
+            inference_params=inference_params,
         )
 
         out = self.proj(context)

@@ -1,0 +1,665 @@
+"""KV cache for inference: TE's ``InferenceParams`` and its cache managers.
+
+The flow is TE's::
+
+    params = InferenceParams(max_batch_size, max_sequence_length, num_heads_kv, head_dim_k,
+                             dtype, is_paged=..., qkv_format="bshd")
+    for each step:
+        params.pre_step(OrderedDict(seq_id -> number of new tokens))
+        out = model(new_tokens, inference_params=params)   # every layer calls step()
+
+``pre_step`` decides, once per step and on the host, where every new token goes: the batch
+order is the step dict's order; a sequence id seen before continues (its new tokens are
+appended after its cached ones), a new id starts a sequence, an id left out is finished and
+leaves the cache. ``step`` (per layer) writes the new K/V tokens into the cache in place (one
+``index_copy_`` of the new tokens; the cache itself is never copied) and returns the cache
+with the lengths the attention call needs: ``cu_seqlens_q`` (new tokens per sequence) and
+``cu_seqlens_kv`` (cached tokens per sequence, the new ones included). The caches are kept in
+``bshd``: non-paged ``[max_batch_size, max_sequence_length, h, d]`` with sequence i in row i;
+paged ``[total_num_pages, page_size, h, d]`` with ``page_table`` ``[max_batch_size,
+max_pages_per_seq]`` giving each sequence's pages in order.
+
+Where TE is silent this follows FlashAttention's ``flash_attn_with_kvcache``: a step may add
+any number of tokens to a continuing sequence (TE adds one), and the new queries attend with
+bottom-right causal alignment (a query at position p sees keys 0..p).
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Dict, List, Mapping, Optional, Tuple
+
+import torch
+
+from . import layout, masks
+
+__all__ = ["InferenceParams", "KVCacheManager", "NonPagedKVCacheManager", "PagedKVCacheManager"]
+
+CACHE_FORMAT = "bshd"  # the caches' format, as TE's
+STEP_FORMATS = ("bshd", "sbhd", "thd")
+
+
+def _default_device() -> torch.device:
+    # Where TE allocates (the current GPU), and the CPU where there is none.
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _check_positive_int(value, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _check_step_format(qkv_format: str) -> str:
+    if qkv_format not in STEP_FORMATS:
+        raise ValueError(f"qkv_format must be one of {STEP_FORMATS}, got {qkv_format!r}")
+    return qkv_format
+
+
+def check_step_dict(step_dict, max_batch_size: int) -> None:
+    """A step dict maps sequence ids to the number of new tokens (a positive int)."""
+    if not isinstance(step_dict, Mapping):
+        raise TypeError(f"step_dict must be an OrderedDict(seq_id -> step_len), got "
+                        f"{type(step_dict).__name__}")
+    if len(step_dict) > max_batch_size:
+        raise ValueError(f"step_dict has {len(step_dict)} sequences, more than "
+                         f"max_batch_size={max_batch_size}")
+    for seq, step_len in step_dict.items():
+        if not isinstance(step_len, int) or isinstance(step_len, bool) or step_len <= 0:
+            raise ValueError(f"step_dict[{seq!r}] must be a positive int (the number of new "
+                             f"tokens), got {step_len!r}")
+
+
+class KVCacheManager:
+    """Base class of the cache managers (TE's): a custom manager overrides these."""
+
+    def __init__(self):
+        self.cache: Dict[int, Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = {}
+        self.sequences: "OrderedDict" = OrderedDict()  # seq_id -> cached length after the step
+
+    def reset(self):
+        """Forget every sequence (the memory stays allocated)."""
+        self.sequences = OrderedDict()
+
+    def allocate_memory(self, layer_number: int):
+        """Allocate the cache of a layer."""
+        self.cache[layer_number] = (None, None)
+
+    def pre_step(self, step_dict: "OrderedDict"):
+        """Update the tracked sequences for the step; returns them (seq_id -> length)."""
+        return self.sequences
+
+    def step(self, layer_number: int, new_k: torch.Tensor, new_v: torch.Tensor,
+             cu_new_seqlens: torch.Tensor, cu_cached_seqlens: torch.Tensor, qkv_format: str):
+        """Copy the new tokens into the cache of a layer; returns (k_cache, v_cache)."""
+        return self.cache[layer_number]
+
+
+class _TokenCache(KVCacheManager):
+    """What both managers share: the sequences' lengths, the check of a step against the
+    cache's limits before anything changes, and the in-place write of the new tokens at
+    rows planned by ``pre_step`` (``_rows_for``, the one method the layouts differ in)."""
+
+    def __init__(self, slots: int, slot_len: int, num_heads: int, head_dim_k: int,
+                 dtype: torch.dtype, max_batch_size: int, max_seqlen: int,
+                 head_dim_v: Optional[int], device):
+        super().__init__()
+        self.max_batch_size = _check_positive_int(max_batch_size, "max_batch_size")
+        self.max_seqlen = _check_positive_int(max_seqlen, "max_sequence_length")
+        self.num_heads = _check_positive_int(num_heads, "num_heads_kv")
+        self.head_dim_k = _check_positive_int(head_dim_k, "head_dim_k")
+        self.head_dim_v = _check_positive_int(
+            head_dim_k if head_dim_v is None else head_dim_v, "head_dim_v")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating point torch.dtype, got {dtype!r}")
+        self.dtype = dtype
+        self.device = _default_device() if device is None else torch.device(device)
+        self._slots, self._slot_len = slots, slot_len
+        self._step_lens: List[int] = []
+        self._write_rows: Optional[torch.Tensor] = None  # cache row of each new token
+        self._token_seq: Optional[torch.Tensor] = None  # batch index of each new token
+        self._token_pos: Optional[torch.Tensor] = None  # its index among the step's tokens
+
+    def allocate_memory(self, layer_number: int):
+        """K ``[slots, slot_len, h, dk]`` and V ``[slots, slot_len, h, dv]``, zeros."""
+        def zeros(d):
+            return torch.zeros(self._slots, self._slot_len, self.num_heads, d, dtype=self.dtype,
+                               device=self.device)
+        self.cache[layer_number] = (zeros(self.head_dim_k), zeros(self.head_dim_v))
+
+    def reset(self):
+        super().reset()
+        self._step_lens = []
+        self._write_rows = self._token_seq = self._token_pos = None
+
+    def _lengths_after(self, step_dict) -> "OrderedDict":
+        """The sequences after the step, in the step's order; raises before changing anything
+        if one would exceed max_seqlen."""
+        check_step_dict(step_dict, self.max_batch_size)
+        after = OrderedDict()
+        for seq, step_len in step_dict.items():
+            after[seq] = self.sequences.get(seq, 0) + step_len
+            if after[seq] > self.max_seqlen:
+                raise ValueError(f"sequence {seq!r} would hold {after[seq]} tokens after this "
+                                 f"step, more than max_sequence_length={self.max_seqlen}")
+        return after
+
+    def _plan_writes(self, step_dict, after) -> None:
+        """Per new token: its batch index, its index in the step, and its cache row."""
+        self._step_lens = list(step_dict.values())
+        seq_index, pos, rows = [], [], []
+        for i, (seq, step_len) in enumerate(step_dict.items()):
+            start = after[seq] - step_len
+            seq_index.append(torch.full((step_len,), i, dtype=torch.int64))
+            pos.append(torch.arange(step_len, dtype=torch.int64))
+            rows.append(self._rows_for(i, seq, torch.arange(start, after[seq])))
+        def cat(parts):
+            if not parts:  # every sequence left
+                return torch.zeros(0, dtype=torch.int64, device=self.device)
+            return torch.cat(parts).to(self.device)
+        self._token_seq, self._token_pos, self._write_rows = cat(seq_index), cat(pos), cat(rows)
+
+    def _rows_for(self, batch_index: int, seq, positions: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _check_new_tokens(self, layer_number, new_k, new_v, qkv_format) -> None:
+        """new_k / new_v against the cache and the step planned by pre_step."""
+        _check_step_format(qkv_format)
+        if layer_number not in self.cache:
+            raise ValueError(f"layer_number={layer_number!r} has no KV cache: call "
+                             f"allocate_memory({layer_number!r}) first")
+        for name, t, d in (("new_k", new_k, self.head_dim_k), ("new_v", new_v, self.head_dim_v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype != self.dtype:
+                raise TypeError(f"{name} dtype {t.dtype} differs from the KV cache's {self.dtype}")
+            if t.device != self.device:
+                raise ValueError(f"{name} is on {t.device} but the KV cache is on {self.device}")
+            want = 3 if qkv_format == "thd" else 4
+            if t.dim() != want or t.shape[-2] != self.num_heads or t.shape[-1] != d:
+                raise ValueError(f"{name} must be {qkv_format} with {self.num_heads} heads of "
+                                 f"dim {d} (the KV cache's), got shape {tuple(t.shape)}")
+        if new_k.shape[:-1] != new_v.shape[:-1]:
+            raise ValueError(f"new_k and new_v must agree in all but the head dim, got "
+                             f"{tuple(new_k.shape)} and {tuple(new_v.shape)}")
+        batch, longest, total = len(self._step_lens), max(self._step_lens, default=0), sum(
+            self._step_lens)
+        if qkv_format == "thd":
+            if new_k.shape[0] < total:
+                raise ValueError(f"new_k has {new_k.shape[0]} tokens but pre_step() planned "
+                                 f"{total} new tokens")
+            return
+        seq_dim = 0 if qkv_format == "sbhd" else 1
+        got_b, got_s = new_k.shape[1 - seq_dim], new_k.shape[seq_dim]
+        if got_b != batch or got_s < longest:
+            raise ValueError(f"new_k ({qkv_format}, shape {tuple(new_k.shape)}) must hold "
+                             f"batch {batch} (the sequences of pre_step()) and at least "
+                             f"{longest} tokens per sequence (the longest step)")
+
+    def _new_tokens(self, t: torch.Tensor, qkv_format: str,
+                    cu_new_seqlens: torch.Tensor) -> torch.Tensor:
+        """The step's real tokens of t, ``[n, h, d]`` in batch then position order (padding
+        left out; any strides)."""
+        t = t.detach()  # the cache holds values: no gradient flows into cached K/V (as TE)
+        if qkv_format == "bshd":
+            return t[self._token_seq, self._token_pos]
+        if qkv_format == "sbhd":
+            return t[self._token_pos, self._token_seq]
+        starts = cu_new_seqlens.to(device=t.device, dtype=torch.int64)[self._token_seq]
+        return t[starts + self._token_pos]
+
+    def _write(self, layer_number, new_k, new_v, cu_new_seqlens, qkv_format) -> None:
+        for cache, new in zip(self.cache[layer_number], (new_k, new_v)):
+            flat = cache.view(-1, *cache.shape[2:])
+            flat.index_copy_(0, self._write_rows, self._new_tokens(new, qkv_format,
+                                                                   cu_new_seqlens))
+
+
+class NonPagedKVCacheManager(_TokenCache):
+    """Contiguous cache: sequence i of the batch in row i of
+    ``[max_batch_size, max_seqlen, h, d]``. When sequences leave or the order changes, the
+    rows of the continuing sequences move (once per layer, only the rows that move)."""
+
+    def __init__(self, max_batch_size: int, max_seqlen: int, num_heads: int, head_dim_k: int,
+                 dtype: torch.dtype, head_dim_v: Optional[int] = None, device=None):
+        super().__init__(max_batch_size, max_seqlen, num_heads, head_dim_k, dtype,
+                         max_batch_size, max_seqlen, head_dim_v, device)
+        self._rows_of_layer: Dict[int, List] = {}  # layer -> seq id held by each row
+        self._continuing: set = set()  # sequences of the step with tokens cached before it
+
+    def allocate_memory(self, layer_number: int):
+        super().allocate_memory(layer_number)
+        self._rows_of_layer[layer_number] = []
+
+    def reset(self):
+        super().reset()
+        self._rows_of_layer = {layer: [] for layer in self._rows_of_layer}
+        self._continuing = set()
+
+    def pre_step(self, step_dict: "OrderedDict"):
+        after = self._lengths_after(step_dict)
+        # sequences that continue keep their cached tokens (moved to their new row in step())
+        self._continuing = {seq for seq in step_dict if seq in self.sequences}
+        self.sequences = after
+        self._plan_writes(step_dict, after)
+        return self.sequences
+
+    def _rows_for(self, batch_index, seq, positions):
+        return batch_index * self.max_seqlen + positions
+
+    def _move_rows(self, layer_number: int) -> None:
+        """Bring this layer's rows into the batch order of the current step."""
+        held = self._rows_of_layer[layer_number]
+        order = list(self.sequences)
+        src, dst = [], []
+        for row, seq in enumerate(order):
+            if seq in self._continuing and seq in held and held.index(seq) != row:
+                src.append(held.index(seq))
+                dst.append(row)
+        if src:
+            src_t = torch.tensor(src, device=self.device)
+            dst_t = torch.tensor(dst, device=self.device)
+            for cache in self.cache[layer_number]:
+                cache[dst_t] = cache[src_t]  # gathered first: overlapping moves are safe
+        self._rows_of_layer[layer_number] = order
+
+    def step(self, layer_number, new_k, new_v, cu_new_seqlens, cu_cached_seqlens,
+             qkv_format: str):
+        """Write the new tokens into rows ``0..b-1``; returns ``(k_cache[:b], v_cache[:b])``."""
+        self._check_new_tokens(layer_number, new_k, new_v, qkv_format)
+        self._move_rows(layer_number)
+        self._write(layer_number, new_k, new_v, cu_new_seqlens, qkv_format)
+        b = len(self.sequences)
+        k_cache, v_cache = self.cache[layer_number]
+        return k_cache[:b], v_cache[:b]
+
+
+class PagedKVCacheManager(_TokenCache):
+    """Paged cache: a pool of ``total_num_pages`` pages of ``page_size`` tokens; each sequence
+    holds the pages its tokens need, listed in order in its row of ``page_table``."""
+
+    def __init__(self, total_num_pages: int, page_size: int, num_heads: int, head_dim_k: int,
+                 dtype: torch.dtype, max_batch_size: int, max_seqlen: int,
+                 head_dim_v: Optional[int] = None, device=None):
+        self.total_num_pages = _check_positive_int(total_num_pages, "total_num_pages")
+        self.page_size = _check_positive_int(page_size, "page_size")
+        super().__init__(total_num_pages, page_size, num_heads, head_dim_k, dtype,
+                         max_batch_size, max_seqlen, head_dim_v, device)
+        if max_seqlen % page_size:
+            raise ValueError(f"max_sequence_length={max_seqlen} must be a multiple of "
+                             f"page_size={page_size}")
+        self.max_pages_per_seq = max_seqlen // page_size
+        self.free_pages: List[int] = list(range(total_num_pages))
+        self.allocated_pages: Dict[object, List[int]] = {}
+        self.page_table = torch.zeros(max_batch_size, self.max_pages_per_seq, dtype=torch.int32,
+                                      device=self.device)
+
+    def reset(self):
+        super().reset()
+        self.free_pages = list(range(self.total_num_pages))
+        self.allocated_pages = {}
+        self.page_table.zero_()
+
+    # TE's page bookkeeping --------------------------------------------------------------
+    def get_sequence_count(self) -> int:
+        return len(self.sequences)
+
+    def get_sequence_lengths(self) -> List[int]:
+        return list(self.sequences.values())
+
+    def has_free_page(self) -> bool:
+        return len(self.free_pages) > 0
+
+    def get_page_count(self, seq) -> int:
+        return len(self.allocated_pages.get(seq, []))
+
+    def get_page_list(self, seq) -> List[int]:
+        return list(self.allocated_pages.get(seq, []))
+
+    def pages_needed(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.page_size)
+
+    def allocate_page(self, seq) -> None:
+        """Give a sequence one more page from the pool."""
+        if not self.free_pages:
+            raise RuntimeError("KV cache is full: no free page left")
+        self.allocated_pages.setdefault(seq, []).append(self.free_pages.pop(0))
+
+    def allocate_sequence(self, seq, context_len: int) -> None:
+        """Give a new sequence the pages for its first context_len tokens."""
+        for _ in range(self.pages_needed(context_len)):
+            self.allocate_page(seq)
+
+    def deallocate_sequence(self, seq) -> None:
+        """Return all pages of a sequence to the pool."""
+        if seq not in self.allocated_pages:
+            raise KeyError(f"sequence {seq!r} holds no pages")
+        self.free_pages.extend(self.allocated_pages.pop(seq))
+
+    def get_page_table(self, sequences: List) -> torch.Tensor:
+        """Fill the rows of ``page_table`` for sequences (in order); unused entries are 0."""
+        rows = torch.zeros(len(sequences), self.max_pages_per_seq, dtype=torch.int32)
+        for i, seq in enumerate(sequences):
+            pages = self.get_page_list(seq)
+            rows[i, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        self.page_table[:len(sequences)].copy_(rows)
+        return self.page_table
+
+    def pre_step(self, step_dict: "OrderedDict"):
+        after = self._lengths_after(step_dict)
+        finished = [seq for seq in self.sequences if seq not in step_dict]
+        freed = sum(self.get_page_count(seq) for seq in finished)
+        wanted = sum(self.pages_needed(n) - self.get_page_count(seq) for seq, n in after.items()
+                     if seq not in finished)
+        if wanted > len(self.free_pages) + freed:
+            raise ValueError(f"the step needs {wanted} new pages but only "
+                             f"{len(self.free_pages) + freed} of total_num_pages="
+                             f"{self.total_num_pages} are free")
+        for seq in finished:
+            self.deallocate_sequence(seq)
+        for seq, n in after.items():
+            for _ in range(self.pages_needed(n) - self.get_page_count(seq)):
+                self.allocate_page(seq)
+        self.sequences = after
+        self.get_page_table(list(after))
+        self._plan_writes(step_dict, after)
+        return self.sequences
+
+    def _rows_for(self, batch_index, seq, positions):
+        pages = torch.tensor(self.allocated_pages[seq], dtype=torch.int64)
+        return pages[positions // self.page_size] * self.page_size + positions % self.page_size
+
+    def step(self, layer_number, new_k, new_v, cu_new_seqlens, cu_cached_seqlens,
+             qkv_format: str):
+        """Write the new tokens into their pages; returns the paged ``(k_cache, v_cache)``."""
+        self._check_new_tokens(layer_number, new_k, new_v, qkv_format)
+        self._write(layer_number, new_k, new_v, cu_new_seqlens, qkv_format)
+        return self.cache[layer_number]
+
+
+
+def gather_pages(cache: Tuple[torch.Tensor, torch.Tensor], page_table: torch.Tensor,
+                 batch_size: int, num_pages: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Paged K and V ``[pages, page_size, h, d]`` as contiguous ``[b, num_pages * page_size,
+    h, d]``: the first num_pages pages of the first batch_size rows of page_table (a copy)."""
+    table = page_table[:batch_size, :num_pages].to(torch.int64)
+    return tuple(c[table].flatten(1, 2) for c in cache)
+
+
+class InferenceParams:
+    """TE's KV cache for inference (see the module docstring for the flow).
+
+    Args are TE's: ``num_heads_kv``, ``head_dim_k`` and ``dtype`` are required (as in TE
+    2.2+); ``head_dim_v`` defaults to ``head_dim_k``. ``is_paged=True`` needs ``page_size``
+    (dividing ``max_sequence_length``) and ``total_num_pages``: any pool size (TE asks for
+    ``max_batch_size * max_sequence_length / page_size``; a smaller pool is an error only when
+    a step needs more pages than are free). ``max_ctx_len`` (required for ``qkv_format="thd"``,
+    as TE) is the longest context, ``1..max_sequence_length``. ``custom_cache_manager`` is a
+    ``KVCacheManager`` subclass, built with TE's arguments. ``device`` (not TE's; TE uses the
+    current GPU) is where the caches live: the current GPU if there is one, else the CPU.
+
+    After ``pre_step``: ``batch_size``, ``sequences`` (seq_id -> cached length after the step,
+    in the step's order), ``sequences_pre_step`` (before it), ``cu_seqlens_q`` /
+    ``cu_seqlens_kv`` ``[max_batch_size + 1]`` (new / cached tokens; entries past the batch
+    repeat the total), ``get_seqlens_pre_step()`` ``[max_batch_size]``, ``max_seqlen_q`` (the
+    longest step).
+    """
+
+    def __init__(self, max_batch_size: int, max_sequence_length: int,
+                 num_heads_kv: Optional[int] = None, head_dim_k: Optional[int] = None,
+                 dtype: Optional[torch.dtype] = None, head_dim_v: Optional[int] = None,
+                 is_paged: bool = False, total_num_pages: Optional[int] = None,
+                 page_size: Optional[int] = None, max_ctx_len: Optional[int] = None,
+                 qkv_format: str = "bshd", custom_cache_manager=None, device=None):
+        self.max_batch_size = _check_positive_int(max_batch_size, "max_batch_size")
+        self.max_sequence_length = _check_positive_int(max_sequence_length,
+                                                       "max_sequence_length")
+        if num_heads_kv is None or head_dim_k is None or dtype is None:
+            raise ValueError("num_heads_kv, head_dim_k and dtype are required (as in TE 2.2+)")
+        self.input_qkv_format = _check_step_format(qkv_format)
+        if qkv_format == "thd" and max_ctx_len is None:
+            raise ValueError("max_ctx_len is required with qkv_format='thd' (as in TE)")
+        if max_ctx_len is not None and not (
+                isinstance(max_ctx_len, int) and 1 <= max_ctx_len <= max_sequence_length):
+            raise ValueError(f"max_ctx_len must be an int in 1..max_sequence_length="
+                             f"{max_sequence_length}, got {max_ctx_len!r}")
+        self.max_ctx_len = max_ctx_len
+        self.num_heads_kv, self.head_dim_k, self.dtype = num_heads_kv, head_dim_k, dtype
+        self.head_dim_v = head_dim_k if head_dim_v is None else head_dim_v
+        self.is_paged = bool(is_paged)
+        manager = custom_cache_manager
+        if manager is None:
+            manager = PagedKVCacheManager if self.is_paged else NonPagedKVCacheManager
+        if not (isinstance(manager, type) and issubclass(manager, KVCacheManager)):
+            raise TypeError(f"custom_cache_manager must be a KVCacheManager subclass, got "
+                            f"{manager!r}")
+        # TE's arguments; ours take the device too.
+        extra = {"device": device} if issubclass(manager, _TokenCache) else {}
+        sizes = dict(num_heads=num_heads_kv, head_dim_k=head_dim_k, dtype=dtype,
+                     max_batch_size=max_batch_size, max_seqlen=max_sequence_length,
+                     head_dim_v=self.head_dim_v, **extra)
+        if self.is_paged:
+            if page_size is None or total_num_pages is None:
+                raise ValueError("is_paged=True needs page_size and total_num_pages")
+            self.page_size, self.total_num_pages = page_size, total_num_pages
+            self.cache_manager = manager(total_num_pages=total_num_pages, page_size=page_size,
+                                         **sizes)
+        else:
+            self.cache_manager = manager(**sizes)
+        self.device = getattr(self.cache_manager, "device", None) or _default_device()
+        self.cache_qkv_format = CACHE_FORMAT
+        self.output_qkv_format = _output_format(qkv_format)
+        zeros = lambda n: torch.zeros(n, dtype=torch.int32, device=self.device)  # noqa: E731
+        self.cu_seqlens_q = zeros(max_batch_size + 1)
+        self.cu_seqlens_kv = zeros(max_batch_size + 1)
+        self.pre_step_seqlens = zeros(max_batch_size)
+        self._layer_owners: Dict[int, object] = {}
+        self.reset()
+
+    def reset(self):
+        """Forget every sequence (the caches stay allocated)."""
+        self.sequences = OrderedDict()
+        self.sequences_pre_step = OrderedDict()
+        self.batch_size = 0
+        self.max_seqlen_q = 0
+        self.cache_manager.reset()
+        for buffer in (self.cu_seqlens_q, self.cu_seqlens_kv, self.pre_step_seqlens):
+            buffer.zero_()
+        self._layer_owners = {}
+
+    def __repr__(self) -> str:
+        sizes = (f"total_pages={self.total_num_pages}, page_size={self.page_size}"
+                 if self.is_paged else f"max_batch_size={self.max_batch_size}, "
+                 f"max_seqlen={self.max_sequence_length}")
+        return (f"dtype={self.dtype}, is_paged={self.is_paged}, {sizes}, num_heads="
+                f"{self.num_heads_kv}, head_dim_k={self.head_dim_k}, head_dim_v={self.head_dim_v}")
+
+    def allocate_memory(self, layer_number: int):
+        """Allocate the K and V caches of a layer (non-paged ``[max_batch_size,
+        max_sequence_length, h, d]``, paged ``[total_num_pages, page_size, h, d]``)."""
+        self.cache_manager.allocate_memory(layer_number)
+
+    def pre_step(self, step_dict: "OrderedDict"):
+        """Start a step: ``step_dict`` maps each sequence of the batch, in batch order, to its
+        number of new tokens. Ids not seen before start sequences, ids left out finish. Bad
+        input (more sequences than max_batch_size, a sequence beyond max_sequence_length, no
+        free pages) raises before anything changes."""
+        check_step_dict(step_dict, self.max_batch_size)
+        self.sequences = self.cache_manager.pre_step(step_dict)
+        self.batch_size = len(step_dict)
+        step_lens = list(step_dict.values())
+        cached = [self.sequences[seq] for seq in step_dict]
+        self.sequences_pre_step = OrderedDict(
+            (seq, n - s) for seq, n, s in zip(step_dict, cached, step_lens))
+        self.max_seqlen_q = max(step_lens, default=0)
+        # Copied into fixed buffers (stable addresses, as TE's).
+        for buffer, lens in ((self.cu_seqlens_q, step_lens), (self.cu_seqlens_kv, cached)):
+            cu = torch.zeros(self.max_batch_size + 1, dtype=torch.int32)
+            cu[1:] = torch.tensor(lens + [0] * (self.max_batch_size - len(lens)),
+                                  dtype=torch.int32).cumsum(0)
+            buffer.copy_(cu)
+        pre = list(self.sequences_pre_step.values())
+        self.pre_step_seqlens.copy_(torch.tensor(pre + [0] * (self.max_batch_size - len(pre)),
+                                                 dtype=torch.int32))
+
+    def get_seqlens_pre_step(self) -> torch.Tensor:
+        """Cached lengths before the step ``[max_batch_size]``: each sequence's first new
+        position (RoPE's start positions)."""
+        return self.pre_step_seqlens
+
+    def step(self, layer_number: int, new_k: torch.Tensor, new_v: torch.Tensor,
+             qkv_format: str):
+        """Write the new K/V tokens of a layer into its cache (in place) and return what the
+        attention over the cache needs: ``(k_cache, v_cache, cu_seqlens_q, cu_seqlens_kv,
+        max_sequence_length, qkv_format)`` with cu_seqlens ``[batch_size + 1]`` and the
+        format of (new q, cache), e.g. ``"thd_2bshd"``. The caches are TE's: non-paged
+        ``[b, max_sequence_length, h, d]``, paged the whole page pool (see
+        ``convert_paged_to_nonpaged``). Bad input raises before the cache changes."""
+        self.input_qkv_format = _check_step_format(qkv_format)
+        self.output_qkv_format = _output_format(qkv_format)
+        k_cache, v_cache = self.cache_manager.step(layer_number, new_k, new_v,
+                                                   self.cu_seqlens_q, self.cu_seqlens_kv,
+                                                   qkv_format)
+        b = self.batch_size
+        return (k_cache, v_cache, self.cu_seqlens_q[:b + 1], self.cu_seqlens_kv[:b + 1],
+                self.max_sequence_length, self.output_qkv_format)
+
+    def convert_paged_to_nonpaged(self, layer_number: int):
+        """The paged K and V of a layer as contiguous ``[batch_size, max_sequence_length, h,
+        d]`` tensors (a copy), sequence i in row i."""
+        if not self.is_paged:
+            raise ValueError("convert_paged_to_nonpaged needs a paged cache (is_paged=True)")
+        manager = self.cache_manager
+        return gather_pages(manager.cache[layer_number], manager.page_table, self.batch_size,
+                            manager.max_pages_per_seq)
+
+
+def _output_format(qkv_format: str) -> str:
+    return qkv_format if qkv_format == CACHE_FORMAT else f"{qkv_format}_2{CACHE_FORMAT}"
+
+
+# --------------------------------------------------------------------------------------------
+# The modules' use of the cache
+# --------------------------------------------------------------------------------------------
+def check_inference_params(inference_params, attention_type: str) -> None:
+    if not isinstance(inference_params, InferenceParams):
+        raise TypeError(f"inference_params must be a transformer_fa.InferenceParams, got "
+                        f"{type(inference_params).__name__}")
+    if attention_type != "self":
+        raise ValueError("inference_params: the KV cache serves self attention only "
+                         f"(attention_type={attention_type!r})")
+
+
+def allocate_on_first_use(inference_params, layer_number: int, attention_type: str) -> None:
+    """MultiheadAttention's part (TE's): a layer's cache is allocated on its first call."""
+    check_inference_params(inference_params, attention_type)
+    if layer_number not in inference_params.cache_manager.cache:
+        inference_params.allocate_memory(layer_number)
+
+
+def _claim_layer(inference_params: InferenceParams, layer_number, module) -> None:
+    """One module per layer_number: two layers sharing one would overwrite each other's
+    tokens."""
+    if layer_number is None:
+        raise ValueError("inference_params needs the module's layer_number (a distinct int per "
+                         "layer): pass layer_number= when building it")
+    owner = inference_params._layer_owners.get(layer_number, module)
+    if owner is not module:
+        raise ValueError(f"layer_number={layer_number} is used by two attention modules with "
+                         f"one InferenceParams; give every layer its own layer_number")
+
+
+def cache_mask_type(attn_mask_type: str) -> str:
+    """The mask over the cache: its lengths make every type a padding one, and a causal
+    mask aligns bottom-right (a new query at position p sees keys 0..p), as TE turns
+    'padding_causal' into 'padding_causal_bottom_right'."""
+    attn_mask_type = masks.normalize_mask_type(attn_mask_type)
+    if attn_mask_type == "arbitrary":
+        raise ValueError("attn_mask_type='arbitrary' is not supported with inference_params")
+    if "causal" in attn_mask_type:
+        return "padding_causal_bottom_right"
+    return "padding"
+
+
+def attention_over_cache(inference_params, module, q, k, v, qkv_format: str,
+                         attn_mask_type: str, call_args: dict):
+    """Write k, v into the cache of ``module``'s layer and describe the attention of q over
+    it as a varlen call: ``(q, k_cache, v_cache, forward arguments)`` with the step's
+    cu_seqlens, a padding mask type and the cache's format. Checks everything first: bad
+    input leaves the cache unchanged."""
+    check_inference_params(inference_params, module.attention_type)
+    for name in ("cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+        if call_args.pop(name, None) is not None:
+            raise ValueError(f"{name} is not supported with inference_params (the cache "
+                             f"holds the sequences back to back)")
+    _claim_layer(inference_params, module.layer_number, module)
+    q_format = _check_step_format(qkv_format)
+    if call_args.get("core_attention_bias_type", "no_bias") not in ("no_bias", "alibi"):
+        raise ValueError(f"core_attention_bias_type={call_args['core_attention_bias_type']!r} "
+                         f"is not supported with inference_params (no_bias or alibi)")
+    mask_type = cache_mask_type(attn_mask_type)
+    layout.validate_qkv(q, k, v, q_format, q_format, module.num_attention_heads,
+                        module.num_gqa_groups, module.head_dim_qk, module.head_dim_v)
+    b, total = inference_params.batch_size, sum(
+        inference_params.sequences[seq] - pre
+        for seq, pre in inference_params.sequences_pre_step.items())
+    if b == 0:
+        raise ValueError("inference_params has no sequence in this step: call pre_step() first")
+    if q_format == "thd" and q.shape[0] < total:
+        raise ValueError(f"query_layer has {q.shape[0]} tokens but pre_step() planned {total}")
+    _check_given_cu_seqlens(call_args.get("cu_seqlens_q"), inference_params.cu_seqlens_q[:b + 1])
+
+    k_cache, v_cache, cu_q, cu_kv, max_kv, kv_format = inference_params.step(
+        module.layer_number, k, v, q_format)
+    inference_params._layer_owners[module.layer_number] = module
+    if inference_params.is_paged:
+        # The kernels do not read block tables yet: this step's pages are gathered into a
+        # contiguous [b, pages * page_size, h, d] copy for the call (pages up to the longest
+        # sequence only).
+        manager = inference_params.cache_manager
+        num_pages = math.ceil(max(inference_params.sequences.values()) / manager.page_size)
+        k_cache, v_cache = gather_pages(manager.cache[module.layer_number], manager.page_table,
+                                        b, num_pages)
+        max_kv = num_pages * manager.page_size
+    args = dict(call_args, attention_mask=None, qkv_format=kv_format, cu_seqlens_q=cu_q,
+                cu_seqlens_kv=cu_kv,
+                max_seqlen_q=inference_params.max_seqlen_q if q_format == "thd" else None,
+                max_seqlen_kv=max_kv, attn_mask_type=mask_type, bottom_right_diagonal=True)
+    return q, k_cache, v_cache, args
+
+
+def _check_given_cu_seqlens(given, expected: torch.Tensor) -> None:
+    """A cu_seqlens_q passed beside inference_params must be the step's (TE reads the
+    step's); cu_seqlens_kv is replaced by the cached lengths, as in TE."""
+    if given is None:
+        return
+    n = expected.numel()
+    if (not isinstance(given, torch.Tensor) or given.dim() != 1 or given.numel() < n
+            or not torch.equal(given[:n].to(expected), expected)):
+        raise ValueError(f"cu_seqlens_q {given.tolist() if isinstance(given, torch.Tensor) else given!r} "
+                         f"differs from the step's {expected.tolist()} (set by "
+                         f"inference_params.pre_step())")
+
+
+def rope_for_step(inference_params, tensor_format: str, seq_len: Optional[int],
+                  tables: Tuple[torch.Tensor, torch.Tensor]):
+    """RoPE at each sequence's positions in the step: ``(tables, cu_seqlens, start_positions)``
+    for ``apply_rotary_pos_emb``. The tables must cover every real token; bshd/sbhd padding
+    rows past them rotate by angle 0 (their outputs are never read)."""
+    b = inference_params.batch_size
+    longest = max(inference_params.sequences.values(), default=0)
+    padded = longest
+    if tensor_format != "thd":
+        padded = max(max(inference_params.sequences_pre_step.values(), default=0) + seq_len,
+                     longest)
+    out = []
+    for table in tables:
+        if table.shape[0] < longest:
+            raise ValueError(f"rotary_pos_emb covers {table.shape[0]} positions but a sequence "
+                             f"reaches {longest} tokens in this step")
+        extra = padded - table.shape[0]
+        out.append(torch.cat([table, table.new_zeros(extra, *table.shape[1:])])
+                   if extra > 0 else table)
+    return tuple(out), inference_params.cu_seqlens_q[:b + 1], inference_params.pre_step_seqlens[:b]
