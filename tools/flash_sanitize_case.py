@@ -23,20 +23,24 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--backward", action="store_true", help="run the backward too")
 parser.add_argument("--dims", default="40,64,128,192,256", help="head dims, comma separated")
 parser.add_argument("--sm90", action="store_true",
-                    help="only the sm90 family's forward (d128 bshd, its persistent grid "
-                         "looping over more tiles than SMs), causal and not")
+                    help="only the sm90 family's forward (bshd, its persistent grid looping "
+                         "over more tiles than SMs, ragged tails, sq != sk), causal and not")
 args = parser.parse_args()
 
 assert flash._extension() is not None, flash._ext_error
 if args.sm90:
     # 3 x 8 heads x 8 query tiles = 192 tiles: a persistent CTA takes a second tile (Q and the
-    # O staging buffer reused) on a 132-SM H100. GQA (8 query heads on 2 KV heads).
-    q = torch.randn(3, 1024, 8, 128, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(3, 1024, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in "kv")
-    for right in (-1, 0):
-        call = flash.FlashCall("bshd", "bshd", 1024, 1024, 1 / math.sqrt(128), -1, right, False,
-                               0.0, False, True, 90)
-        out, lse = flash._fwd_impl(q, k, v, None, None, None, None, call)
+    # O staging buffer reused) on a 132-SM H100. GQA (8 query heads on 2 KV heads); length 1000
+    # (the key tail masked, the query tail not stored); then sq != sk with the bottom-right
+    # diagonal; head dims 64 and 128.
+    for d in (64, 128):
+        for sq, sk, br in ((1000, 1000, False), (300, 700, True)):
+            q = torch.randn(3, sq, 8, d, device="cuda", dtype=torch.bfloat16)
+            k, v = (torch.randn(3, sk, 2, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+            for right in (-1, 0):
+                call = flash.FlashCall("bshd", "bshd", sq, sk, 1 / math.sqrt(d), -1, right, br,
+                                       0.0, False, True, 90)
+                out, lse = flash._fwd_impl(q, k, v, None, None, None, None, call)
     torch.cuda.synchronize()
     print("sanitize case done (sm90)", out.float().abs().sum().item())
     sys.exit(0)
