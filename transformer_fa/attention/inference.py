@@ -46,6 +46,15 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def _resolve_device(device) -> torch.device:
+    """device with its index ("cuda" -> "cuda:<current>"), so that it compares equal to the
+    device of the tensors allocated on it."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _check_positive_int(value, name: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -115,7 +124,7 @@ class _TokenCache(KVCacheManager):
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating point torch.dtype, got {dtype!r}")
         self.dtype = dtype
-        self.device = _default_device() if device is None else torch.device(device)
+        self.device = _default_device() if device is None else _resolve_device(device)
         self._slots, self._slot_len = slots, slot_len
         self._step_lens: List[int] = []
         self._write_rows: Optional[torch.Tensor] = None  # cache row of each new token

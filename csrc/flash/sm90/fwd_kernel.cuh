@@ -81,7 +81,9 @@ struct FwdConfig {
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kThreads = 128 + kConsumerThreads;
   static_assert(kConsumerWarpgroups == 2, "ping-pong schedule assumes two consumer warpgroups");
-  static_assert(kHeadDim % 64 == 0 && kBlockN % 64 == 0);
+  // kBlockN: the N of S = Q K^T (a multiple of 8) and the K of O = P V (of 16); 16 keeps the
+  // softmax's four column chains even.
+  static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0);
 
   // Register split after setmaxnreg: 24 for the producer, 240 per consumer
   // thread (24 * 128 + 240 * 256 <= 65536).
