@@ -25,26 +25,20 @@ template <class T> struct CuteElement;
 template <> struct CuteElement<__half> { using type = cutlass::half_t; };
 template <> struct CuteElement<__nv_bfloat16> { using type = cutlass::bfloat16_t; };
 
-// Tile configs per head dim: 128 query rows (two consumer warpgroups of 64), two K/V stages.
-// Non-causal d128 takes 160 keys per block (fewer softmax rounds per GEMM FLOP; 160 is what
-// fits 227 KB beside the O staging buffer), causal 128 (fewer masked columns on the diagonal).
-template <class Element, int kHeadDim> struct FwdTile;
-template <class Element> struct FwdTile<Element, 64> {
-  using NoMask = FwdConfig<Element, 64, kFwdBlock, 128, 2>;
-  using Causal = NoMask;
-};
-template <class Element> struct FwdTile<Element, 128> {
-  using NoMask = FwdConfig<Element, 128, kFwdBlock, 160, 2>;
-  using Causal = FwdConfig<Element, 128, kFwdBlock, 128, 2>;
+// Tile configs per head dim: 128 x 128 tiles (two consumer warpgroups of 64 query rows), two
+// K/V stages. Non-causal d128 with 128 x 160 tiles (fewer softmax rounds per GEMM FLOP; the
+// most keys that fit 227 KB beside the O staging buffer) ran 5-15% slower (H100, 2026-11-24).
+template <class Element, int kHeadDim> struct FwdTile {
+  using Config = FwdConfig<Element, kHeadDim, kFwdBlock, kFwdBlock, 2>;
 };
 
-// Grid choice measured on the H100 (d128, bf16, batch * seqlen = 16k): the persistent grid
+// Grid choice measured on the H100 (bf16, batch * seqlen = 16k): at d128 the persistent grid
 // wins where tiles are short (s = 1k: +10% non-causal, +6% causal) and ties non-causal at
 // 4k/16k; for longer causal rows the static round-robin loses 5-9% to the hardware's dynamic
-// hand-out of one CTA per tile. d64 causal s = 1k ran at 0.38x of cuDNN on the persistent grid
-// (2026-11-24, not understood yet), so d64 causal takes one CTA per tile.
+// hand-out of one CTA per tile. d64 causal: persistent 203 / 130 TFLOPS at s = 512 / 1k,
+// one CTA per tile 155 / 228 (2026-11-24; the persistent s = 1k case is not understood yet).
 inline bool use_persistent_grid(bool causal, int seqlen_q, int head_dim) {
-  return !causal || (seqlen_q <= 1024 && head_dim == 128);
+  return !causal || seqlen_q <= (head_dim == 128 ? 1024 : 512);
 }
 
 // Causal tiles go in groups of heads whose K and V (row_bytes per row each) fit in about half
@@ -101,12 +95,12 @@ void launch(const FwdParams& a, const Device& device, cudaStream_t stream) {
 
 template <class T, int kHeadDim>
 void launch_fwd(const FwdParams& params, const Device& device, cudaStream_t stream) {
-  using Tile = FwdTile<typename CuteElement<T>::type, kHeadDim>;
+  using Cfg = typename FwdTile<typename CuteElement<T>::type, kHeadDim>::Config;
   // fwd_declines let through no mask and causal (window_right = 0) only.
   if (params.window_right == 0) {
-    launch<typename Tile::Causal, true>(params, device, stream);
+    launch<Cfg, true>(params, device, stream);
   } else {
-    launch<typename Tile::NoMask, false>(params, device, stream);
+    launch<Cfg, false>(params, device, stream);
   }
 }
 
