@@ -162,6 +162,111 @@ for _sp in (False, True):
 CASES["layernorm_linear-rms-sp"] = layernorm_linear_case(True, "RMSNorm")
 
 
+def errors_case(world, rank, group):
+    """Bad TP configuration or input: a clear error, before any communication."""
+    x = torch.randn(SEQ + 1, BATCH, HIDDEN // world, dtype=torch.float64)
+    with no_communication():
+        row = build(te.Linear, HIDDEN, HIDDEN, parallel_mode="row", tp_group=group,
+                    sequence_parallel=True)
+        with pytest.raises(ValueError, match="first \\(sequence\\) dim must be divisible"):
+            row(x)
+    cases = [
+        (ValueError, "num_attention_heads=3 must be divisible by tp_size=2",
+         lambda: build(te.MultiheadAttention, 12, 3, tp_group=group, set_parallel_mode=True)),
+        (ValueError, "num_gqa_groups=1 must be divisible by tp_size=2",
+         lambda: build(te.TransformerLayer, HIDDEN, HIDDEN, HEADS, num_gqa_groups=1,
+                       tp_group=group, set_parallel_mode=True)),
+        (ValueError, "parallel_mode must be one of",
+         lambda: build(te.Linear, HIDDEN, HIDDEN, parallel_mode="columns")),
+        (ValueError, "sequence_parallel=True and tp_size=2 need a tp_group",
+         lambda: build(te.Linear, HIDDEN, HIDDEN, parallel_mode="column", tp_size=2,
+                       sequence_parallel=True)),
+        (ValueError, "tp_size=4 does not match tp_group",
+         lambda: build(te.Linear, HIDDEN, HIDDEN, tp_size=4, tp_group=group)),
+        (ValueError, "out_features=15 must be divisible by tp_size=2",
+         lambda: build(te.Linear, HIDDEN, 15, parallel_mode="column", tp_group=group)),
+        (ValueError, "LayerNormMLP: ffn_hidden_size=15 must be divisible",
+         lambda: build(te.LayerNormMLP, HIDDEN, 15, set_parallel_mode=True, tp_group=group)),
+        (ValueError, "parallel_mode='row' would normalize",
+         lambda: build(te.LayerNormLinear, HIDDEN, HIDDEN, parallel_mode="row")),
+        (TypeError, "tp_group must be a torch.distributed ProcessGroup",
+         lambda: build(te.Linear, HIDDEN, HIDDEN, tp_group="group")),
+        (TypeError, "unexpected keyword argument 'set_parallel_mode'",
+         lambda: build(te.Linear, HIDDEN, HIDDEN, set_parallel_mode=True)),
+    ]
+    with no_communication():
+        for error, pattern, call in cases:
+            with pytest.raises(error, match=pattern):
+                call()
+
+
+def dropout_case(world, rank, group):
+    """Under sequence parallelism the hidden dropout, like the attention dropout under TP,
+    draws from TE's RNG tracker (one seed per rank): the default generator, which must stay
+    in step over the group, is left as it was, and a tracker reset to its seed replays."""
+    tracker = te.CudaRNGStatesTracker()
+    layer = build(te.TransformerLayer, HIDDEN, 2 * HIDDEN, HEADS, hidden_dropout=0.5,
+                  attention_dropout=0.5, tp_group=group, set_parallel_mode=True,
+                  sequence_parallel=True, get_rng_state_tracker=lambda: tracker)
+    x = torch.randn(SEQ // world, BATCH, HIDDEN, dtype=torch.float64)
+    outputs = []
+    for _ in range(2):
+        tracker.reset()
+        tracker.add("model-parallel-rng", 1234 + rank)
+        before = torch.get_rng_state()
+        outputs.append(layer(x))
+        assert torch.equal(torch.get_rng_state(), before), "dropout drew from the default RNG"
+    close(outputs[0], outputs[1], "replayed output")
+
+
+def data_parallel_case(wrap):
+    """Two TransformerLayers trained 3 SGD steps under DDP or FSDP2, each rank on its half of
+    the batch: the losses (averaged over the ranks) are one process's on the whole batch."""
+    def run(world, rank, group):
+        def make():
+            torch.manual_seed(0)
+            return torch.nn.Sequential(*(
+                te.TransformerLayer(HIDDEN, 2 * HIDDEN, HEADS, hidden_dropout=0.0,
+                                    attention_dropout=0.0, **F64) for _ in range(2)))
+        reference, model = make(), wrap(make(), group)
+        batches = [torch.randn(SEQ, 2 * world, HIDDEN, dtype=torch.float64) for _ in range(3)]
+        for model_, x_of in ((reference, lambda x: x),
+                             (model, lambda x: x.chunk(world, 1)[rank])):
+            opt = torch.optim.SGD(model_.parameters(), lr=0.5)
+            losses = []
+            for x in batches:
+                loss = model_(x_of(x)).square().mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses.append(loss.detach())
+            if model_ is reference:
+                expected = torch.stack(losses)
+        got = torch.stack(losses)
+        dist.all_reduce(got, group=group)
+        close(got / world, expected, "losses")
+    return run
+
+
+def ddp(model, group):
+    return torch.nn.parallel.DistributedDataParallel(model, process_group=group)
+
+
+def fsdp2(model, group):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = DeviceMesh.from_group(group, "cpu")
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+CASES["errors"] = errors_case
+CASES["dropout-tracker-sp"] = dropout_case
+CASES["ddp"] = data_parallel_case(ddp)
+CASES["fsdp2"] = data_parallel_case(fsdp2)
+
+
 @pytest.fixture(scope="module")
 def tp_results():
     return run_cases(__name__, 2)

@@ -299,6 +299,8 @@ class LayerNormMLP(_TensorParallel, torch.nn.Module):
         check_positive_int(ffn_hidden_size, "ffn_hidden_size")
         self._init_tensor_parallel(type(self).__name__, **tp)
         self.set_parallel_mode = set_parallel_mode
+        if set_parallel_mode:
+            parallel.divide(ffn_hidden_size, self.tp_size, "ffn_hidden_size", type(self).__name__)
         # set_parallel_mode: FC1 column-parallel, FC2 row-parallel (TE's).
         fc1_tp = dict(tp, parallel_mode="column" if set_parallel_mode else None)
         fc2_tp = dict(tp, parallel_mode="row" if set_parallel_mode else None)
