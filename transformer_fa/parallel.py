@@ -163,6 +163,34 @@ class _GatherAlongDim(torch.autograd.Function):
         return _reduce_scatter(grad, ctx.group).movedim(0, ctx.dim), None, None
 
 
+class _SplitAlongDim(torch.autograd.Function):
+    """Keeps this rank's chunk of ``dim``; backward: all-gather (the input was replicated)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return x.chunk(dist.get_world_size(group), dim)[dist.get_rank(group)]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.cat(_gather(grad, ctx.group), ctx.dim), None, None
+
+
+class _GatherToReplicated(torch.autograd.Function):
+    """All-gather along ``dim`` for a consumer that every rank runs alike (a replicated loss):
+    backward keeps this rank's chunk of the gradient, with no sum."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return torch.cat(_gather(x, group), dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.chunk(size, ctx.dim)[rank], None, None
+
+
 class _ReduceScatterFirstDim(torch.autograd.Function):
     """Sums over the ranks and keeps this rank's chunk of the first dim; backward: all-gather."""
 
@@ -202,7 +230,20 @@ class _CopyToGroup(torch.autograd.Function):
 
 
 def gather_along_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """All-gather whose backward sums the gradients over the ranks (a reduce-scatter)."""
     return _GatherAlongDim.apply(x, dim, group)
+
+
+def scatter_to_sequence_parallel(x: torch.Tensor, group) -> torch.Tensor:
+    """A replicated activation -> this rank's part of the first dim (backward: all-gather),
+    e.g. the embedding's output entering a sequence-parallel stack."""
+    return _SplitAlongDim.apply(x, 0, group)
+
+
+def gather_from_sequence_parallel(x: torch.Tensor, group) -> torch.Tensor:
+    """The parts of the first dim -> the whole, for a consumer that every rank runs alike
+    (e.g. the final norm and the loss after a sequence-parallel stack)."""
+    return _GatherToReplicated.apply(x, 0, group)
 
 
 def column_parallel_input(inp: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
@@ -225,4 +266,5 @@ def row_parallel_output(out: torch.Tensor, group, sequence_parallel: bool) -> to
 
 
 __all__ = ["allreduce_sequence_parallel_grads", "column_parallel_input", "gather_along_dim",
-           "row_parallel_output", "resolve_tp"]
+           "gather_from_sequence_parallel", "row_parallel_output", "resolve_tp",
+           "scatter_to_sequence_parallel"]

@@ -153,6 +153,11 @@ class Linear(_TensorParallel, torch.nn.Module):
             )
         if not bias and parameters_split is None:
             self.register_parameter("bias", None)
+        if mode in ("column", "row") and tp_size > 1:
+            # TE's (and Megatron's) markers of a weight split over the TP group.
+            for name in self._weight_names + (self._bias_names if mode == "column" else []):
+                getattr(self, name).tensor_model_parallel = True
+                getattr(self, name).partition_dim = 0 if mode == "column" else 1
         if mode == "row" and self.sequence_parallel:
             parallel.mark_sequence_parallel(*(getattr(self, n) for n in self._bias_names))
 
