@@ -3,18 +3,26 @@
     python examples/train_gpt.py                       # about 1 minute on 2 CPU cores
     python examples/train_gpt.py --device cuda         # bf16 autocast and the fast backends
     python examples/train_gpt.py --format sbhd --normalization LayerNorm --steps 100
+    torchrun --nproc-per-node 2 examples/train_gpt.py --tp 2 --sequence-parallel --format sbhd
+    torchrun --nproc-per-node 2 examples/train_gpt.py --cp 2 --cp-comm-type a2a
+
+Under torchrun the ranks form a tensor-parallel group of --tp ranks inside a context-parallel
+group of --cp ranks (tp * cp = the number of processes; gloo on CPU, NCCL on CUDA); every rank
+draws the same batches.
 
 The model: token embedding -> N pre-norm TransformerLayers (causal self attention with RoPE and
 GQA, SwiGLU MLP) -> final norm -> logits tied to the embedding. The corpus is
 examples/data/fables.txt (original short fables written for this example).
 """
 import argparse
+import builtins
 import math
 import os
 import sys
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
@@ -23,6 +31,7 @@ try:
 except ImportError:  # running from a checkout without installing: use the repo root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from transformer_fa import parallel
 from transformer_fa.attention.rope import RotaryPositionEmbedding
 from transformer_fa.module import LayerNorm, RMSNorm
 from transformer_fa.transformer import TransformerLayer
@@ -49,7 +58,7 @@ class CharTokenizer:
 
 class GPT(torch.nn.Module):
     def __init__(self, vocab_size, hidden_size, layers, heads, gqa_groups, seq_len, fmt,
-                 normalization, dropout, device):
+                 normalization, dropout, device, tp_group=None, sequence_parallel=False):
         super().__init__()
         self.fmt = fmt
         self.seq_len = seq_len
@@ -76,20 +85,29 @@ class GPT(torch.nn.Module):
                 fuse_qkv_params=True,
                 attn_input_format=fmt,
                 device=device,
+                set_parallel_mode=tp_group is not None,
+                tp_group=tp_group,
+                sequence_parallel=sequence_parallel,
             )
             for i in range(layers)
         )
         norm_cls = RMSNorm if normalization == "RMSNorm" else LayerNorm
         self.final_norm = norm_cls(hidden_size, device=device)
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.cp_size = 1
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """idx [b, s] -> logits [b, s, vocab]."""
+        """idx [b, s] -> logits [b, s, vocab] (this rank's part of the sequence under CP)."""
         x = self.embed(idx)
         if self.fmt == "sbhd":
             x = x.transpose(0, 1).contiguous()
-        freqs = self.rope(idx.shape[1]).to(x.device)
+        freqs = self.rope(idx.shape[1] * self.cp_size).to(x.device)
+        if self.sequence_parallel:  # each TP rank runs the layers on its part of the sequence
+            x = parallel.scatter_to_sequence_parallel(x, self.tp_group)
         for layer in self.layers:
             x = layer(x, rotary_pos_emb=freqs)
+        if self.sequence_parallel:
+            x = parallel.gather_from_sequence_parallel(x, self.tp_group)
         x = self.final_norm(x)
         if self.fmt == "sbhd":
             x = x.transpose(0, 1)
@@ -158,6 +176,10 @@ def parse_args():
     p.add_argument("--sample-chars", type=int, default=300)
     p.add_argument("--data", default=DATA)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks (run under torchrun --nproc-per-node TP)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: split the sequence over the TP ranks between projections")
     args = p.parse_args()
     for key, value in DEFAULTS.items():
         if getattr(args, key) is None:
@@ -165,10 +187,48 @@ def parse_args():
     return args
 
 
+def init_tensor_parallel(args, device):
+    """Under torchrun: one process group of --tp ranks (NCCL on CUDA, gloo on CPU)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.tp != world:
+        raise SystemExit(f"--tp {args.tp} must equal the number of processes ({world}); "
+                         f"run: torchrun --nproc-per-node {args.tp} {sys.argv[0]} --tp {args.tp}")
+    if world == 1:
+        return device, None
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device, dist.new_group(list(range(world)))
+
+
+def clip_grad_norm(model, max_norm, tp_group):
+    """clip_grad_norm_ over the whole model: the squares of the TP-split parameters are summed
+    over the group, so every rank scales its gradients by the same factor."""
+    if tp_group is None:
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    grads = [p for p in model.parameters() if p.grad is not None]
+    split = sum((p.grad.float().square().sum() for p in grads
+                 if getattr(p, "tensor_model_parallel", False)),
+                torch.zeros((), device=grads[0].device))
+    dist.all_reduce(split, group=tp_group)
+    whole = sum(p.grad.float().square().sum() for p in grads
+                if not getattr(p, "tensor_model_parallel", False))
+    norm = (split + whole).sqrt()
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for p in grads:
+        p.grad.mul_(scale.to(p.grad.dtype))
+    return norm
+
+
 def main():
     args = parse_args()
     torch.manual_seed(args.seed)
-    device = torch.device(args.device)
+    device, tp_group = init_tensor_parallel(args, torch.device(args.device))
+    rank = dist.get_rank() if tp_group is not None else 0
+    # rank 0 speaks for all
+    print = builtins.print if rank == 0 else (lambda *a, **k: None)  # noqa: A001
+    write = tqdm.write if rank == 0 else print
     with open(args.data, encoding="utf-8") as f:
         text = f.read()
     tokenizer = CharTokenizer(text)
@@ -177,7 +237,8 @@ def main():
     train_data, val_data = data[:split], data[split:]
 
     model = GPT(len(tokenizer.chars), args.hidden_size, args.layers, args.heads, args.gqa_groups,
-                args.seq_len, args.format, args.normalization, args.dropout, device).to(device)
+                args.seq_len, args.format, args.normalization, args.dropout, device, tp_group,
+                args.sequence_parallel).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"corpus: {len(text)} chars, vocab {len(tokenizer.chars)}; model: {n_params / 1e6:.2f}M "
           f"params, {args.layers} layers, hidden {args.hidden_size}, {args.heads} heads / "
@@ -196,7 +257,7 @@ def main():
     first_val = evaluate(model, val_data, args, device)
     print(f"step 0: val loss {first_val:.3f} (uniform guess: {math.log(len(tokenizer.chars)):.3f})")
     start = time.time()
-    bar = tqdm(range(args.steps), desc="train", dynamic_ncols=True)
+    bar = tqdm(range(args.steps), desc="train", dynamic_ncols=True, disable=rank != 0)
     loss_ema = None
     for step in bar:
         for group in opt.param_groups:
@@ -207,23 +268,30 @@ def main():
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if args.sequence_parallel:
+            parallel.allreduce_sequence_parallel_grads(model, tp_group)
+        clip_grad_norm(model, 1.0, tp_group)
         opt.step()
         loss_ema = loss.item() if loss_ema is None else 0.9 * loss_ema + 0.1 * loss.item()
         bar.set_postfix(loss=f"{loss_ema:.3f}")
         if step == 0:
-            tqdm.write(f"attention backend: {attention_backend(model)}")
+            write(f"attention backend: {attention_backend(model)}")
         if (step + 1) % args.eval_interval == 0 or step + 1 == args.steps:
             val = evaluate(model, val_data, args, device)
-            tqdm.write(f"step {step + 1}: train loss {loss_ema:.3f}, val loss {val:.3f}")
+            write(f"step {step + 1}: train loss {loss_ema:.3f}, val loss {val:.3f}")
     bar.close()
     elapsed = time.time() - start
     final_val = evaluate(model, val_data, args, device)
     print(f"trained {args.steps} steps in {elapsed:.1f}s; attention backend: "
           f"{attention_backend(model)}")
     print(f"final train loss {loss_ema:.3f}, val loss {first_val:.3f} -> {final_val:.3f}")
-    print("--- sample ---")
-    print(generate(model, tokenizer, "THE ", args.sample_chars, device))
+    if args.sequence_parallel:  # a growing prompt does not split over the ranks
+        print("(no sample with --sequence-parallel)")
+    else:
+        print("--- sample ---")
+        print(generate(model, tokenizer, "THE ", args.sample_chars, device))
+    if tp_group is not None:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,21 +1,13 @@
 """Context parallelism over gloo: each rank's output and gradients must equal the slice of a
 single-process run on the full tensors (float64), for every cp_comm_type, mask and format.
 
-The distributed cases run in one spawn per world size (process start-up dominates the time):
-each worker runs every case and reports a traceback per failing case, which the
-parametrized tests below read.
+The distributed cases run in one spawn per world size (tests/distributed_utils.py).
 """
-import datetime
-import json
-import os
-import tempfile
-import traceback
-from contextlib import contextmanager
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from distributed_utils import assert_case_passed, close, no_communication, run_cases
 
 import transformer_fa as te
 from transformer_fa.attention.rope import RotaryPositionEmbedding, apply_rotary_pos_emb
@@ -29,11 +21,6 @@ def shard(x, dim, world, rank):
     """TE's load-balanced part of rank ``rank``: chunks rank and 2*world-1-rank of 2*world."""
     chunks = x.chunk(2 * world, dim)
     return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], dim)
-
-
-def close(actual, expected, what):
-    assert torch.allclose(actual, expected, atol=1e-10, rtol=1e-9), (
-        f"{what}: max abs error {(actual - expected).abs().max().item():.3g}")
 
 
 # -------------------------------------------------------------------- distributed cases
@@ -98,23 +85,6 @@ def layer_case(comm, fmt):
     return run
 
 
-@contextmanager
-def no_communication():
-    """Any collective or point-to-point call inside fails the case."""
-    names = ("all_gather", "all_to_all", "all_reduce", "batch_isend_irecv")
-    saved = {name: getattr(dist, name) for name in names}
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("communication before the input was checked")
-    for name in names:
-        setattr(dist, name, refuse)
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
-
-
 def errors_case(world, rank, group):
     """Bad CP input raises a ValueError naming the problem, before any communication."""
     def dpa(**kwargs):
@@ -168,39 +138,14 @@ for _comm in ("all_gather", "a2a"):
 CASES["errors"] = errors_case
 
 
-def _worker(rank, world, init_file, result_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
-    group = dist.new_group(list(range(world)))
-    results = {}
-    for name, case in CASES.items():
-        try:
-            case(world, rank, group)
-            results[name] = None
-        except Exception:  # noqa: BLE001 - reported per case by the tests below
-            results[name] = traceback.format_exc()
-    with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
 def cp_results(request):
-    world = request.param
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), tmp), nprocs=world)
-        results = []
-        for rank in range(world):
-            with open(os.path.join(tmp, f"rank{rank}.json")) as f:
-                results.append(json.load(f))
-    return results
+    return run_cases(__name__, request.param)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_context_parallel_matches_full_sequence(cp_results, case):
-    failures = [f"rank {rank}:\n{r[case]}" for rank, r in enumerate(cp_results) if r[case]]
-    assert not failures, "\n".join(failures)
+    assert_case_passed(cp_results, case)
 
 
 # ------------------------------------------------------------------- single-process tests

@@ -7,11 +7,13 @@ the MLP keeps its input norm, as in TE); ``layer_type="decoder"`` adds cross att
 ``encoder_output`` after self attention; ``parallel_attention_mlp`` (Falcon) feeds attention
 and MLP the same input and adds both to the residual.
 """
+from contextlib import nullcontext
 from typing import Callable, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
+from . import parallel
 from .attention import context_parallel, masks
 from .attention.constants import TENSOR_FORMATS as _FORMATS
 from .attention.multi_head_attention import MultiheadAttention, check_bool_masks
@@ -105,9 +107,10 @@ class TransformerLayer(torch.nn.Module):
         **te_kwargs,
     ) -> None:
         super().__init__()
-        # TE's tensor-parallel, userbuffer and JIT-warmup arguments (tp_group, tp_size,
-        # sequence_parallel, set_parallel_mode, seq_length, micro_batch_size, ub_*, name,
-        # fuse_wgrad_accumulation, get_rng_state_tracker) at their single-device values.
+        # TE's tensor-parallel arguments go to the attention and the MLP; its userbuffer and
+        # JIT-warmup arguments (seq_length, micro_batch_size, ub_*, name,
+        # fuse_wgrad_accumulation) are accepted at their single-device values.
+        tp = parallel.pop_layer_kwargs(te_kwargs)
         check_te_only_kwargs(te_kwargs, type(self).__name__)
         check_device(device)
         if layer_type not in _LAYER_TYPES:
@@ -149,6 +152,12 @@ class TransformerLayer(torch.nn.Module):
         self.parallel_attention_mlp = parallel_attention_mlp
         self.attn_input_format = attn_input_format
         self.hidden_dropout = hidden_dropout
+        tp_size, _ = parallel.resolve_tp(type(self).__name__, tp["tp_group"], tp["tp_size"],
+                                         None, tp["sequence_parallel"])
+        # With sequence parallelism each rank drops out its own tokens: the dropout draws
+        # from TE's tracker (the default generator stays in step over the group).
+        self.get_rng_state_tracker = te_kwargs.get("get_rng_state_tracker")
+        self.sequence_parallel = tp["sequence_parallel"] and tp_size > 1
 
         attention_args = (
             hidden_size,
@@ -177,6 +186,7 @@ class TransformerLayer(torch.nn.Module):
             qk_norm_before_rope=qk_norm_before_rope,
             softmax_type=softmax_type,
             get_rng_state_tracker=te_kwargs.get("get_rng_state_tracker"),
+            **tp,
         )
         self.self_attention = MultiheadAttention(
             *attention_args,
@@ -215,6 +225,7 @@ class TransformerLayer(torch.nn.Module):
             activation_params=activation_params,
             normalization=normalization,
             device=device,
+            **tp,
         )
         # Stochastic depth drops whole samples along the batch dim (thd has none: per token).
         batch_dim = 1 if attn_input_format == "sbhd" else 0
@@ -227,15 +238,23 @@ class TransformerLayer(torch.nn.Module):
                 params_dtype=params_dtype,
                 zero_centered_gamma=zero_centered_gamma,
                 device=device,
+                sequence_parallel=self.sequence_parallel,
             )
 
     def _bias_dropout_add(self, out, bias, residual, drop_path=None):
         if bias is not None:
             out = out + bias
-        out = F.dropout(out, p=self.hidden_dropout, training=self.training)
+        forked = (self.sequence_parallel and self.get_rng_state_tracker is not None
+                  and self.hidden_dropout > 0.0 and self.training)
+        with self.get_rng_state_tracker().fork() if forked else nullcontext():
+            out = F.dropout(out, p=self.hidden_dropout, training=self.training)
         if drop_path is not None:
             out = drop_path(out)
         return residual + out
+
+    def set_tensor_parallel_group(self, tp_group) -> None:
+        """TE's: the tensor-parallel group of every projection in the layer."""
+        parallel.set_group_on_submodules(self, tp_group)
 
     def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream,
                                    cp_comm_type: str = "p2p") -> None:

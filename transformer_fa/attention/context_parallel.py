@@ -26,6 +26,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..parallel import gather_along_dim
 from . import layout, masks
 from .backends import unfused
 
@@ -245,25 +246,6 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
-class _AllGather(torch.autograd.Function):
-    """Concatenates every rank's ``x`` along ``dim``; the backward sums the gradients over
-    the ranks and keeps this rank's part (a reduce-scatter)."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        size, rank = size_and_rank(ctx.group)
-        return grad.chunk(size, ctx.dim)[rank], None, None
-
-
 class _AllToAll(torch.autograd.Function):
     """Splits ``x`` along ``scatter_dim`` over the ranks and concatenates what every rank
     sent along ``gather_dim``; the backward is the exchange the other way."""
@@ -301,7 +283,7 @@ def _all_gather_attention(q, k, v, scale, window, group):
     cp_size, cp_rank = size_and_rank(group)
     kv_chunk = k.shape[2] // 2
     order = _natural_order(cp_size, kv_chunk, k.device)
-    kv = _AllGather.apply(torch.cat([k, v], dim=-1), 2, group).index_select(2, order)
+    kv = gather_along_dim(torch.cat([k, v], dim=-1), 2, group).index_select(2, order)
     k_all, v_all = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
     q_chunk = q.shape[2] // 2
     outs = []

@@ -26,6 +26,7 @@ from ..module._common import (
 )
 from ..module.layernorm import LayerNorm, RMSNorm
 from ..module.linear import LayerNormLinear, Linear
+from .. import parallel
 from . import context_parallel, inference, masks
 from .constants import TENSOR_FORMATS as _FORMATS
 from .dot_product_attention import DotProductAttention, check_unsupported_forward_args
@@ -113,6 +114,7 @@ class MultiheadAttention(torch.nn.Module):
         **te_kwargs,
     ) -> None:
         super().__init__()
+        tp = parallel.pop_layer_kwargs(te_kwargs)
         check_te_only_kwargs(te_kwargs, type(self).__name__)
         check_positive_int(hidden_size, "hidden_size")
         check_positive_int(num_attention_heads, "num_attention_heads")
@@ -142,6 +144,19 @@ class MultiheadAttention(torch.nn.Module):
                 f"qk_norm_type must be None or one of {tuple(_QK_NORMS)}, got {qk_norm_type!r}"
             )
         attn_mask_type = masks.normalize_mask_type(attn_mask_type)
+        # Tensor parallelism splits the heads (and the groups) over the ranks.
+        owner = type(self).__name__
+        self.tp_size, self.tp_rank = parallel.resolve_tp(
+            owner, tp["tp_group"], tp["tp_size"], None, tp["sequence_parallel"])
+        tp_size = self.tp_size if tp["set_parallel_mode"] else 1
+        self.num_attention_heads_per_partition = parallel.divide(
+            num_attention_heads, tp_size, "num_attention_heads", owner)
+        self.num_gqa_groups_per_partition = parallel.divide(
+            num_gqa_groups, tp_size, "num_gqa_groups", owner)
+        if tp_size > 1 and qk_norm_type is not None:
+            raise ValueError("MultiheadAttention: qk_norm_type with tensor parallelism is not "
+                             "supported (its weights would see a part of the heads per rank)")
+        self.sequence_parallel = tp["sequence_parallel"] and self.tp_size > 1
 
         self.hidden_size = hidden_size
         self.num_attention_heads = num_attention_heads
@@ -167,8 +182,10 @@ class MultiheadAttention(torch.nn.Module):
         init_method = init_method if init_method is not None else default_init_method()
         if output_layer_init_method is None:
             output_layer_init_method = default_init_method()
+        column, row = parallel.linear_kwargs(tp)
         common = dict(
-            init_method=init_method, bias=bias, params_dtype=self.params_dtype, device=device
+            init_method=init_method, bias=bias, params_dtype=self.params_dtype, device=device,
+            **column
         )
         norm_args = dict(
             eps=layernorm_epsilon,
@@ -178,12 +195,18 @@ class MultiheadAttention(torch.nn.Module):
         )
 
         def in_proj(out_features, split, with_norm):
-            split = None if fuse_qkv_params else split
+            kwargs = dict(common)
+            if fuse_qkv_params:
+                if not qkv_weight_interleaved:  # q, k, v blocks: each shards separately
+                    kwargs["_tp_shard_parts"] = tuple(
+                        split.values() if isinstance(split, dict)
+                        else [out_features // len(split)] * len(split))
+                split = None
             if with_norm:
                 return LayerNormLinear(
-                    hidden_size, out_features, parameters_split=split, **norm_args, **common
+                    hidden_size, out_features, parameters_split=split, **norm_args, **kwargs
                 )
-            return Linear(hidden_size, out_features, parameters_split=split, **common)
+            return Linear(hidden_size, out_features, parameters_split=split, **kwargs)
 
         if attention_type == "self":
             width = self.hidden_size_q + 2 * self.hidden_size_kv
@@ -208,9 +231,9 @@ class MultiheadAttention(torch.nn.Module):
             self.k_norm = norm_cls(kv_channels, **norm_args)
 
         self.core_attention = DotProductAttention(
-            num_attention_heads,
+            self.num_attention_heads_per_partition,
             kv_channels,
-            num_gqa_groups=num_gqa_groups,
+            num_gqa_groups=self.num_gqa_groups_per_partition,
             attention_dropout=attention_dropout,
             qkv_format=qkv_format,
             attn_mask_type=attn_mask_type,
@@ -232,11 +255,14 @@ class MultiheadAttention(torch.nn.Module):
             return_bias=return_bias,
             params_dtype=self.params_dtype,
             device=device,
+            **row,
         )
 
     def _project_qkv(self, hidden_states, encoder_output):
         """(q, k, v, layernorm output or None); q [..., np, hn], k and v [..., ng, hn]."""
-        hn, ng = self.hidden_size_per_attention_head, self.num_gqa_groups
+        # this rank's heads and groups
+        hn, ng = self.hidden_size_per_attention_head, self.num_gqa_groups_per_partition
+        heads = self.num_attention_heads_per_partition
         ln_out = None
 
         def run(proj, x):
@@ -251,7 +277,7 @@ class MultiheadAttention(torch.nn.Module):
                 raise ValueError("encoder_output is only used with attention_type='cross'")
             proj = self.layernorm_qkv if self.input_layernorm else self.qkv
             mixed = run(proj, hidden_states)
-            parts = (self.num_attention_heads // ng, 1, 1)
+            parts = (heads // ng, 1, 1)
             q, k, v = split_grouped_heads(mixed, parts, ng, hn, self.qkv_weight_interleaved)
             return q, k, v, ln_out
 
@@ -262,8 +288,12 @@ class MultiheadAttention(torch.nn.Module):
         )
         proj = self.layernorm_query if self.input_layernorm else self.query_layer
         q = run(proj, hidden_states)
-        q = q.view(*q.shape[:-1], self.num_attention_heads, hn)
+        q = q.view(*q.shape[:-1], heads, hn)
         return q, k, v, ln_out
+
+    def set_tensor_parallel_group(self, tp_group) -> None:
+        """TE's: the tensor-parallel group of the projections."""
+        parallel.set_group_on_submodules(self, tp_group)
 
     def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream,
                                    cp_comm_type: str = "p2p") -> None:

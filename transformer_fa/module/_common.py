@@ -3,9 +3,10 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-# TE arguments for tensor parallelism, userbuffers and FP8 bookkeeping. transformer_fa has no
-# tensor parallelism, so these are accepted for drop-in compatibility and must stay at values
-# that mean "single device"; anything else would silently change what the user asked for.
+# TE arguments for features a module does not implement (tensor parallelism where the module
+# has none, e.g. DotProductAttention; userbuffers; FP8 bookkeeping): accepted for drop-in
+# compatibility at values that mean "single device"; anything else would silently change what
+# the user asked for. Modules with tensor parallelism take tp_group/tp_size themselves.
 _TE_ONLY_NEUTRAL = {
     "tp_group": None,
     "tp_size": 1,
@@ -14,11 +15,9 @@ _TE_ONLY_NEUTRAL = {
 }
 # Accepted and ignored: they select an implementation strategy, not the function computed.
 _TE_ONLY_IGNORED = {
-    "sequence_parallel",  # only meaningful with tp_size > 1 (TE ignores it at tp_size 1 too)
+    "sequence_parallel",  # DotProductAttention's: it reads sequences whole in any case
     "get_rng_state_tracker",
     "rng_tracker_name",
-    "parallel_mode",
-    "set_parallel_mode",
     "seq_length",
     "micro_batch_size",
     "name",
@@ -28,7 +27,6 @@ _TE_ONLY_IGNORED = {
     "ub_bulk_dgrad",
     "ub_bulk_wgrad",
     "ub_name",
-    "return_layernorm_output_gathered",
     "delay_wgrad_compute",
     "symmetric_ar_type",
     "save_original_input",

@@ -10,6 +10,7 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
+from .. import parallel
 from ._common import check_positive_int, resolve_dtype
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -71,7 +72,7 @@ class _Norm(torch.nn.Module):
         self,
         hidden_size: Optional[int] = None,
         eps: float = 1e-5,
-        sequence_parallel: Optional[bool] = None,  # accepted for TE compatibility; no TP here
+        sequence_parallel: Optional[bool] = None,  # TE's: marks the parameters (see below)
         params_dtype: Optional[torch.dtype] = None,
         zero_centered_gamma: bool = False,
         device: Union[torch.device, str] = "cuda",
@@ -104,6 +105,10 @@ class _Norm(torch.nn.Module):
             self.bias = bias
         else:
             self.register_parameter("bias", None)
+        if sequence_parallel:
+            # As TE: fed a part of the sequence, their gradients are summed over the TP group
+            # (transformer_fa.parallel.allreduce_sequence_parallel_grads).
+            parallel.mark_sequence_parallel(self.weight, self.bias)
 
     def reset_parameters(self) -> None:
         with torch.no_grad():

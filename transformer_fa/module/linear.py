@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as recompute_in_backward
 
+from .. import parallel
 from ._common import (
     check_device,
     check_hidden_states,
@@ -22,6 +23,23 @@ from ._common import (
 )
 from .activations import get_activation
 from .layernorm import apply_norm, make_norm_params
+
+
+def parallel_linear(inp, weight, bias, return_bias=False, row_group=None,
+                    sequence_parallel=False):
+    """(x W^T [+ b], bias or None): the bias is returned instead of added if ``return_bias``.
+    With a ``row_group`` (row-parallel) the partial outputs are summed over the group first
+    (reduce-scattered along the first dim with ``sequence_parallel``), then the bias added."""
+    if return_bias or row_group is not None:
+        out = F.linear(inp, weight)
+        if row_group is not None:
+            out = parallel.row_parallel_output(out, row_group, sequence_parallel)
+        if bias is None:
+            return out, None
+        if return_bias:
+            return out, bias.to(out.dtype)
+        return out + bias, None
+    return F.linear(inp, weight, bias), None
 
 
 def _split_sizes(parameters_split, out_features: int) -> List[Tuple[str, int]]:
@@ -47,7 +65,26 @@ def _split_sizes(parameters_split, out_features: int) -> List[Tuple[str, int]]:
     return [(name.rstrip("_") + "_", size) for name, size in splits]
 
 
-class Linear(torch.nn.Module):
+class _TensorParallel:
+    """TE's tensor-parallel state of a module: group, size, rank, mode, sequence_parallel."""
+
+    _TP_KWARGS = ("tp_group", "tp_size", "parallel_mode", "sequence_parallel")
+
+    def _init_tensor_parallel(self, owner, tp_group=None, tp_size=1, parallel_mode=None,
+                              sequence_parallel=False) -> None:
+        self.tp_size, self.tp_rank = parallel.resolve_tp(owner, tp_group, tp_size,
+                                                         parallel_mode, sequence_parallel)
+        self.tp_group = tp_group
+        self.parallel_mode = parallel_mode
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1  # TE's rule
+
+    def set_tensor_parallel_group(self, tp_group) -> None:
+        """TE's: the group to communicate over (same size and rank as at construction)."""
+        parallel.check_new_group(type(self).__name__, tp_group, self.tp_size, self.tp_rank)
+        self.tp_group = tp_group
+
+
+class Linear(_TensorParallel, torch.nn.Module):
     """y = x W^T + b, TE's ``Linear`` on a single device."""
 
     def __init__(
@@ -68,34 +105,61 @@ class Linear(torch.nn.Module):
 
     def _init_linear(self, in_features, out_features, init_method, bias, return_bias,
                      params_dtype, parameters_split, device, te_kwargs) -> None:
-        check_te_only_kwargs(te_kwargs, type(self).__name__)
+        owner = type(self).__name__
+        # Internal: the parts of a fused weight that shard separately (a gate's halves, the
+        # q/k/v blocks of a non-interleaved fused projection); a split's parts by default.
+        shard_parts = te_kwargs.pop("_tp_shard_parts", None)
+        tp = {key: te_kwargs.pop(key) for key in self._TP_KWARGS if key in te_kwargs}
+        check_te_only_kwargs(te_kwargs, owner)
         check_device(device)
         check_positive_int(in_features, "in_features")
         check_positive_int(out_features, "out_features")
-        self.in_features = in_features
-        self.out_features = out_features
+        self._init_tensor_parallel(owner, **tp)
+        mode, tp_size = self.parallel_mode, self.tp_size
         self.use_bias = bias
         self.return_bias = return_bias
         self.params_dtype = dtype = resolve_dtype(params_dtype)
         init_method = init_method if init_method is not None else default_init_method()
 
         # Init the whole weight, then split it: an init that depends on the shape
-        # (e.g. xavier) sees the same matrix TE's does.
+        # (e.g. xavier) sees the same matrix TE's does, and under tensor parallelism each
+        # rank keeps its slice of the very weight one process would have.
         weight = torch.empty(out_features, in_features, dtype=dtype, device=device)
         init_method(weight)
         splits = _split_sizes(parameters_split, out_features)
+        if mode == "column":
+            for name, size in splits:
+                parallel.divide(size, tp_size, f"out_features{' of ' + name if name else ''}",
+                                owner)
+            splits = [(name, size // tp_size) for name, size in splits]
+            parts = [n * tp_size for _, n in splits] if shard_parts is None else shard_parts
+            weight = parallel.shard_rows(weight, parts, tp_size, self.tp_rank)
+            out_features //= tp_size
+        elif mode == "row":
+            in_features = parallel.divide(in_features, tp_size, "in_features", owner)
+            weight = weight.chunk(tp_size, 1)[self.tp_rank]
+        self.in_features = in_features  # this rank's, as TE's
+        self.out_features = out_features
         self._weight_names = [prefix + "weight" for prefix, _ in splits]
         self._bias_names = [prefix + "bias" for prefix, _ in splits] if bias else []
         # TE's registration order, all weights then all biases: optimizer states, which
         # follow parameters(), then carry over from TE.
         for name, part in zip(self._weight_names, weight.split([n for _, n in splits])):
             self.register_parameter(name, torch.nn.Parameter(part.clone()))
+        # A row-parallel bias is whole: added once, after the sum over the ranks.
         for name, (_, size) in zip(self._bias_names, splits):
             self.register_parameter(
                 name, torch.nn.Parameter(torch.zeros(size, dtype=dtype, device=device))
             )
         if not bias and parameters_split is None:
             self.register_parameter("bias", None)
+        if mode in ("column", "row") and tp_size > 1:
+            # TE's (and Megatron's) markers of a weight split over the TP group.
+            for name in self._weight_names + (self._bias_names if mode == "column" else []):
+                getattr(self, name).tensor_model_parallel = True
+                getattr(self, name).partition_dim = 0 if mode == "column" else 1
+        if mode == "row" and self.sequence_parallel:
+            parallel.mark_sequence_parallel(*(getattr(self, n) for n in self._bias_names))
 
     def _cat(self, names: List[str]) -> Optional[torch.Tensor]:
         if not names:
@@ -111,19 +175,28 @@ class Linear(torch.nn.Module):
         return self._cat(self._bias_names)
 
     def _project(self, inp: torch.Tensor):
-        """(x W^T [+ b], bias) where the bias is returned, not added, if return_bias.
+        """(x W^T [+ b], bias) where the bias is returned, not added, if return_bias."""
+        return self._gemm(self._parallel_input(inp))
 
-        The input is made contiguous first, as TE's GEMMs read it: the weight gradient's GEMM
-        then sums in the same order whatever the input's strides (bitwise equal results)."""
-        inp = inp.contiguous()
-        bias = self.full_bias()
-        if self.return_bias:
-            out = F.linear(inp, self.full_weight())
-            return out, (bias.to(out.dtype) if bias is not None else None)
-        return F.linear(inp, self.full_weight(), bias), None
+    def _parallel_input(self, inp: torch.Tensor) -> torch.Tensor:
+        if self.parallel_mode != "column":
+            return inp
+        return parallel.column_parallel_input(inp, self.tp_group, self.sequence_parallel)
+
+    def _gemm(self, inp: torch.Tensor):
+        """The input is made contiguous first, as TE's GEMMs read it: the weight gradient's
+        GEMM then sums in the same order whatever the input's strides (bitwise equal)."""
+        row_group = self.tp_group if self.parallel_mode == "row" else None
+        return parallel_linear(inp.contiguous(), self.full_weight(), self.full_bias(),
+                               self.return_bias, row_group, self.sequence_parallel)
+
+    def _check_input(self, inp: torch.Tensor) -> None:
+        check_hidden_states(inp, self.in_features, self.params_dtype, "inp")
+        if self.parallel_mode == "row" and self.sequence_parallel:
+            parallel.check_first_dim(inp, self.tp_size, type(self).__name__)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, **_):
-        check_hidden_states(inp, self.in_features, self.params_dtype, "inp")
+        self._check_input(inp)
         out, bias = self._project(inp)
         return pack_outputs(out, bias, return_bias=self.return_bias)
 
@@ -158,15 +231,25 @@ class LayerNormLinear(Linear):
             in_features, normalization, zero_centered_gamma, params_dtype, device
         )
         self.register_parameter("layer_norm_bias", layer_norm_bias)
+        self.return_layernorm_output_gathered = te_kwargs.pop(
+            "return_layernorm_output_gathered", False)
+        if te_kwargs.get("parallel_mode") == "row":
+            raise ValueError("LayerNormLinear: parallel_mode='row' would normalize a part of "
+                             "the features; use 'column' (or None)")
         self._init_linear(in_features, out_features, init_method, bias, return_bias,
                           params_dtype, parameters_split, device, te_kwargs)
+        if self.sequence_parallel:  # the norm sees this rank's part of the sequence
+            parallel.mark_sequence_parallel(self.layer_norm_weight, self.layer_norm_bias)
         self.eps = eps
         self.normalization = normalization
         self.zero_centered_gamma = zero_centered_gamma
         self.return_layernorm_output = return_layernorm_output
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, **_):
-        check_hidden_states(inp, self.in_features, self.params_dtype, "inp")
+        """With sequence_parallel the norm runs on this rank's part of the sequence and its
+        output is gathered for the GEMM; the layernorm output returned is this rank's part
+        unless return_layernorm_output_gathered (TE's)."""
+        self._check_input(inp)
         ln_out = apply_norm(
             inp,
             self.normalization,
@@ -175,11 +258,14 @@ class LayerNormLinear(Linear):
             self.eps,
             self.zero_centered_gamma,
         )
-        out, bias = self._project(ln_out)
+        gathered = self._parallel_input(ln_out)
+        out, bias = self._gemm(gathered)
+        if self.return_layernorm_output_gathered:
+            ln_out = gathered
         return pack_outputs(out, bias, ln_out, self.return_bias, self.return_layernorm_output)
 
 
-class LayerNormMLP(torch.nn.Module):
+class LayerNormMLP(_TensorParallel, torch.nn.Module):
     """Norm -> FC1 -> activation -> FC2, TE's ``LayerNormMLP``.
 
     For gated activations (geglu, reglu, swiglu, ...) FC1 has 2 * ffn_hidden_size outputs.
@@ -207,10 +293,22 @@ class LayerNormMLP(torch.nn.Module):
         **te_kwargs,
     ) -> None:
         super().__init__()
+        set_parallel_mode = te_kwargs.pop("set_parallel_mode", False)
+        self.return_layernorm_output_gathered = te_kwargs.pop(
+            "return_layernorm_output_gathered", False)
+        tp = {key: te_kwargs.pop(key) for key in ("tp_group", "tp_size", "sequence_parallel")
+              if key in te_kwargs}
         check_te_only_kwargs(te_kwargs, type(self).__name__)
         check_device(device)
         check_positive_int(hidden_size, "hidden_size")
         check_positive_int(ffn_hidden_size, "ffn_hidden_size")
+        self._init_tensor_parallel(type(self).__name__, **tp)
+        self.set_parallel_mode = set_parallel_mode
+        if set_parallel_mode:
+            parallel.divide(ffn_hidden_size, self.tp_size, "ffn_hidden_size", type(self).__name__)
+        # set_parallel_mode: FC1 column-parallel, FC2 row-parallel (TE's).
+        fc1_tp = dict(tp, parallel_mode="column" if set_parallel_mode else None)
+        fc2_tp = dict(tp, parallel_mode="row" if set_parallel_mode else None)
         self.activation_fn, gated = get_activation(activation, activation_params)
         self.activation = activation
         self.activation_params = activation_params
@@ -231,8 +329,11 @@ class LayerNormMLP(torch.nn.Module):
         self.register_parameter("layer_norm_bias", layer_norm_bias)
         fc1_out = 2 * ffn_hidden_size if gated else ffn_hidden_size
         # Reuse Linear for parameter creation; keep TE's flat fc1_*/fc2_* names on this module.
+        # A gated FC1 shards its activation and gate halves separately, so that each rank
+        # gates its own part of the hidden features.
         fc1 = Linear(
-            hidden_size, fc1_out, init_method, bias, params_dtype=params_dtype, device=device
+            hidden_size, fc1_out, init_method, bias, params_dtype=params_dtype, device=device,
+            _tp_shard_parts=(ffn_hidden_size, ffn_hidden_size) if gated else None, **fc1_tp
         )
         fc2 = Linear(
             ffn_hidden_size,
@@ -241,10 +342,13 @@ class LayerNormMLP(torch.nn.Module):
             bias,
             params_dtype=params_dtype,
             device=device,
+            **fc2_tp,
         )
         for prefix, linear in (("fc1_", fc1), ("fc2_", fc2)):
             self.register_parameter(prefix + "weight", linear.weight)
             self.register_parameter(prefix + "bias", linear.bias)
+        if self.sequence_parallel:  # the norm sees this rank's part of the sequence
+            parallel.mark_sequence_parallel(self.layer_norm_weight, self.layer_norm_bias)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, **_):
         check_hidden_states(inp, self.hidden_size, self.params_dtype, "inp")
@@ -261,12 +365,16 @@ class LayerNormMLP(torch.nn.Module):
             self.eps,
             self.zero_centered_gamma,
         )
-        hidden = self.activation_fn(F.linear(ln_out, self.fc1_weight, self.fc1_bias))
-        if self.return_bias:
-            out = F.linear(hidden, self.fc2_weight)
-            bias = self.fc2_bias.to(out.dtype) if self.fc2_bias is not None else None
-        else:
-            out, bias = F.linear(hidden, self.fc2_weight, self.fc2_bias), None
+        gathered = ln_out
+        if self.set_parallel_mode:
+            gathered = parallel.column_parallel_input(ln_out, self.tp_group,
+                                                      self.sequence_parallel)
+        hidden = self.activation_fn(F.linear(gathered, self.fc1_weight, self.fc1_bias))
+        row_group = self.tp_group if self.set_parallel_mode else None
+        out, bias = parallel_linear(hidden, self.fc2_weight, self.fc2_bias, self.return_bias,
+                                    row_group, self.sequence_parallel)
+        if self.return_layernorm_output_gathered:
+            ln_out = gathered
         return pack_outputs(out, bias, ln_out, self.return_bias, self.return_layernorm_output)
 
     def extra_repr(self) -> str:

@@ -1,0 +1,77 @@
+"""Shared harness of the multi-process (gloo, CPU) tests.
+
+Process start-up dominates the time, so one spawn per world size runs every case of a test
+module: each worker runs the module's ``CASES`` (name -> ``case(world, rank, group)``) and
+reports a traceback per failing case, which the module's parametrized tests then read.
+"""
+import datetime
+import importlib
+import json
+import os
+import tempfile
+import traceback
+from contextlib import contextmanager
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def close(actual, expected, what, atol=1e-10, rtol=1e-9):
+    assert torch.allclose(actual, expected, atol=atol, rtol=rtol), (
+        f"{what}: max abs error {(actual - expected).abs().max().item():.3g}")
+
+
+@contextmanager
+def no_communication():
+    """Any collective or point-to-point call inside fails the case."""
+    names = ("all_gather", "all_to_all", "all_reduce", "batch_isend_irecv",
+             "reduce_scatter_tensor")
+    saved = {name: getattr(dist, name) for name in names}
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("communication before the input was checked")
+    for name in names:
+        setattr(dist, name, refuse)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def _worker(rank, world, init_file, result_dir, module_name):
+    torch.set_num_threads(1)
+    cases = importlib.import_module(module_name).CASES
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    group = dist.new_group(list(range(world)))
+    results = {}
+    for name, case in cases.items():
+        try:
+            case(world, rank, group)
+            results[name] = None
+        except Exception:  # noqa: BLE001 - reported per case by the tests
+            results[name] = traceback.format_exc()
+    with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def run_cases(module_name: str, world: int) -> List[Dict[str, Optional[str]]]:
+    """Spawns ``world`` gloo processes that run ``module_name``'s CASES; per rank, case name
+    -> traceback (None when it passed)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), tmp, module_name),
+                 nprocs=world)
+        results = []
+        for rank in range(world):
+            with open(os.path.join(tmp, f"rank{rank}.json")) as f:
+                results.append(json.load(f))
+    return results
+
+
+def assert_case_passed(results, case: str) -> None:
+    failures = [f"rank {rank}:\n{r[case]}" for rank, r in enumerate(results) if r[case]]
+    assert not failures, "\n".join(failures)
