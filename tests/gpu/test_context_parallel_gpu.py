@@ -76,3 +76,36 @@ def test_block_backward_on_cuda_matches_autograd(window):
                                                   lse.detach(), delta, DIM ** -0.5, 0, window)
     for name, mine, ref in (("dq", dq, q.grad), ("dk", dk, k.grad), ("dv", dv, v.grad)):
         torch.testing.assert_close(mine, ref, atol=1e-4, rtol=1e-4, msg=lambda m, n=name: n + m)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window,q_offset,sq,skv", [
+    (None, 0, 128, 256),        # a p2p block without mask
+    ((-1, 0), 0, 128, 128),     # the p2p diagonal block
+    ((-1, 0), 192, 64, 256),    # all_gather: a local chunk at its global offset (bottom-right)
+    ((16, 0), 0, 128, 128),     # a sliding window (all_gather / a2a)
+])
+def test_blocks_run_on_the_flash_kernels(window, q_offset, sq, skv, dtype):
+    """fp16/bf16 CUDA blocks go through the flash kernels (forward with the LSE; backward from
+    the final output and LSE), within the kernels' error rule of float64 math."""
+    torch.manual_seed(0)
+    q = torch.randn(BATCH, HEADS, sq, DIM, device="cuda", dtype=dtype)
+    k = torch.randn(BATCH, GROUPS, skv, DIM, device="cuda", dtype=dtype)
+    v = torch.randn(BATCH, GROUPS, skv, DIM, device="cuda", dtype=dtype)
+    scale = DIM ** -0.5
+    assert context_parallel._kernel_call(q, k, v, scale, q_offset, window) is not None
+    out, lse = context_parallel.attend(q, k, v, scale, q_offset, window)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref, ref_lse = context_parallel.attend(*leaves, scale, q_offset, window)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-3, rtol=1e-3)
+    dout = torch.randn_like(out).to(dtype)
+    ref.backward(dout.double())
+    delta = (dout.float() * out).sum(-1)
+    grads = context_parallel.attend_backward(q, k, v, dout, lse, delta, scale, q_offset, window,
+                                             out)
+    for name, mine, leaf in zip("qkv", grads, leaves):
+        assert mine.dtype == dtype
+        torch.testing.assert_close(mine.double(), leaf.grad, atol=5e-2, rtol=5e-2,
+                                   msg=lambda m, n=name: f"d{n}: {m}")

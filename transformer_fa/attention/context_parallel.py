@@ -12,9 +12,11 @@ TE: the sequence is cut into ``2 * cp_size`` chunks and rank r holds chunks r an
 - ``"a2a"``: heads and sequence are exchanged with all-to-all (Ulysses): each rank attends
   over the whole sequence for ``h / cp_size`` heads, then the output goes back.
 
-All three run one piece of math, ``attend`` (the unfused backend's softmax attention, with an
-LSE and a causal offset), in PyTorch on any device; ``all_gather`` and ``a2a`` differentiate it
-with autograd (their communication has autograd functions), ``p2p`` has its own backward.
+All three run one piece of math, ``attend`` (softmax attention with an LSE and a causal
+offset): on CUDA in fp16/bf16 through this repo's flash kernels (forward with the LSE, and the
+backward from the merged output and LSE), elsewhere the unfused backend's math in PyTorch;
+``all_gather`` and ``a2a`` differentiate it with autograd (their communication has autograd
+functions), ``p2p`` has its own backward.
 Supported: sbhd/bshd, ``no_mask`` and ``causal``, GQA/MQA, sliding windows with
 ``all_gather``/``a2a`` (as TE). Everything else is refused before any communication.
 """
@@ -28,7 +30,7 @@ import torch.distributed as dist
 
 from ..parallel import gather_along_dim
 from . import layout, masks
-from .backends import unfused
+from .backends import flash, unfused
 
 logger = logging.getLogger("DotProductAttention")
 
@@ -107,11 +109,41 @@ def _logits(q, k, scale, q_offset, window):
     return logits if keep is None else logits.masked_fill(~keep, float("-inf"))
 
 
+def _kernel_call(q, k, v, scale: float, q_offset: int, window) -> Optional[flash.FlashCall]:
+    """The flash kernels' call for one ``attend`` block (bhsd tensors), or None where they
+    cannot serve it and the PyTorch math runs: not CUDA fp16/bf16, the extension missing, a
+    head dim it lacks, or an offset that is neither diagonal alignment."""
+    d = q.shape[-1]
+    if not (q.is_cuda and q.dtype in flash.SUPPORTED_DTYPES and k.dtype == v.dtype == q.dtype
+            and k.shape[-1] == v.shape[-1] == d and d % 8 == 0 and d <= flash.MAX_HEAD_DIM
+            and flash._extension() is not None):
+        return None
+    sq, skv = q.shape[2], k.shape[2]
+    left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
+    if (left, right) != (-1, -1) and q_offset not in (0, skv - sq):
+        return None
+    # the kernels' mask offset is skv - sq with the bottom-right diagonal, else 0
+    return flash.FlashCall("bshd", "bshd", sq, skv, float(scale), left, right, q_offset != 0,
+                           0.0, False, True)
+
+
+def _bshd(x):
+    return x.transpose(1, 2)
+
+
 def attend(q, k, v, scale: float, q_offset: int = 0, window=None):
     """Attention of q ``[b, h, sq, d]`` over k, v ``[b, hkv, skv, d]`` (GQA by broadcasting)
     where query i sits at key position ``q_offset + i``; ``window`` (left, right) as TE's
     window_size, (-1, 0) = causal, None = no mask. Returns ``(out [b, h, sq, dv], lse
-    [b, h, sq])`` in the compute dtype (float32, or float64 for float64); differentiable."""
+    [b, h, sq])`` in the compute dtype (float32, or float64 for float64); differentiable
+    (the LSE is not)."""
+    call = _kernel_call(q, k, v, scale, q_offset, window)
+    if call is not None:
+        out, lse = torch.ops.transformer_fa.flash_attn_fwd(_bshd(q), _bshd(k), _bshd(v), None,
+                                                           None, None, None, *call)
+        # the kernels give +inf for a row without keys; the merge wants -inf there
+        lse = lse.masked_fill(lse == float("inf"), float("-inf"))
+        return _bshd(out).float(), lse
     b, h, sq, _ = q.shape
     logits = _logits(q, k, scale, q_offset, window)
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
@@ -121,9 +153,17 @@ def attend(q, k, v, scale: float, q_offset: int = 0, window=None):
     return out.reshape(b, h, sq, v.shape[-1]), lse.reshape(b, h, sq)
 
 
-def attend_backward(q, k, v, dout, lse, delta, scale: float, q_offset: int = 0, window=None):
+def attend_backward(q, k, v, dout, lse, delta, scale: float, q_offset: int = 0, window=None,
+                    out=None):
     """Gradients (dq, dk, dv) of one ``attend`` block, given the final (merged) LSE and
-    ``delta = rowsum(dout * out)`` of its rows: flash attention's backward, in PyTorch."""
+    ``delta = rowsum(dout * out)`` of its rows: flash attention's backward. The kernels take
+    the final output instead of delta (``out``: they form delta themselves)."""
+    call = _kernel_call(q, k, v, scale, q_offset, window)
+    if call is not None and out is not None:
+        grads = flash._bwd_impl(_bshd(dout).to(q.dtype), _bshd(q), _bshd(k), _bshd(v),
+                                _bshd(out).to(q.dtype), lse.float().contiguous(), None, None,
+                                None, None, call)
+        return tuple(_bshd(g) for g in grads)
     b, h, sq, d = q.shape
     hkv = k.shape[1]
     g = h // hkv
@@ -234,7 +274,7 @@ class _RingAttention(torch.autograd.Function):
                                              ctx.causal, len_q, len_kv)
             block_dq, block_dk, block_dv = attend_backward(
                 q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], dout[:, :, rows],
-                lse[:, :, rows], delta[:, :, rows], scale, 0, window)
+                lse[:, :, rows], delta[:, :, rows], scale, 0, window, out[:, :, rows])
             dq[:, :, rows] += block_dq
             dkv[0][:, :, cols] += block_dk
             dkv[1][:, :, cols] += block_dv
