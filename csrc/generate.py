@@ -40,7 +40,7 @@ class Family(NamedTuple):
 FAMILIES = {
     "sm80": Family(enum="kSm80", archs=None, directions=("fwd", "bwd")),
     # wgmma/TMA forward for sm_90a; the binding runs what it declines on sm80.
-    "sm90": Family(enum="kSm90", archs=("90a",), directions=("fwd",), head_dims=(64, 128),
+    "sm90": Family(enum="kSm90", archs=("90a",), directions=("fwd",), head_dims=(64, 128, 256),
                    needs_cutlass=True),
 }
 EVERY_GPU_FAMILY = "sm80"

@@ -19,7 +19,7 @@ def test_default_builds_every_instantiation_for_its_targets():
     assert len(sm80) == 2 * 2 * len(generate.HEAD_DIMS)  # fwd and bwd, 2 dtypes
     assert set(sm80.values()) == {("80", "90a")}
     assert sorted(sm90) == sorted(f"flash/instantiations/fwd_{t}_hdim{d}_sm90.cu"
-                                  for t in ("bf16", "fp16") for d in (64, 128))
+                                  for t in ("bf16", "fp16") for d in (64, 128, 256))
     assert set(sm90.values()) == {("90a",)}
     assert len(files) == len(sm80) + len(sm90) and len(macros) == len(sm80) // 2 + len(sm90)
     assert all((CSRC / f).is_file() for f in files)

@@ -32,8 +32,8 @@ if args.sm90:
     # 3 x 8 heads x 8 query tiles = 192 tiles: a persistent CTA takes a second tile (Q and the
     # O staging buffer reused) on a 132-SM H100. GQA (8 query heads on 2 KV heads); length 1000
     # (the key tail masked, the query tail not stored); then sq != sk with the bottom-right
-    # diagonal; head dims 64 and 128.
-    for d in (64, 128):
+    # diagonal; head dims 64, 128 and 256 (d256 stages O in Q's buffer, one CTA per tile).
+    for d in (64, 128, 256):
         for sq, sk, br in ((1000, 1000, False), (300, 700, True)):
             q = torch.randn(3, sq, 8, d, device="cuda", dtype=torch.bfloat16)
             k, v = (torch.randn(3, sk, 2, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")

@@ -76,6 +76,12 @@ inline bool dispatch_fwd(Arch arch, bool bf16, int hd, const FwdParams& params,
     return true;
   }
 #endif
+#ifdef TFA_FLASH_SM90_FP16_HDIM256
+  if (arch == Arch::kSm90 && !bf16 && hd == 256) {
+    run_fwd<Arch::kSm90, DType::kFP16, 256>(params, device, stream);
+    return true;
+  }
+#endif
 #ifdef TFA_FLASH_SM90_BF16_HDIM64
   if (arch == Arch::kSm90 && bf16 && hd == 64) {
     run_fwd<Arch::kSm90, DType::kBF16, 64>(params, device, stream);
@@ -85,6 +91,12 @@ inline bool dispatch_fwd(Arch arch, bool bf16, int hd, const FwdParams& params,
 #ifdef TFA_FLASH_SM90_BF16_HDIM128
   if (arch == Arch::kSm90 && bf16 && hd == 128) {
     run_fwd<Arch::kSm90, DType::kBF16, 128>(params, device, stream);
+    return true;
+  }
+#endif
+#ifdef TFA_FLASH_SM90_BF16_HDIM256
+  if (arch == Arch::kSm90 && bf16 && hd == 256) {
+    run_fwd<Arch::kSm90, DType::kBF16, 256>(params, device, stream);
     return true;
   }
 #endif
@@ -122,11 +134,17 @@ inline bool has_fwd(Arch arch, bool bf16, int hd) {
 #ifdef TFA_FLASH_SM90_FP16_HDIM128
   if (arch == Arch::kSm90 && !bf16 && hd == 128) return true;
 #endif
+#ifdef TFA_FLASH_SM90_FP16_HDIM256
+  if (arch == Arch::kSm90 && !bf16 && hd == 256) return true;
+#endif
 #ifdef TFA_FLASH_SM90_BF16_HDIM64
   if (arch == Arch::kSm90 && bf16 && hd == 64) return true;
 #endif
 #ifdef TFA_FLASH_SM90_BF16_HDIM128
   if (arch == Arch::kSm90 && bf16 && hd == 128) return true;
+#endif
+#ifdef TFA_FLASH_SM90_BF16_HDIM256
+  if (arch == Arch::kSm90 && bf16 && hd == 256) return true;
 #endif
   return false;
 }

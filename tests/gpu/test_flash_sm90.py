@@ -114,7 +114,7 @@ MASKS = {"no_mask": (False, False), "causal": (True, False), "causal_bottom_righ
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("mask", sorted(MASKS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256"])
 def test_forward_matches_float64(name, mask, dtype, d):
     b, sq, sk, h, hkv, layout, gain = CASES[name]
     causal, bottom_right = MASKS[mask]
@@ -157,7 +157,7 @@ def test_auto_family_runs_sm90_where_it_serves():
 # reason's words
 DECLINED = {
     "head dim 96": ((96, 256, 256, False, -1, -1, False, False, False),
-                    "head dim 64 and 128 kernels only"),
+                    "head dim 64, 128 and 256 kernels only"),
     "bottom-right sq > sk": ((128, 384, 256, False, -1, 0, True, False, False),
                              "bottom-right causal masks with seqlen_q > seqlen_kv"),
     "no keys": ((128, 256, 0, False, -1, -1, False, False, False), "at least one key"),
@@ -181,8 +181,8 @@ def test_declined_calls_run_on_sm80_and_say_why(name):
 
 def test_forced_sm90_on_a_declined_call_is_a_clear_error():
     q = torch.randn(1, 256, 2, 96, device=DEV, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="sm90 family was requested, but it has head dim 64 "
-                                           "and 128 kernels only"):
+    with pytest.raises(RuntimeError, match="sm90 family was requested, but it has head dim 64, "
+                                           "128 and 256 kernels only"):
         EXT.fwd(q, q, q, None, None, 0, 0, 256, 256, 0.1, -1, -1, False, True, 0.0, None, None,
                 90)
     with pytest.raises(RuntimeError, match="family must be 0"):
@@ -238,8 +238,8 @@ def test_debug_log_names_the_family_and_why_not_sm90(monkeypatch):
     with capture_log() as lines, torch.no_grad():
         dpa(q, q, q)
     assert dpa.last_backend == "FlashAttention"
-    assert any("FlashAttention kernel family = sm80 (not sm90: it has head dim 64 and 128 "
-               "kernels only)" in line for line in lines), lines
+    assert any("FlashAttention kernel family = sm80 (not sm90: it has head dim 64, 128 and "
+               "256 kernels only)" in line for line in lines), lines
 
 
 def test_requested_sm90_family_declines_with_a_reason(monkeypatch):
@@ -257,5 +257,5 @@ def test_requested_sm90_family_declines_with_a_reason(monkeypatch):
         dpa(q, q, q)
     assert dpa.last_backend == "UnfusedDotProductAttention"
     assert any("Disabling FlashAttention as TRANSFORMER_FA_FLASH_FAMILY=sm90 and the sm90 "
-               "kernels do not serve this call: it has head dim 64 and 128 kernels only" in line
-               for line in lines), lines
+               "kernels do not serve this call: it has head dim 64, 128 and 256 kernels "
+               "only" in line for line in lines), lines

@@ -70,13 +70,17 @@ struct TileScheduler {
 
 // A named tile configuration. Two consumer warpgroups of 64 rows each when
 // kBlockM = 128; the producer is the first warpgroup (only its warp 0 works).
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
+// kOStagedInQ: the epilogue stages O in Q's shared memory (Q, K and V take all of it at
+// d256); such a config runs one CTA per tile (a persistent CTA would load the next Q there).
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_,
+          bool kOStagedInQ_ = false>
 struct FwdConfig {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
+  static constexpr bool kOStagedInQ = kOStagedInQ_;
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kThreads = 128 + kConsumerThreads;
@@ -110,10 +114,17 @@ struct FwdConfig {
   using SmemLayoutVt = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
                                               Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
                                               Step<_2, _1, _3>{}));
-  // Output staging: row-major with 8 elements of padding so that the
-  // accumulator's row pairs land in different banks.
+  // Output staging: row-major with 8 elements of padding so that the accumulator's row
+  // pairs land in different banks; in Q's buffer (no room for padding) row-major with the
+  // 16-byte chunks of each row XOR-ed by the row's low bits (the same effect; 16-byte chunks
+  // stay whole for the global stores).
   static constexpr int kOPitch = kHeadDim + 8;
-  using SmemLayoutO = Layout<Shape<Int<kBlockM>, Int<kHeadDim>>, Stride<Int<kOPitch>, _1>>;
+  using SmemLayoutOPadded = Layout<Shape<Int<kBlockM>, Int<kHeadDim>>, Stride<Int<kOPitch>, _1>>;
+  using SmemLayoutOSwizzled = decltype(composition(
+      Swizzle<3, 3, 5>{}, Layout<Shape<Int<kBlockM>, Int<kHeadDim>>, Stride<Int<kHeadDim>, _1>>{}));
+  using SmemLayoutO = conditional_t<kOStagedInQ, SmemLayoutOSwizzled, SmemLayoutOPadded>;
+  static_assert(!kOStagedInQ || (kHeadDim == 256 && cosize_v<SmemLayoutO> <= cosize_v<SmemLayoutQ>),
+                "the swizzle above is for rows of 256 elements");
 
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
@@ -121,11 +132,15 @@ struct FwdConfig {
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename Pipeline::PipelineState;
 
+  struct NoOBuffer {};
+  using OBuffer = conditional_t<kOStagedInQ, NoOBuffer,
+                                cute::array_aligned<Element, cosize_v<SmemLayoutOPadded>, 128>>;
+
   struct SharedStorage {
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
     cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
     cute::array_aligned<Element, cosize_v<SmemLayoutVt>, 1024> v;
-    cute::array_aligned<Element, cosize_v<SmemLayoutO>, 128> o;
+    OBuffer o;
     alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_q;
     alignas(16) typename Pipeline::SharedStorage pipe_k;
     alignas(16) typename Pipeline::SharedStorage pipe_v;
@@ -176,6 +191,7 @@ enum : uint32_t {
   kBarSchedulerWG0 = 8,   // and 9 for consumer warpgroup 1
   kBarEpilogueWG0 = 10,   // and 11
   kBarQueryEmpty = 12,    // consumers done with Q -> producer may load the next
+  kBarQueryRead = 13,     // both consumers done with Q -> O may be staged in its buffer
 };
 
 __device__ __forceinline__ void named_barrier_sync(uint32_t threads, uint32_t id) {
@@ -461,7 +477,13 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   Tensor cO = make_identity_tensor(select<0, 1>(typename Cfg::TilePV{}));
   Tensor tOcO = thr_pv.partition_C(cO);
   Tensor tOcO_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
-  Tensor sO = make_tensor(make_smem_ptr(shared.o.data()), typename Cfg::SmemLayoutO{});
+  Element* o_staging;
+  if constexpr (Cfg::kOStagedInQ) {
+    o_staging = shared.q.data();
+  } else {
+    o_staging = shared.o.data();
+  }
+  Tensor sO = make_tensor(make_smem_ptr(o_staging), typename Cfg::SmemLayoutO{});
   Tensor tOsO = thr_pv.partition_C(sO);
 
   // Ping-pong: a warpgroup waits for its turn before issuing GEMMs and hands
@@ -578,6 +600,9 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
     // after the previous tile's reads of the same rows.
     Tensor tOrO_out = make_tensor<Element>(tOrO.layout());
     convert_fragment<Element>(tOrO, tOrO_out);
+    // O in Q's buffer: a warpgroup's rows there hold both warpgroups' Q rows, so both must be
+    // done with their last QK^T.
+    if constexpr (Cfg::kOStagedInQ) { named_barrier_sync(Cfg::kConsumerThreads, kBarQueryRead); }
     named_barrier_sync(128, kBarEpilogueWG0 + consumer_wg);
     copy(tOrO_out, tOsO);
     named_barrier_sync(128, kBarEpilogueWG0 + consumer_wg);
@@ -587,7 +612,6 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
     Element* o_tile = params.o + int64_t(batch) * params.o_batch_stride +
                       int64_t(head) * params.o_head_stride +
                       int64_t(m_block * kBlockM + consumer_wg * 64) * params.o_row_stride;
-    Element const* s_tile = shared.o.data() + consumer_wg * 64 * Cfg::kOPitch;
     int const rows_here = rows_in_tile - consumer_wg * 64;  // of this warpgroup's 64
     CUTE_UNROLL
     for (int i = tid_in_wg; i < 64 * kChunksPerRow; i += 128) {
@@ -595,7 +619,7 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
       int const col = (i % kChunksPerRow) * 8;
       if (row < rows_here) {
         *reinterpret_cast<uint4*>(o_tile + int64_t(row) * params.o_row_stride + col) =
-            *reinterpret_cast<uint4 const*>(s_tile + row * Cfg::kOPitch + col);
+            *reinterpret_cast<uint4 const*>(&sO(consumer_wg * 64 + row, col));
       }
     }
   }

@@ -19,7 +19,7 @@ constexpr int kFwdBlock = 128;
 inline const char* fwd_declines(const FwdParams& p, int arch) {
   if (arch != 90) return "it runs on sm_90 GPUs only (sm_90a code)";
   // (other head dims would need their columns past d masked in the epilogue)
-  if (p.d != 64 && p.d != 128) return "it has head dim 64 and 128 kernels only";
+  if (p.d != 64 && p.d != 128 && p.d != 256) return "it has head dim 64, 128 and 256 kernels only";
   if (p.cu_seqlens_q != nullptr || p.cu_seqlens_k != nullptr)
     return "it does not take varlen (cu_seqlens) calls yet";
   if (p.seqlen_k == 0) return "it needs at least one key";
