@@ -259,3 +259,16 @@ def test_requested_sm90_family_declines_with_a_reason(monkeypatch):
     assert any("Disabling FlashAttention as TRANSFORMER_FA_FLASH_FAMILY=sm90 and the sm90 "
                "kernels do not serve this call: it has head dim 64, 128 and 256 kernels "
                "only" in line for line in lines), lines
+
+
+def test_auto_family_prefers_the_faster_family_at_d256():
+    """At d256 the sm90 kernel trails sm80 on short rows (measured): the default takes sm80
+    there and says why; a requested sm90 still runs sm90."""
+    short_causal = (256, 1024, 1024, False, -1, 0, False, False, False)
+    family, why = EXT.fwd_family(ARCH, True, *short_causal)
+    assert family == "sm80" and "faster at head dim 256" in why, (family, why)
+    assert EXT.fwd_family(ARCH, True, *short_causal, 90)[0] == "sm90"
+    long_causal = (256, 4096, 4096, False, -1, 0, False, False, False)
+    assert EXT.fwd_family(ARCH, True, *long_causal)[0] == "sm90"
+    assert EXT.fwd_family(ARCH, True, 256, 1024, 1024, False, -1, -1, False, False,
+                          False)[0] == "sm90"

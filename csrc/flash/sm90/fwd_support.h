@@ -34,6 +34,18 @@ inline const char* fwd_declines(const FwdParams& p, int arch) {
   return nullptr;
 }
 
+// Why the sm80 family is the faster choice for a call that the sm90 forward serves, or nullptr.
+// Measured on the H100 (bf16, batch * s = 16k, 2026-11-24, benchmarks/results/*-sm90-d256 and
+// *-sm90-final): the d256 sm90 kernel (128 x 80 tiles, one CTA per tile) trails sm80 for short
+// rows: non-causal s = 512 (232 vs 262 TFLOPS), causal s <= 2k (135-281 vs 207-298); it leads
+// from non-causal s = 1k (1.07-1.46x) and causal s = 4k (1.14-1.40x).
+inline const char* fwd_slower_than_sm80(const FwdParams& p) {
+  const bool causal = p.window_right == 0;
+  if (p.d == 256 && p.seqlen_q < (causal ? 4096 : 1024))
+    return "the sm80 kernels are faster at head dim 256 for this length (measured on the H100)";
+  return nullptr;
+}
+
 }  // namespace sm90
 }  // namespace flash
 }  // namespace transformer_fa
