@@ -375,12 +375,12 @@ class MultiheadAttention(torch.nn.Module):
             q = apply_rotary_pos_emb(
                 q, q_emb, self.qkv_format, interleaved=self.rotary_pos_interleaved,
                 cu_seqlens=cu_rope_q, start_positions=starts,
-                cp_size=self.cp_size, cp_rank=self.cp_rank,
+                cp_size=self.cp_size, cp_rank=self.cp_rank, fused=True,  # as TE's
             )
             k = apply_rotary_pos_emb(
                 k, k_emb, self.qkv_format, interleaved=self.rotary_pos_interleaved,
                 cu_seqlens=cu_rope_kv, start_positions=starts,
-                cp_size=self.cp_size, cp_rank=self.cp_rank,
+                cp_size=self.cp_size, cp_rank=self.cp_rank, fused=True,
             )
         if self.q_norm is not None and not self.qk_norm_before_rope:
             q, k = self.q_norm(q), self.k_norm(k)

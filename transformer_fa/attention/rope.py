@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from .. import kernels
 from .constants import TENSOR_FORMATS as _TENSOR_FORMATS
 
 __all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb"]
@@ -142,7 +143,7 @@ def apply_rotary_pos_emb(
     tensor_format: str = "sbhd",
     start_positions: Optional[torch.Tensor] = None,
     interleaved: bool = False,
-    fused: bool = False,  # accepted for TE compatibility; there is one implementation
+    fused: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
     cp_size: int = 1,
     cp_rank: int = 0,
@@ -157,6 +158,10 @@ def apply_rotary_pos_emb(
     cp_size, cp_rank: context parallelism (TE's): ``t`` is this rank's load-balanced part of
         each sequence (chunks ``cp_rank`` and ``2 * cp_size - 1 - cp_rank`` of ``2 * cp_size``)
         and gets the angles of those global positions.
+    fused: TE's switch (default False, as TE): on CUDA with triton installed, one Triton
+        kernel does the forward and one the backward (angles in float32, no gradient for
+        freqs); elsewhere (CPU, float64, freqs that need a gradient) this function's
+        PyTorch code runs, which gives the same result.
     """
     if tensor_format not in _TENSOR_FORMATS:
         raise ValueError(f"tensor_format must be one of {_TENSOR_FORMATS}, got {tensor_format!r}")
@@ -169,11 +174,14 @@ def apply_rotary_pos_emb(
     rot_dim = freqs.shape[-1]
     if rot_dim > t.shape[-1]:
         raise ValueError(f"freqs has {rot_dim} channels but t has only {t.shape[-1]}")
+    if rot_dim % 2:
+        raise ValueError(f"freqs must have an even number of channels (pairs), got {rot_dim}")
     # Angles, cos and sin in float32 at least (as TE), in float64 for float64 t or freqs.
     compute_dtype = torch.promote_types(torch.promote_types(freqs.dtype, t.dtype), torch.float32)
     table = freqs.reshape(freqs.shape[0], rot_dim).to(compute_dtype)
     max_len = table.shape[0]
 
+    positions = None  # None: token s of every sequence sits at position s
     if tensor_format == "thd":
         if cu_seqlens is None:
             raise ValueError("cu_seqlens is required when tensor_format is 'thd'")
@@ -182,22 +190,17 @@ def apply_rotary_pos_emb(
         if cp_size > 1:
             _check_cp_lengths(cu_seqlens, cp_size)
             cu_seqlens = cu_seqlens // cp_size
-        pos = _token_positions(cu_seqlens, t.shape[0], start_positions, cp_size, cp_rank)
-        _check_positions(pos, max_len, "a sequence is longer than")
-        angles = table[pos].unsqueeze(1)  # [t, 1, d2]
+        positions = _token_positions(cu_seqlens, t.shape[0], start_positions, cp_size, cp_rank)
+        _check_positions(positions, max_len, "a sequence is longer than")
     else:
         if t.dim() != 4:
             raise ValueError(f"t must be 4-D for {tensor_format}, got {tuple(t.shape)}")
-        seq_dim = 0 if tensor_format == "sbhd" else 1
-        seqlen = t.shape[seq_dim]
+        seqlen = t.shape[0 if tensor_format == "sbhd" else 1]
         if start_positions is None and cp_size == 1:
             if seqlen > max_len:
                 raise ValueError(
                     f"sequence length {seqlen} exceeds the {max_len} positions in freqs"
                 )
-            angles = table[:seqlen, None, None, :]  # [s, 1, 1, d2]
-            if tensor_format == "bshd":
-                angles = angles.transpose(0, 1)  # [1, s, 1, d2]
         else:
             pos = torch.arange(seqlen, device=table.device)
             if cp_size > 1:
@@ -211,11 +214,28 @@ def apply_rotary_pos_emb(
                 start = start_positions.to(device=table.device, dtype=torch.int64)
                 pos = start[:, None] + pos  # [b, s]
             _check_positions(pos, max_len, "start_positions + sequence length exceed")
-            angles = table[pos].unsqueeze(2)  # [b|1, s, 1, d2]
-            if tensor_format == "sbhd":
-                angles = angles.transpose(0, 1)
+            positions = pos
 
+    if fused and kernels.use_fused_rope(t, freqs):
+        from ..kernels.rope import fused_rope
+
+        return fused_rope(t, table, positions, tensor_format, interleaved)
+    angles = _angles(table, positions, tensor_format, t.shape)
     cos, sin = torch.cos(angles).to(t.dtype), torch.sin(angles).to(t.dtype)
     t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
     t_rot = t_rot * cos + _rotate_half(t_rot, interleaved) * sin
     return torch.cat((t_rot, t_pass), dim=-1) if t_pass.shape[-1] else t_rot
+
+
+def _angles(table: torch.Tensor, positions: Optional[torch.Tensor], tensor_format: str,
+            shape) -> torch.Tensor:
+    """The angles of every token, shaped to broadcast against t: [t, 1, d2] (thd),
+    [s, b|1, 1, d2] (sbhd), [b|1, s, 1, d2] (bshd)."""
+    if tensor_format == "thd":
+        return table[positions].unsqueeze(1)
+    if positions is None:
+        seqlen = shape[0 if tensor_format == "sbhd" else 1]
+        angles = table[:seqlen, None, None, :]  # [s, 1, 1, d2]
+        return angles.transpose(0, 1) if tensor_format == "bshd" else angles
+    angles = table[positions].unsqueeze(2)  # [b|1, s, 1, d2]
+    return angles.transpose(0, 1) if tensor_format == "sbhd" else angles

@@ -4,13 +4,15 @@ Both normalize in float32 (float64 for float64 inputs) and return the input's dt
 kernels do.
 With ``zero_centered_gamma`` the stored gamma is zero-initialised and the scale
 applied is ``1 + gamma``, which keeps weight decay from pulling the scale to 0.
+On CUDA with triton installed, a fused kernel (transformer_fa.kernels.norm) computes the same
+thing in one pass forward and one backward; this PyTorch code is the path everywhere else.
 """
 from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 
-from .. import parallel
+from .. import kernels, parallel
 from ._common import check_positive_int, resolve_dtype
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -32,6 +34,10 @@ def apply_norm(
     zero_centered_gamma: bool,
 ) -> torch.Tensor:
     """Normalize the last dimension of ``x``; ``bias`` is None for RMSNorm."""
+    if kernels.use_fused_norm(x, weight, bias):
+        from ..kernels.norm import fused_norm
+
+        return fused_norm(x, normalization, weight, bias, eps, zero_centered_gamma)
     compute_dtype = torch.promote_types(x.dtype, torch.float32)  # never below x's precision
     gamma = weight.to(compute_dtype)
     if zero_centered_gamma:

@@ -1,0 +1,142 @@
+"""The Triton kernels (transformer_fa/kernels) on CUDA against the PyTorch paths they
+replace, at real sizes: norms and RoPE forward and backward in fp32/bf16/fp16, and a
+TransformerLayer step with the kernels on and off (TRANSFORMER_FA_TRITON_KERNELS=0)."""
+import pytest
+import torch
+
+import transformer_fa as te
+from transformer_fa import kernels
+from transformer_fa.attention.rope import apply_rotary_pos_emb
+from transformer_fa.module.layernorm import apply_norm
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(not kernels.triton_available(), reason="needs triton"),
+]
+
+# relative to the reference's largest magnitude: both paths compute in float32, so the
+# differences are the output dtype's rounding (and float32 summation order)
+REL_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def assert_close(actual, expected, dtype):
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    scale = expected.float().abs().max().item()
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=REL_TOL[dtype],
+                               atol=REL_TOL[dtype] * max(scale, 1e-6))
+
+
+def fused_and_reference(fn, inputs, grad_out, monkeypatch):
+    """[out, grads...] with the kernels on, then with TRANSFORMER_FA_TRITON_KERNELS=0."""
+    results = []
+    for setting in ("1", "0"):
+        monkeypatch.setenv("TRANSFORMER_FA_TRITON_KERNELS", setting)
+        out = fn(*inputs)
+        wrt = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+        results.append([out, *torch.autograd.grad(out, wrt, grad_out)])
+    return results
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("zero_centered", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden", [768, 2048, 5120, 8192, 16384, 3000])
+def test_norm_kernel(normalization, zero_centered, dtype, hidden, monkeypatch):
+    rows = 4096 if hidden <= 8192 else 1024
+    g = torch.Generator(device="cuda").manual_seed(hidden)
+    x = (torch.randn(rows, hidden, device="cuda", generator=g) * 3 + 1).to(dtype)
+    weight = torch.randn(hidden, device="cuda", generator=g) * 0.2 + (0 if zero_centered else 1)
+    bias = torch.randn(hidden, device="cuda", generator=g) if normalization == "LayerNorm" \
+        else None
+    x, weight = x.requires_grad_(), weight.to(dtype).requires_grad_()
+    bias = bias.to(dtype).requires_grad_() if bias is not None else None
+    dy = torch.randn(rows, hidden, device="cuda", generator=g).to(dtype)
+    assert kernels.use_fused_norm(x, weight, bias)
+    fused, reference = fused_and_reference(
+        lambda x, w, b: apply_norm(x, normalization, w, b, 1e-5, zero_centered),
+        [x, weight, bias], dy, monkeypatch)
+    for a, b in zip(fused, reference, strict=True):
+        assert_close(a, b, dtype)
+
+
+def test_norm_kernel_under_autocast(monkeypatch):
+    """float32 parameters, bf16 input (torch.autocast): bf16 out, float32 gradients."""
+    x = torch.randn(512, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    norm = te.LayerNorm(2048, device="cuda")
+    dy = torch.randn_like(x)
+
+    def run(x, weight, bias):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return norm(x)
+
+    fused, reference = fused_and_reference(run, [x, norm.weight, norm.bias], dy, monkeypatch)
+    assert fused[2].dtype == torch.float32
+    for a, b in zip(fused, reference, strict=True):
+        assert_close(a, b, torch.bfloat16)
+
+
+def _rope_inputs(tensor_format, dtype, s=4096, b=2, h=16, d=128):
+    shape = {"sbhd": (s, b, h, d), "bshd": (b, s, h, d), "thd": (s * b, h, d)}[tensor_format]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    t = torch.randn(*shape, device="cuda", generator=g).to(dtype).requires_grad_()
+    return t, torch.randn(*shape, device="cuda", generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("tensor_format", ["sbhd", "bshd", "thd"])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rot_dim", [128, 64])
+def test_rope_kernel(tensor_format, interleaved, dtype, rot_dim, monkeypatch):
+    t, dy = _rope_inputs(tensor_format, dtype)
+    freqs = te.RotaryPositionEmbedding(rot_dim, interleaved=interleaved)(4096)
+    cu = None
+    if tensor_format == "thd":  # ragged lengths, and a tail past cu_seqlens[-1]
+        cu = torch.tensor([0, 1000, 1001, 4500, 8000], dtype=torch.int32, device="cuda")
+    assert kernels.use_fused_rope(t, freqs)
+    fused, reference = fused_and_reference(
+        lambda t: apply_rotary_pos_emb(t, freqs, tensor_format, interleaved=interleaved,
+                                       fused=True, cu_seqlens=cu), [t], dy, monkeypatch)
+    for a, b in zip(fused, reference, strict=True):
+        assert_close(a, b, dtype)
+
+
+@pytest.mark.parametrize("tensor_format", ["bshd", "thd"])
+def test_rope_kernel_start_positions(tensor_format, monkeypatch):
+    t, dy = _rope_inputs(tensor_format, torch.bfloat16, s=1024)
+    freqs = te.RotaryPositionEmbedding(128)(8192)
+    cu = torch.tensor([0, 500, 2048], dtype=torch.int32, device="cuda")
+    starts = torch.tensor([7, 3000], device="cuda")
+    fused, reference = fused_and_reference(
+        lambda t: apply_rotary_pos_emb(t, freqs, tensor_format, start_positions=starts,
+                                       fused=True, cu_seqlens=cu), [t], dy, monkeypatch)
+    for a, b in zip(fused, reference, strict=True):
+        assert_close(a, b, torch.bfloat16)
+
+
+@pytest.mark.parametrize("config", [
+    dict(normalization="LayerNorm"),
+    dict(normalization="RMSNorm", activation="swiglu", zero_centered_gamma=True),
+])
+def test_transformer_layer_with_kernels_matches_pytorch_path(config, monkeypatch):
+    """A bf16 TransformerLayer forward + backward (with RoPE), kernels on against off."""
+    torch.manual_seed(0)
+    layer = te.TransformerLayer(1024, 4096, 16, hidden_dropout=0.0, attention_dropout=0.0,
+                                params_dtype=torch.bfloat16, device="cuda", **config)
+    with torch.no_grad():  # non-trivial norm parameters
+        for name, p in layer.named_parameters():
+            if "layer_norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    freqs = te.RotaryPositionEmbedding(64)(512)
+    x = torch.randn(512, 2, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    params = [x, *layer.parameters()]
+    calls = []
+    from transformer_fa.kernels import norm as norm_kernels
+    original = norm_kernels.FusedNorm.apply
+    monkeypatch.setattr(norm_kernels.FusedNorm, "apply",
+                        lambda *a: calls.append(1) or original(*a))
+    fused, reference = fused_and_reference(lambda *p: layer(x, rotary_pos_emb=freqs), params,
+                                           dy, monkeypatch)
+    assert len(calls) >= 2, "the layer's norms did not take the kernel"
+    for a, b in zip(fused, reference, strict=True):
+        assert_close(a, b, torch.bfloat16)

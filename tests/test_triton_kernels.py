@@ -1,0 +1,233 @@
+"""The Triton kernels (transformer_fa/kernels) against the PyTorch code they replace, on CPU
+through Triton's interpreter.
+
+Triton picks the interpreter when a kernel is decorated (at import), for triton's own helpers
+too, so the cases run in a child pytest with TRITON_INTERPRET=1 set from its start: the rest
+of the suite (and a GPU run of the same process) never sees the interpreter. The dispatch
+tests make ``kernels_enabled`` say yes for CPU tensors.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import transformer_fa as te
+from transformer_fa import kernels
+from transformer_fa.attention.rope import apply_rotary_pos_emb
+from transformer_fa.module.layernorm import apply_norm
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+if not kernels.triton_available():
+    pytest.skip("triton is not installed", allow_module_level=True)
+if INTERPRETED:
+    from transformer_fa.kernels import norm as norm_kernels
+    from transformer_fa.kernels import rope as rope_kernels  # noqa: F401
+interpreter_only = pytest.mark.skipif(not INTERPRETED,
+                                      reason="runs in the TRITON_INTERPRET=1 child")
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the child")
+def test_kernels_under_the_triton_interpreter():
+    """Runs this file's cases in a child pytest with TRITON_INTERPRET=1."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    child = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
+        cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True)
+    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-3000:]
+    assert " passed" in child.stdout, child.stdout[-2000:]
+
+
+@pytest.fixture
+def kernels_on_cpu(monkeypatch):
+    """The modules' dispatch takes the (interpreted) kernels for CPU tensors."""
+    monkeypatch.setattr(kernels, "kernels_enabled", lambda *tensors: True)
+
+
+def _tol(dtype):
+    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+
+
+def _run(fn, inputs, grad_out):
+    """fn's output and the gradients of its floating inputs that require grad."""
+    out = fn(*inputs)
+    wrt = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+    return [out, *torch.autograd.grad(out, wrt, grad_out)]
+
+
+def _assert_close(fused, reference, dtype):
+    for a, b in zip(fused, reference, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a, b, **_tol(dtype))
+
+
+def _norm_inputs(normalization, hidden, dtype, zero_centered, shape=(3, 5)):
+    g = torch.Generator().manual_seed(hidden)
+    x = (torch.randn(*shape, hidden, generator=g) * 2 + 0.5).to(dtype).requires_grad_()
+    weight = torch.randn(hidden, generator=g) * 0.2 + (0.0 if zero_centered else 1.0)
+    bias = torch.randn(hidden, generator=g) if normalization == "LayerNorm" else None
+    params = [p.to(dtype).requires_grad_() if p is not None else None for p in (weight, bias)]
+    dy = torch.randn(*shape, hidden, generator=g).to(dtype)
+    return [x, *params], dy
+
+
+@interpreter_only
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("zero_centered", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden", [7, 77, 256, 1000])
+def test_norm_matches_pytorch(normalization, zero_centered, dtype, hidden):
+    """Output, dx, dgamma and dbeta of the kernel against apply_norm's PyTorch code; odd
+    widths leave the row's block partly masked."""
+    (x, weight, bias), dy = _norm_inputs(normalization, hidden, dtype, zero_centered)
+
+    def with_(fn):
+        return lambda x, w, b: fn(x, normalization, w, b, 1e-5, zero_centered)
+
+    fused = _run(with_(norm_kernels.fused_norm), [x, weight, bias], dy)
+    reference = _run(with_(apply_norm), [x, weight, bias], dy)
+    _assert_close(fused, reference, dtype)
+
+
+@interpreter_only
+def test_norm_saves_statistics_not_a_copy_of_the_output():
+    """The backward reads the float32 mean and rstd saved by the forward."""
+    (x, weight, bias), _ = _norm_inputs("LayerNorm", 64, torch.bfloat16, False)
+    y = norm_kernels.fused_norm(x, "LayerNorm", weight, bias, 1e-5, False)
+    saved = y.grad_fn.saved_tensors
+    x2d, _, mean, rstd = saved
+    xf = x.detach().float().reshape(-1, 64)
+    torch.testing.assert_close(mean, xf.mean(-1))
+    torch.testing.assert_close(rstd, torch.rsqrt(xf.var(-1, unbiased=False) + 1e-5))
+
+
+@interpreter_only
+def test_norm_many_rows_per_backward_program():
+    """More rows than backward programs: each program sums several rows' dgamma."""
+    (x, weight, bias), dy = _norm_inputs("LayerNorm", 33, torch.float32, False, shape=(37,))
+    fn = norm_kernels.fused_norm
+    fused = _run(lambda *a: fn(*a, 1e-5, False), [x, "LayerNorm", weight, bias], dy)
+    reference = _run(lambda *a: apply_norm(*a, 1e-5, False), [x, "LayerNorm", weight, bias], dy)
+    _assert_close(fused, reference, torch.float32)
+
+
+@interpreter_only
+@pytest.mark.parametrize("module_name", ["LayerNorm", "RMSNorm", "LayerNormLinear",
+                                         "LayerNormMLP"])
+def test_modules_take_the_kernel_when_enabled(module_name, kernels_on_cpu, monkeypatch):
+    """The norms of LayerNorm, RMSNorm, LayerNormLinear and LayerNormMLP go through the fused
+    Function when the kernels are enabled, and agree with the PyTorch path."""
+    torch.manual_seed(0)
+    build = {
+        "LayerNorm": lambda: te.LayerNorm(48, zero_centered_gamma=True, device="cpu"),
+        "RMSNorm": lambda: te.RMSNorm(48, device="cpu"),
+        "LayerNormLinear": lambda: te.LayerNormLinear(48, 40, normalization="RMSNorm",
+                                                      device="cpu"),
+        "LayerNormMLP": lambda: te.LayerNormMLP(48, 64, device="cpu"),
+    }[module_name]
+    module = build()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    x = torch.randn(4, 3, 48, requires_grad=True)
+    params = [x, *module.parameters()]
+    dy = torch.randn_like(module(x))
+    calls = []
+    original = norm_kernels.FusedNorm.apply
+    monkeypatch.setattr(norm_kernels.FusedNorm, "apply",
+                        lambda *a: calls.append(1) or original(*a))
+    fused = _run(lambda *p: module(x), params, dy)
+    assert calls, "the fused norm did not run"
+    monkeypatch.undo()  # also restores kernels_enabled: the PyTorch path
+    reference = _run(lambda *p: module(x), params, dy)
+    _assert_close(fused, reference, torch.float32)
+
+
+def test_cpu_tensors_keep_the_pytorch_path():
+    """Without CUDA the kernels are not used, whatever TRANSFORMER_FA_TRITON_KERNELS says."""
+    x = torch.randn(2, 8)
+    assert not kernels.use_fused_norm(x, torch.ones(8), None)
+    assert not kernels.use_fused_rope(x.view(2, 1, 1, 8), torch.ones(4, 1, 1, 8))
+
+
+def _freqs(max_len, rot_dim, interleaved):
+    return te.RotaryPositionEmbedding(rot_dim, interleaved=interleaved)(max_len).cpu()
+
+
+def _rope_case(tensor_format, dtype, head_dim=20, rot_dim=12, heads=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shape = {"sbhd": (7, 2, heads, head_dim), "bshd": (2, 7, heads, head_dim),
+             "thd": (13, heads, head_dim)}[tensor_format]
+    t = torch.randn(*shape, generator=g).to(dtype).requires_grad_()
+    return t, torch.randn(*shape, generator=g).to(dtype)
+
+
+def _rope_both(t, dy, freqs, **kwargs):
+    def rope(t):
+        return apply_rotary_pos_emb(t, freqs, **kwargs)
+
+    fused = _run(lambda t: apply_rotary_pos_emb(t, freqs, fused=True, **kwargs), [t], dy)
+    return fused, _run(rope, [t], dy)
+
+
+@interpreter_only
+@pytest.mark.parametrize("tensor_format", ["sbhd", "bshd", "thd"])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rot_dim", [12, 20])
+def test_rope_matches_pytorch(tensor_format, interleaved, dtype, rot_dim, kernels_on_cpu):
+    """Forward and backward, both conventions, partial (12 of 20 channels) and full rotary;
+    thd with ragged lengths and a padded tail past cu_seqlens[-1]."""
+    t, dy = _rope_case(tensor_format, dtype, rot_dim=rot_dim)
+    freqs = _freqs(16, rot_dim, interleaved)
+    cu = torch.tensor([0, 2, 7, 11], dtype=torch.int32) if tensor_format == "thd" else None
+    fused, reference = _rope_both(t, dy, freqs, tensor_format=tensor_format,
+                                  interleaved=interleaved, cu_seqlens=cu)
+    _assert_close(fused, reference, dtype)
+
+
+@interpreter_only
+@pytest.mark.parametrize("tensor_format", ["sbhd", "bshd", "thd"])
+def test_rope_start_positions_and_context_parallel(tensor_format, kernels_on_cpu):
+    t, dy = _rope_case(tensor_format, torch.float32)
+    freqs = _freqs(32, 12, False)
+    starts = torch.tensor([3, 0, 5]) if tensor_format == "thd" else torch.tensor([3, 9])
+    cu = torch.tensor([0, 2, 7, 11], dtype=torch.int32) if tensor_format == "thd" else None
+    fused, reference = _rope_both(t, dy, freqs, tensor_format=tensor_format,
+                                  start_positions=starts, cu_seqlens=cu)
+    _assert_close(fused, reference, torch.float32)
+    if tensor_format != "thd":  # cp: an even local length
+        t, dy = t.detach()[:6] if tensor_format == "sbhd" else t.detach()[:, :6], None
+        t.requires_grad_()
+        dy = torch.randn_like(t)
+        fused, reference = _rope_both(t, dy, freqs, tensor_format=tensor_format,
+                                      cp_size=2, cp_rank=1)
+        _assert_close(fused, reference, torch.float32)
+
+
+@interpreter_only
+def test_rope_reads_strided_views(kernels_on_cpu):
+    """q as a view of a fused qkv projection ([s, b, 3, h, d] split) is read in place."""
+    qkv = torch.randn(7, 2, 3 * 3, 20, requires_grad=True)
+    q = qkv[:, :, 0:3]
+    dy = torch.randn(7, 2, 3, 20)
+    fused, reference = _rope_both(q, dy, _freqs(8, 20, True), tensor_format="sbhd",
+                                  interleaved=True)
+    _assert_close(fused, reference, torch.float32)
+
+
+@interpreter_only
+def test_rope_unfused_when_freqs_need_grad(kernels_on_cpu, monkeypatch):
+    """The kernel gives freqs no gradient, so freqs that require one take the PyTorch path."""
+    freqs = _freqs(8, 20, False).requires_grad_()
+    monkeypatch.setattr(rope_kernels, "fused_rope", None)  # would fail if called
+    out = apply_rotary_pos_emb(torch.randn(7, 2, 3, 20), freqs, fused=True)
+    out.sum().backward()
+    assert freqs.grad is not None
+
+
+def test_rope_odd_table_width_is_refused():
+    with pytest.raises(ValueError, match="even number of channels"):
+        apply_rotary_pos_emb(torch.randn(4, 1, 1, 8), torch.zeros(4, 1, 1, 5))

@@ -1,0 +1,52 @@
+"""Triton kernels for the elementwise work of a transformer layer (norms, RoPE).
+
+They run on CUDA tensors when ``triton`` imports; everywhere else (CPUs, no triton, inside
+torch.compile, which fuses the PyTorch code itself) the PyTorch code of the modules runs, and
+it stays the reference the kernels are tested against. ``TRANSFORMER_FA_TRITON_KERNELS=0`` turns the
+kernels off (read on every call, like the NVTE_* switches).
+
+The kernel modules (``norm``, ``rope``) import triton at the top: import them only after
+``triton_available()``.
+"""
+import functools
+import os
+
+import torch
+
+# dtypes the kernels read and write; statistics and angles are float32 inside
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# widest row a norm kernel holds in registers (one row per program)
+MAX_NORM_HIDDEN = 16384
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def kernels_enabled(*tensors: torch.Tensor) -> bool:
+    """Whether the Triton kernels serve these tensors: all on CUDA, triton importable,
+    not switched off, not being traced by torch.compile."""
+    if torch.compiler.is_compiling():
+        return False
+    if not all(t.is_cuda for t in tensors):
+        return False
+    return os.environ.get("TRANSFORMER_FA_TRITON_KERNELS", "1") != "0" and triton_available()
+
+
+def use_fused_norm(x: torch.Tensor, weight: torch.Tensor, bias) -> bool:
+    extra = () if bias is None else (bias,)
+    return (x.dtype in KERNEL_DTYPES and weight.dtype in KERNEL_DTYPES
+            and 0 < x.shape[-1] <= MAX_NORM_HIDDEN and x.numel() > 0
+            and kernels_enabled(x, weight, *extra))
+
+
+def use_fused_rope(t: torch.Tensor, freqs: torch.Tensor) -> bool:
+    """The kernel gives no gradient for freqs (as TE's) and computes angles in float32."""
+    return (t.dtype in KERNEL_DTYPES and freqs.dtype == torch.float32
+            and not freqs.requires_grad and t.numel() > 0 and kernels_enabled(t, freqs))
