@@ -6,9 +6,12 @@
     torchrun --nproc-per-node 2 examples/train_gpt.py --tp 2 --sequence-parallel --format sbhd
     torchrun --nproc-per-node 2 examples/train_gpt.py --cp 2 --cp-comm-type a2a
 
-Under torchrun the ranks form a tensor-parallel group of --tp ranks inside a context-parallel
-group of --cp ranks (tp * cp = the number of processes; gloo on CPU, NCCL on CUDA); every rank
-draws the same batches.
+Under torchrun the processes form --cp context-parallel groups of --tp tensor-parallel ranks
+(tp * cp = the number of processes; gloo on CPU, NCCL on CUDA; rank = cp_rank * tp + tp_rank).
+Every rank draws the same batches; under CP each rank keeps its load-balanced part of every
+sequence (TE's convention: the sequence cut into 2 * cp chunks, rank r keeps chunks r and
+2 * cp - 1 - r), the loss is the mean over the whole sequence and the gradients are averaged over
+the CP group. The text sample is generated without CP (every rank holds the whole model).
 
 The model: token embedding -> N pre-norm TransformerLayers (causal self attention with RoPE and
 GQA, SwiGLU MLP) -> final norm -> logits tied to the embedding. The corpus is
@@ -58,7 +61,8 @@ class CharTokenizer:
 
 class GPT(torch.nn.Module):
     def __init__(self, vocab_size, hidden_size, layers, heads, gqa_groups, seq_len, fmt,
-                 normalization, dropout, device, tp_group=None, sequence_parallel=False):
+                 normalization, dropout, device, tp_group=None, sequence_parallel=False,
+                 cp_group=None, cp_comm_type="p2p"):
         super().__init__()
         self.fmt = fmt
         self.seq_len = seq_len
@@ -94,7 +98,16 @@ class GPT(torch.nn.Module):
         norm_cls = RMSNorm if normalization == "RMSNorm" else LayerNorm
         self.final_norm = norm_cls(hidden_size, device=device)
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
-        self.cp_size = 1
+        self.cp_comm_type = cp_comm_type
+        self.set_context_parallel_group(cp_group)
+
+    def set_context_parallel_group(self, cp_group):
+        """Attend over ``cp_group`` (None: each rank holds whole sequences)."""
+        ranks = None if cp_group is None else dist.get_process_group_ranks(cp_group)
+        for layer in self.layers:
+            layer.set_context_parallel_group(cp_group, ranks, None, self.cp_comm_type)
+        self.cp_group = cp_group
+        self.cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """idx [b, s] -> logits [b, s, vocab] (this rank's part of the sequence under CP)."""
@@ -126,6 +139,44 @@ def get_batch(data, batch_size, seq_len, device, generator):
     return x.to(device), y.to(device)
 
 
+def cp_part(t: torch.Tensor, cp_group) -> torch.Tensor:
+    """This CP rank's load-balanced part of ``t`` [b, s]: chunks r and 2c-1-r of 2c."""
+    if cp_group is None:
+        return t
+    size, rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
+    chunks = t.chunk(2 * size, dim=1)
+    return torch.cat([chunks[rank], chunks[2 * size - 1 - rank]], dim=1)
+
+
+def loss_on_batch(model, x, y):
+    """Cross entropy of this rank's part of the batch: a mean over its tokens (under CP every
+    rank holds as many tokens, so the mean of these means is the whole batch's loss)."""
+    x, y = cp_part(x, model.cp_group), cp_part(y, model.cp_group)
+    with autocast(x.device):
+        logits = model(x)
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+
+def cp_mean(value: torch.Tensor, cp_group) -> float:
+    """The mean of ``value`` over the CP group (the value itself without CP)."""
+    if cp_group is not None:
+        value = value.detach().clone()
+        dist.all_reduce(value, group=cp_group)
+        value /= dist.get_world_size(cp_group)
+    return value.item()
+
+
+def average_grads(model, cp_group) -> None:
+    """Each CP rank's gradients come from its own tokens' losses: their mean over the group
+    is the gradient of the whole batch's loss (one all-reduce of all gradients)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=cp_group)
+    flat /= dist.get_world_size(cp_group)
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
+
+
 def autocast(device):
     # bf16 autocast on CUDA (fp32 master weights); plain fp32 on CPU
     return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
@@ -138,15 +189,23 @@ def evaluate(model, data, args, device, batches=8):
     losses = []
     for _ in range(batches):
         x, y = get_batch(data, args.batch_size, args.seq_len, device, gen)
-        with autocast(device):
-            logits = model(x)
-        losses.append(F.cross_entropy(logits.float().flatten(0, 1), y.flatten()).item())
+        losses.append(cp_mean(loss_on_batch(model, x, y), model.cp_group))
     model.train()
     return sum(losses) / len(losses)
 
 
 @torch.no_grad()
 def generate(model, tokenizer, prompt, length, device, temperature=0.8, top_k=10):
+    """Sampling with the whole (growing) prompt on every CP rank: CP is off meanwhile."""
+    cp_group = model.cp_group
+    model.set_context_parallel_group(None)
+    try:
+        return _generate(model, tokenizer, prompt, length, device, temperature, top_k)
+    finally:
+        model.set_context_parallel_group(cp_group)
+
+
+def _generate(model, tokenizer, prompt, length, device, temperature, top_k):
     model.eval()
     ids = tokenizer.encode(prompt).to(device)[None]
     for _ in range(length):
@@ -158,7 +217,7 @@ def generate(model, tokenizer, prompt, length, device, temperature=0.8, top_k=10
     return tokenizer.decode(ids[0].tolist())
 
 
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int)
@@ -177,29 +236,53 @@ def parse_args():
     p.add_argument("--data", default=DATA)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tp", type=int, default=1,
-                   help="tensor-parallel ranks (run under torchrun --nproc-per-node TP)")
+                   help="tensor-parallel ranks (run under torchrun --nproc-per-node TP*CP)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: split the sequence over the TP ranks between projections")
-    args = p.parse_args()
+    p.add_argument("--cp", type=int, default=1,
+                   help="context-parallel ranks (run under torchrun --nproc-per-node TP*CP)")
+    p.add_argument("--cp-comm-type", choices=["p2p", "all_gather", "a2a"], default="p2p",
+                   help="with --cp: how attention reaches the other ranks' keys and values")
+    args = p.parse_args(argv)
     for key, value in DEFAULTS.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.tp < 1 or args.cp < 1:
+        p.error(f"--tp and --cp must be positive, got {args.tp} and {args.cp}")
+    if args.seq_len % (2 * args.cp):
+        p.error(f"--seq-len {args.seq_len} must be divisible by 2 * --cp = {2 * args.cp} "
+                f"(each CP rank holds 2 chunks of every sequence)")
     return args
 
 
-def init_tensor_parallel(args, device):
-    """Under torchrun: one process group of --tp ranks (NCCL on CUDA, gloo on CPU)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.tp != world:
-        raise SystemExit(f"--tp {args.tp} must equal the number of processes ({world}); "
-                         f"run: torchrun --nproc-per-node {args.tp} {sys.argv[0]} --tp {args.tp}")
+def init_parallel(args, device):
+    """Under torchrun: --cp groups of --tp consecutive ranks (NCCL on CUDA, gloo on CPU).
+    Returns (device, tp_group, cp_group); a group is None where its size is 1. A process group
+    that the caller already started (main called from Python) is used as it is."""
+    if dist.is_initialized() and args.tp * args.cp == 1:
+        return device, None, None  # the caller's processes each train a whole model
+    world = dist.get_world_size() if dist.is_initialized() else int(
+        os.environ.get("WORLD_SIZE", "1"))
+    if args.tp * args.cp != world:
+        raise SystemExit(f"--tp {args.tp} * --cp {args.cp} must equal the number of processes "
+                         f"({world}); run: torchrun --nproc-per-node {args.tp * args.cp} "
+                         f"{sys.argv[0]} --tp {args.tp} --cp {args.cp}")
     if world == 1:
-        return device, None
+        return device, None, None
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return device, dist.new_group(list(range(world)))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank, tp_group, cp_group = dist.get_rank(), None, None
+    # every rank creates every group, in the same order
+    for c in range(args.cp if args.tp > 1 else 0):
+        group = dist.new_group([c * args.tp + t for t in range(args.tp)])
+        tp_group = group if rank // args.tp == c else tp_group
+    for t in range(args.tp if args.cp > 1 else 0):
+        group = dist.new_group([c * args.tp + t for c in range(args.cp)])
+        cp_group = group if rank % args.tp == t else cp_group
+    return device, tp_group, cp_group
 
 
 def clip_grad_norm(model, max_norm, tp_group):
@@ -221,11 +304,14 @@ def clip_grad_norm(model, max_norm, tp_group):
     return norm
 
 
-def main():
-    args = parse_args()
+def main(argv=None):
+    """Trains; returns each step's train loss and gradient norm (before clipping) and each
+    evaluation's val loss, the same on every rank."""
+    args = parse_args(argv)
     torch.manual_seed(args.seed)
-    device, tp_group = init_tensor_parallel(args, torch.device(args.device))
-    rank = dist.get_rank() if tp_group is not None else 0
+    started = dist.is_initialized()
+    device, tp_group, cp_group = init_parallel(args, torch.device(args.device))
+    rank = dist.get_rank() if dist.is_initialized() else 0
     # rank 0 speaks for all
     print = builtins.print if rank == 0 else (lambda *a, **k: None)  # noqa: A001
     write = tqdm.write if rank == 0 else print
@@ -238,11 +324,14 @@ def main():
 
     model = GPT(len(tokenizer.chars), args.hidden_size, args.layers, args.heads, args.gqa_groups,
                 args.seq_len, args.format, args.normalization, args.dropout, device, tp_group,
-                args.sequence_parallel).to(device)
+                args.sequence_parallel, cp_group, args.cp_comm_type).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"corpus: {len(text)} chars, vocab {len(tokenizer.chars)}; model: {n_params / 1e6:.2f}M "
           f"params, {args.layers} layers, hidden {args.hidden_size}, {args.heads} heads / "
           f"{args.gqa_groups} kv groups, {args.format}, {args.normalization}; device {device}")
+    if args.tp * args.cp > 1:
+        print(f"tp {args.tp}{' with sequence parallelism' * args.sequence_parallel}, cp "
+              f"{args.cp}{f' ({args.cp_comm_type})' * (args.cp > 1)}")
 
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     warmup = max(1, args.steps // 20)
@@ -255,6 +344,7 @@ def main():
 
     gen = torch.Generator().manual_seed(args.seed)
     first_val = evaluate(model, val_data, args, device)
+    losses = dict(train=[], grad_norm=[], val=[first_val])
     print(f"step 0: val loss {first_val:.3f} (uniform guess: {math.log(len(tokenizer.chars)):.3f})")
     start = time.time()
     bar = tqdm(range(args.steps), desc="train", dynamic_ncols=True, disable=rank != 0)
@@ -263,35 +353,39 @@ def main():
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
         x, y = get_batch(train_data, args.batch_size, args.seq_len, device, gen)
-        with autocast(device):
-            logits = model(x)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss = loss_on_batch(model, x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if args.sequence_parallel:
             parallel.allreduce_sequence_parallel_grads(model, tp_group)
-        clip_grad_norm(model, 1.0, tp_group)
+        if cp_group is not None:
+            average_grads(model, cp_group)
+        losses["grad_norm"].append(clip_grad_norm(model, 1.0, tp_group))  # read at the end
         opt.step()
-        loss_ema = loss.item() if loss_ema is None else 0.9 * loss_ema + 0.1 * loss.item()
+        losses["train"].append(cp_mean(loss, cp_group))
+        loss_ema = losses["train"][-1] if loss_ema is None else (
+            0.9 * loss_ema + 0.1 * losses["train"][-1])
         bar.set_postfix(loss=f"{loss_ema:.3f}")
         if step == 0:
             write(f"attention backend: {attention_backend(model)}")
         if (step + 1) % args.eval_interval == 0 or step + 1 == args.steps:
-            val = evaluate(model, val_data, args, device)
-            write(f"step {step + 1}: train loss {loss_ema:.3f}, val loss {val:.3f}")
+            losses["val"].append(evaluate(model, val_data, args, device))
+            write(f"step {step + 1}: train loss {loss_ema:.3f}, val loss {losses['val'][-1]:.3f}")
     bar.close()
     elapsed = time.time() - start
     final_val = evaluate(model, val_data, args, device)
     print(f"trained {args.steps} steps in {elapsed:.1f}s; attention backend: "
           f"{attention_backend(model)}")
     print(f"final train loss {loss_ema:.3f}, val loss {first_val:.3f} -> {final_val:.3f}")
-    if args.sequence_parallel:  # a growing prompt does not split over the ranks
+    if args.sequence_parallel:  # a growing prompt does not split over the TP ranks
         print("(no sample with --sequence-parallel)")
     else:
         print("--- sample ---")
         print(generate(model, tokenizer, "THE ", args.sample_chars, device))
-    if tp_group is not None:
+    if dist.is_initialized() and not started:
         dist.destroy_process_group()
+    losses["grad_norm"] = [float(norm) for norm in losses["grad_norm"]]
+    return losses
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
 """Smoke test of the benchmark harness: tiny shapes on CPU, and the report from a fixed JSON."""
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+from distributed_utils import assert_case_passed, run_cases
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import bench_attention, report  # noqa: E402
+from benchmarks import bench_attention, bench_distributed, report  # noqa: E402
 
 TOP_KEYS = ["gpu", "date", "torch", "cudnn", "grid_repeats", "flash_family", "records", "decode", "layer"]
 
@@ -116,3 +119,67 @@ def test_report_ratios_and_readme(tmp_path):
     else:
         pytest.importorskip("matplotlib")  # matplotlib there but no PNG: fail
         raise AssertionError("no PNG written")
+
+
+# ------------------------------------------------------------ bench_distributed.py (2 ranks)
+
+def distributed_tiny_case(world, rank, group):
+    out_dir = os.environ["BENCH_DISTRIBUTED_OUT"]
+    path = bench_distributed.main(["--tiny", "--device", "cpu", "--out-dir", out_dir,
+                                   "--comm-types", "p2p,a2a,all_gather"])
+    assert (path is None) == (rank != 0)  # rank 0 writes
+
+
+CASES = {"distributed-tiny": distributed_tiny_case}
+
+
+def test_distributed_tiny_run_on_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("BENCH_DISTRIBUTED_OUT", str(tmp_path))  # the spawned ranks inherit it
+    assert_case_passed(run_cases(__name__, 2), "distributed-tiny")
+    (path,) = tmp_path.glob("*-x2-*-distributed.json")
+    data = json.loads(path.read_text())
+    assert data["ranks"] == 2 and data["backend"] == "gloo" and data["nccl_nvls_enable"]
+    preset = bench_distributed.PRESETS["tiny"]
+    cp = data["cp"]
+    assert [(r["s"], r["config"], r["gpus"]) for r in cp] == [
+        (s, config, gpus) for s in preset.seqlens
+        for config, gpus in (("1 GPU, no CP", 1), ("CP p2p", 2), ("CP a2a", 2),
+                             ("CP all_gather", 2))]
+    for r in cp:  # every row ran on CPU, with numbers that follow from its times
+        assert r["reason"] is None and r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0, r
+        assert r["tokens_per_s"] == round(r["b"] * r["s"] / r["fwd_bwd_ms"] * 1e3)
+        one = next(x for x in cp if x["s"] == r["s"] and x["gpus"] == 1)
+        expected = None if r["gpus"] == 1 else round(
+            r["tokens_per_s"] / (2 * one["tokens_per_s"]), 3)
+        assert r["scaling_efficiency"] == expected
+    assert [r["config"] for r in data["tp"]] == ["1 GPU", "TP 2", "TP 2 + SP"]
+    for r in data["tp"]:
+        assert r["reason"] is None and r["step_ms"] > 0, r
+    assert data["tp"][1]["speedup"] == round(data["tp"][1]["tokens_per_s"]
+                                             / data["tp"][0]["tokens_per_s"], 3)
+    text = path.with_suffix(".md").read_text()
+    assert text.startswith("## Distributed benchmarks: 2 x ")
+    assert "| 32 | CP a2a | 2 |" in text and "| TP 2 + SP | 2 |" in text
+
+
+def test_distributed_rows_too_large_for_memory_are_skipped(monkeypatch):
+    monkeypatch.setattr(bench_distributed, "free_bytes", lambda device: 100e9)
+    # p2p: 24 B x 8 heads x (32k / 2)^2 = 52 GB fits; a2a: 4 heads x 32k^2 = 103 GB does not
+    # (on the CPU the blocks run the PyTorch math; on CUDA in bf16 the flash kernels: no check)
+    cpu = ("p2p", 128, torch.bfloat16, "cpu")
+    bench_distributed.check_scores_fit(cpu[0], 2, 1, 8, 32 * 1024, *cpu[1:])
+    bench_distributed.check_scores_fit(None, 1, 1, 8, 256 * 1024, *cpu[1:])
+    with pytest.raises(bench_distributed.Skip, match="about 103 GB per GPU; 100 GB free"):
+        bench_distributed.check_scores_fit("a2a", 2, 1, 8, 32 * 1024, *cpu[1:])
+
+
+def test_distributed_report_lists_skipped_rows():
+    row = dict(s=65536, config="CP a2a", gpus=2, backend=None, fwd_ms=None, fwd_bwd_ms=None,
+               tokens_per_s=None, tflops_per_gpu=None, scaling_efficiency=None,
+               peak_mem_gb=None, b=1, h=8, hkv=8, d=128, dtype="bfloat16",
+               reason="skipped: CP runs the unfused math, whose scores need about 412 GB")
+    data = dict(ranks=2, gpu="NVIDIA H200", date="2026-11-24", torch="2.13", cudnn="9",
+                backend="nccl", nccl_nvls_enable="0", cp=[row], tp=[])
+    text = bench_distributed.markdown(data)
+    assert "| 65536 | CP a2a | 2 | – | – |" in text
+    assert "- CP a2a (1 row): skipped: CP runs the unfused math" in text
