@@ -8,6 +8,7 @@ layer benchmark's shapes (sbhd, s=4096, b=2, 16 heads, d=128), in bf16. The PyTo
 the same call with TRANSFORMER_FA_TRITON_KERNELS=0. Writes benchmarks/results/<gpu>-<date>-elementwise
 .json and .md.
 """
+import argparse
 import datetime
 import json
 import os
@@ -61,7 +62,10 @@ def time_both(step, grads):
     return times
 
 
-def main():
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
+    args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_elementwise.py needs a CUDA GPU (and triton)")
     cases = [(f"{n} fwd+bwd", f"tokens={TOKENS} hidden={h}", norm_case(n, h))
@@ -78,10 +82,12 @@ def main():
         print(f"{name:24s} {shape:34s} triton {times['triton']:.3f} ms  "
               f"pytorch {times['pytorch']:.3f} ms  x{rows[-1]['speedup']:.2f}")
     gpu = torch.cuda.get_device_name().replace(" ", "-")
-    stem = Path(__file__).parent / "results" / f"{gpu}-{datetime.date.today()}-elementwise"
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
+    stem = Path(args.out_dir) / f"{gpu}-{datetime.date.today()}-elementwise"
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    meta = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
+                torch=torch.__version__)
     stem.with_suffix(".json").write_text(json.dumps(dict(meta, rows=rows), indent=1))
-    lines = [f"# Elementwise kernels, {meta['gpu']}, torch {meta['torch']}", "",
+    lines = [f"# Elementwise kernels, {meta['gpu']}, {meta['date']}, torch {meta['torch']}", "",
              "| op | shape | dtype | Triton ms | PyTorch ms | speedup |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['op']} | {r['shape']} | {r['dtype']} | {r['triton_ms']:.3f} | "
               f"{r['pytorch_ms']:.3f} | {r['speedup']:.2f}x |" for r in rows]
