@@ -42,8 +42,14 @@ def test_kernels_under_the_triton_interpreter():
 
 @pytest.fixture
 def kernels_on_cpu(monkeypatch):
-    """The modules' dispatch takes the (interpreted) kernels for CPU tensors."""
+    """The modules' dispatch takes the (interpreted) kernels for CPU tensors, at every hidden
+    size (the modules prefer the norm kernel only from NORM_KERNEL_FASTER_FROM on)."""
     monkeypatch.setattr(kernels, "kernels_enabled", lambda *tensors: True)
+    monkeypatch.setattr(kernels, "prefer_fused_norm", lambda hidden: True)
+
+
+def test_modules_prefer_the_norm_kernel_only_where_it_was_faster():
+    assert not kernels.prefer_fused_norm(2048) and kernels.prefer_fused_norm(8192)
 
 
 def _tol(dtype):

@@ -26,6 +26,13 @@ def assert_close(actual, expected, dtype):
                                atol=REL_TOL[dtype] * max(scale, 1e-6))
 
 
+@pytest.fixture(autouse=True)
+def norm_kernel_at_every_size(monkeypatch):
+    """The kernels are checked at every size they serve; the modules prefer the norm kernel
+    only from NORM_KERNEL_FASTER_FROM on (where it measured faster)."""
+    monkeypatch.setattr(kernels, "prefer_fused_norm", lambda hidden: True)
+
+
 def fused_and_reference(fn, inputs, grad_out, monkeypatch):
     """[out, grads...] with the kernels on, then with TRANSFORMER_FA_TRITON_KERNELS=0."""
     results = []

@@ -34,7 +34,7 @@ def apply_norm(
     zero_centered_gamma: bool,
 ) -> torch.Tensor:
     """Normalize the last dimension of ``x``; ``bias`` is None for RMSNorm."""
-    if kernels.use_fused_norm(x, weight, bias):
+    if kernels.use_fused_norm(x, weight, bias) and kernels.prefer_fused_norm(x.shape[-1]):
         from ..kernels.norm import fused_norm
 
         return fused_norm(x, normalization, weight, bias, eps, zero_centered_gamma)
