@@ -185,10 +185,10 @@ class DotProductAttention(torch.nn.Module):
                 self.qkv_format if qkv_format is None else qkv_format,
                 self.attn_mask_type if attn_mask_type is None else attn_mask_type,
                 self.window_size if window_size is None else window_size,
-                refused=_cp_refused(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
-                                    cu_seqlens_kv_padded, core_attention_bias_type,
-                                    core_attention_bias, alibi_slopes,
-                                    self.softcap if softcap is None else softcap))
+                refused=_cp_refused(core_attention_bias_type, core_attention_bias,
+                                    alibi_slopes, self.softcap if softcap is None else softcap),
+                cu_seqlens=(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+                            cu_seqlens_kv_padded))
         if cu_seqlens_q_padded is not None or cu_seqlens_kv_padded is not None:
             rows_q, rows_kv = _padded_sides(
                 self.qkv_format if qkv_format is None else qkv_format, query_layer, key_layer,
@@ -372,13 +372,10 @@ def check_unsupported_forward_args(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_pad
             raise ValueError(f"{name} needs the unpadded {name[:-7]} beside it")
 
 
-def _cp_refused(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
-                bias_type, bias, alibi_slopes, softcap) -> dict:
-    """The forward arguments context parallelism refuses, None where not given / neutral."""
-    return dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
-                cu_seqlens_q_padded=cu_seqlens_q_padded,
-                cu_seqlens_kv_padded=cu_seqlens_kv_padded,
-                core_attention_bias_type=None if bias_type == "no_bias" else bias_type,
+def _cp_refused(bias_type, bias, alibi_slopes, softcap) -> dict:
+    """The forward arguments context parallelism refuses, None where not given / neutral
+    (cu_seqlens go to it apart: thd reads them, the other formats refuse them)."""
+    return dict(core_attention_bias_type=None if bias_type == "no_bias" else bias_type,
                 core_attention_bias=bias, alibi_slopes=alibi_slopes, softcap=softcap or None)
 
 
