@@ -127,6 +127,33 @@ def layer_case(comm, fmt):
     return run
 
 
+def tensor_parallel_case(world, rank, group):
+    """DotProductAttention(tp_group=...) given the global head counts attends this rank's
+    heads: its output and gradients are the head slice of the full run (GQA: the kv heads
+    split alike)."""
+    torch.manual_seed(0)
+    q = torch.randn(BATCH, 6, HEADS, DIM, dtype=torch.float64)
+    k, v = (torch.randn(BATCH, 6, GROUPS, DIM, dtype=torch.float64) for _ in range(2))
+    expected = [t.clone().requires_grad_() for t in (q, k, v)]
+    out_full = te.DotProductAttention(HEADS, DIM, GROUPS, qkv_format="bshd")(*expected)
+    out_full.sum().backward()
+    local = [t.chunk(world, 2)[rank].clone().requires_grad_() for t in (q, k, v)]
+    dpa = te.DotProductAttention(HEADS, DIM, GROUPS, qkv_format="bshd", tp_group=group,
+                                 tp_size=world)
+    assert (dpa.tp_size, dpa.num_attention_heads, dpa.num_gqa_groups) == (
+        world, HEADS // world, GROUPS // world)
+    out = dpa(*local)
+    out.sum().backward()
+    close(out, out_full.chunk(world, -1)[rank], "output")
+    for name, mine, ref in zip("qkv", local, expected):
+        close(mine.grad, ref.grad.chunk(world, 2)[rank], f"d{name}")
+    with pytest.raises(ValueError, match="tp_size=3 does not match tp_group"):
+        te.DotProductAttention(HEADS, DIM, tp_group=group, tp_size=3)
+    with pytest.raises(ValueError, match=f"num_gqa_groups={world // 2} must be divisible by "
+                                         f"tp_size={world}"):
+        te.DotProductAttention(HEADS, DIM, world // 2, tp_group=group)
+
+
 def errors_case(world, rank, group):
     """Bad CP input raises a ValueError naming the problem, before any communication."""
     def dpa(**kwargs):
@@ -206,6 +233,7 @@ for _comm in ("p2p", "all_gather"):
     for _mask in ("causal", "no_mask"):
         CASES[f"{_comm}-{_mask}-thd-padded"] = thd_case(_comm, _mask, pad=True)
     CASES[f"{_comm}-causal-thd"] = thd_case(_comm, "causal", pad=False)
+CASES["tensor-parallel-heads"] = tensor_parallel_case
 CASES["errors"] = errors_case
 
 
