@@ -61,7 +61,7 @@ def shard_thd(x, cu_padded, world, rank):
                       for start, end in zip(bounds[:-1], bounds[1:])])
 
 
-def thd_case(comm, mask, pad):
+def thd_case(comm, mask, pad, window=None):
     """thd under CP (TE's convention: global cu_seqlens and cu_seqlens_*_padded, every padded
     length divisible by 2 * cp_size) against the full thd call, forward and backward; with
     ``pad`` the sequences are ragged (padding tokens at each sequence's end), without it
@@ -80,7 +80,7 @@ def thd_case(comm, mask, pad):
         q = torch.randn(total, HEADS, DIM, dtype=torch.float64)
         k, v = (torch.randn(total, GROUPS, DIM, dtype=torch.float64) for _ in range(2))
         dout = torch.randn(total, HEADS * DIM, dtype=torch.float64)
-        args = dict(qkv_format="thd", attn_mask_type=mask)
+        args = dict(qkv_format="thd", attn_mask_type=mask, window_size=window)
         expected = [t.clone().requires_grad_() for t in (q, k, v)]
         out_full = te.DotProductAttention(HEADS, DIM, GROUPS, **args)(*expected, **cu_args)
         out_full.backward(dout)
@@ -233,6 +233,7 @@ for _comm in ("p2p", "all_gather"):
     for _mask in ("causal", "no_mask"):
         CASES[f"{_comm}-{_mask}-thd-padded"] = thd_case(_comm, _mask, pad=True)
     CASES[f"{_comm}-causal-thd"] = thd_case(_comm, "causal", pad=False)
+CASES["all_gather-causal-thd-window"] = thd_case("all_gather", "causal", True, window=(2, 0))
 CASES["tensor-parallel-heads"] = tensor_parallel_case
 CASES["errors"] = errors_case
 
