@@ -54,6 +54,48 @@ def attention_case(comm, mask, fmt, window=None, kv_factor=1):
     return run
 
 
+def shard_thd(x, cu_padded, world, rank):
+    """TE's thd part of rank ``rank``: each padded sequence sharded as above."""
+    bounds = cu_padded.tolist()
+    return torch.cat([shard(x[start:end], 0, world, rank)
+                      for start, end in zip(bounds[:-1], bounds[1:])])
+
+
+def thd_case(comm, mask, pad, window=None):
+    """thd under CP (TE's convention: global cu_seqlens and cu_seqlens_*_padded, every padded
+    length divisible by 2 * cp_size) against the full thd call, forward and backward; with
+    ``pad`` the sequences are ragged (padding tokens at each sequence's end), without it
+    cu_seqlens_*_padded is not given."""
+    def run(world, rank, group):
+        chunk = 2 * world
+        lengths = [3, 2 * chunk, chunk + 1, 0] if pad else [chunk, 2 * chunk]
+        padded = [-(-n // chunk) * chunk for n in lengths]
+        cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        cu_padded = torch.tensor([0] + padded, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        cu_args = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu)
+        if pad:
+            cu_args.update(cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded)
+        torch.manual_seed(0)
+        total = int(cu_padded[-1])
+        q = torch.randn(total, HEADS, DIM, dtype=torch.float64)
+        k, v = (torch.randn(total, GROUPS, DIM, dtype=torch.float64) for _ in range(2))
+        dout = torch.randn(total, HEADS * DIM, dtype=torch.float64)
+        args = dict(qkv_format="thd", attn_mask_type=mask, window_size=window)
+        expected = [t.clone().requires_grad_() for t in (q, k, v)]
+        out_full = te.DotProductAttention(HEADS, DIM, GROUPS, **args)(*expected, **cu_args)
+        out_full.backward(dout)
+
+        local = [shard_thd(t, cu_padded, world, rank).requires_grad_() for t in (q, k, v)]
+        dpa = te.DotProductAttention(HEADS, DIM, GROUPS, cp_group=group, cp_comm_type=comm,
+                                     **args)
+        out = dpa(*local, **cu_args)
+        out.backward(shard_thd(dout, cu_padded, world, rank))
+        close(out, shard_thd(out_full, cu_padded, world, rank), "output")
+        for name, mine, ref in zip("qkv", local, expected):
+            close(mine.grad, shard_thd(ref.grad, cu_padded, world, rank), f"d{name}")
+    return run
+
+
 def layer_case(comm, fmt):
     """A TransformerLayer with RoPE and set_context_parallel_group against the full layer:
     outputs, input gradients and (summed over the ranks) parameter gradients."""
@@ -85,6 +127,33 @@ def layer_case(comm, fmt):
     return run
 
 
+def tensor_parallel_case(world, rank, group):
+    """DotProductAttention(tp_group=...) given the global head counts attends this rank's
+    heads: its output and gradients are the head slice of the full run (GQA: the kv heads
+    split alike)."""
+    torch.manual_seed(0)
+    q = torch.randn(BATCH, 6, HEADS, DIM, dtype=torch.float64)
+    k, v = (torch.randn(BATCH, 6, GROUPS, DIM, dtype=torch.float64) for _ in range(2))
+    expected = [t.clone().requires_grad_() for t in (q, k, v)]
+    out_full = te.DotProductAttention(HEADS, DIM, GROUPS, qkv_format="bshd")(*expected)
+    out_full.sum().backward()
+    local = [t.chunk(world, 2)[rank].clone().requires_grad_() for t in (q, k, v)]
+    dpa = te.DotProductAttention(HEADS, DIM, GROUPS, qkv_format="bshd", tp_group=group,
+                                 tp_size=world)
+    assert (dpa.tp_size, dpa.num_attention_heads, dpa.num_gqa_groups) == (
+        world, HEADS // world, GROUPS // world)
+    out = dpa(*local)
+    out.sum().backward()
+    close(out, out_full.chunk(world, -1)[rank], "output")
+    for name, mine, ref in zip("qkv", local, expected):
+        close(mine.grad, ref.grad.chunk(world, 2)[rank], f"d{name}")
+    with pytest.raises(ValueError, match="tp_size=3 does not match tp_group"):
+        te.DotProductAttention(HEADS, DIM, tp_group=group, tp_size=3)
+    with pytest.raises(ValueError, match=f"num_gqa_groups={world // 2} must be divisible by "
+                                         f"tp_size={world}"):
+        te.DotProductAttention(HEADS, DIM, world // 2, tp_group=group)
+
+
 def errors_case(world, rank, group):
     """Bad CP input raises a ValueError naming the problem, before any communication."""
     def dpa(**kwargs):
@@ -98,12 +167,37 @@ def errors_case(world, rank, group):
         return (torch.randn(shape + (heads, DIM)), torch.randn(shape + (groups, DIM)),
                 torch.randn(shape + (groups, DIM)))
 
+    def thd(tokens):
+        return (torch.randn(tokens, HEADS, DIM), torch.randn(tokens, GROUPS, DIM),
+                torch.randn(tokens, GROUPS, DIM))
+
+    def cu(lengths):  # global lengths; with cp_size = world the sizes above scale by 2/world
+        scaled = [n * world // 2 for n in lengths]
+        return torch.tensor([0] + scaled, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
     cases = [
         ("divisible by 2 \\* cp_size", lambda: dpa()(*qkv(3))),
-        ("qkv_format='thd' with context parallelism", lambda: dpa(qkv_format="thd")(
-            torch.randn(8, HEADS, DIM), torch.randn(8, GROUPS, DIM), torch.randn(8, GROUPS, DIM),
-            cu_seqlens_q=torch.tensor([0, 8], dtype=torch.int32),
-            cu_seqlens_kv=torch.tensor([0, 8], dtype=torch.int32))),
+        ("cu_seqlens_q_padded \\(or cu_seqlens_q without it\\) must give every sequence a "
+         "length divisible by 2 \\* cp_size", lambda: dpa(qkv_format="thd")(
+             *thd(8), cu_seqlens_q=cu([3, 5]), cu_seqlens_kv=cu([4, 4]))),
+        ("cu_seqlens_kv_padded .* divisible by 2 \\* cp_size", lambda: dpa(qkv_format="thd")(
+            *thd(8), cu_seqlens_q=cu([3, 3]), cu_seqlens_kv=cu([3, 3]),
+            cu_seqlens_q_padded=cu([4, 4]), cu_seqlens_kv_padded=cu([3, 5]))),
+        ("cu_seqlens_q has a sequence longer than its padded length", lambda: dpa(
+            qkv_format="thd")(*thd(8), cu_seqlens_q=cu([5, 3]), cu_seqlens_kv=cu([4, 4]),
+                              cu_seqlens_q_padded=cu([4, 4]))),
+        ("needs 8 tokens on each rank", lambda: dpa(qkv_format="thd")(
+            *thd(4), cu_seqlens_q=cu([8, 8]), cu_seqlens_kv=cu([8, 8]))),
+        ("qkv_format='thd' with cp_comm_type='a2a'", lambda: dpa(
+            qkv_format="thd", cp_comm_type="a2a")(*thd(8), cu_seqlens_q=cu([4, 4]),
+                                                  cu_seqlens_kv=cu([4, 4]))),
+        ("causal thd attention .* needs the same cu_seqlens", lambda: dpa(qkv_format="thd")(
+            *thd(8), cu_seqlens_q=cu([4, 4]), cu_seqlens_kv=cu([8, 0]))),
+        ("window_size=\\(2, 0\\) with cp_comm_type='p2p'", lambda: dpa(
+            qkv_format="thd", window_size=(2, 0))(*thd(8), cu_seqlens_q=cu([4, 4]),
+                                                  cu_seqlens_kv=cu([4, 4]))),
+        ("cu_seqlens_q \\(a tensor\\) is not supported", lambda: dpa()(
+            *qkv(4), cu_seqlens_q=cu([4, 4]), cu_seqlens_kv=cu([4, 4]))),
         ("attn_mask_type='padding' with context", lambda: dpa(attn_mask_type="padding")(
             *qkv(4), attention_mask=torch.zeros(BATCH, 1, 1, 4, dtype=torch.bool))),
         ("window_size=\\(2, 0\\) with cp_comm_type='p2p'", lambda: dpa(window_size=(2, 0))(
@@ -135,6 +229,12 @@ for _comm in COMMS:
 for _comm in ("all_gather", "a2a"):
     CASES[f"{_comm}-causal-window"] = attention_case(_comm, "causal", "bshd", window=(3, 0))
     CASES[f"{_comm}-no_mask-window"] = attention_case(_comm, "no_mask", "sbhd", window=(2, 1))
+for _comm in ("p2p", "all_gather"):
+    for _mask in ("causal", "no_mask"):
+        CASES[f"{_comm}-{_mask}-thd-padded"] = thd_case(_comm, _mask, pad=True)
+    CASES[f"{_comm}-causal-thd"] = thd_case(_comm, "causal", pad=False)
+CASES["all_gather-causal-thd-window"] = thd_case("all_gather", "causal", True, window=(2, 0))
+CASES["tensor-parallel-heads"] = tensor_parallel_case
 CASES["errors"] = errors_case
 
 

@@ -38,8 +38,8 @@ def test_dot_product_attention_takes_te_init_arguments():
                                  name="attn")
     q = torch.randn(2, 5, HEADS, D)
     assert dpa(q, q, q).shape == (2, 5, HEADS * D)
-    with pytest.raises(ValueError, match="tp_size=2 .*single device"):
-        te.DotProductAttention(HEADS, D, tp_size=2)
+    # TE's tensor parallelism: global head counts, this rank attends its share (of 2)
+    assert te.DotProductAttention(HEADS, D, tp_size=2).num_attention_heads == HEADS // 2
     with pytest.raises(TypeError, match="cp_group must be a torch.distributed ProcessGroup"):
         te.DotProductAttention(HEADS, D, cp_group=object())
 

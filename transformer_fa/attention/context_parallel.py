@@ -18,7 +18,10 @@ backward from the merged output and LSE), elsewhere the unfused backend's math i
 ``all_gather`` and ``a2a`` differentiate it with autograd (their communication has autograd
 functions), ``p2p`` has its own backward.
 Supported: sbhd/bshd, ``no_mask`` and ``causal``, GQA/MQA, sliding windows with
-``all_gather``/``a2a`` (as TE). Everything else is refused before any communication.
+``all_gather``/``a2a`` (as TE); thd with ``p2p`` and ``all_gather`` in TE's convention (global
+``cu_seqlens_*`` and ``cu_seqlens_*_padded``, every padded sequence divisible by
+``2 * cp_size``, see ``_ThdSide``), each block masked per sequence and always in the PyTorch
+math. Everything else is refused before any communication.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel import gather_along_dim
-from . import layout, masks
+from . import layout, masks, padding
 from .backends import flash, unfused
 
 logger = logging.getLogger("DotProductAttention")
@@ -37,6 +40,7 @@ logger = logging.getLogger("DotProductAttention")
 COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 _FORMATS = ("sbhd", "bshd")
 _MASK_TYPES = ("no_mask", "causal")
+_THD_MASK_TYPES = ("no_mask", "causal", "padding", "padding_causal")  # the same in thd
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -96,26 +100,28 @@ def _keep_mask(sq: int, skv: int, q_offset: int, window, device) -> Optional[tor
     return keep
 
 
-def _logits(q, k, scale, q_offset, window):
+def _logits(q, k, scale, q_offset, window, keep=None):
     """Masked, scaled scores of q ``[b, h, sq, d]`` against k ``[b, hkv, skv, d]``, grouped as
     GQA ``[b, hkv, g, sq, skv]``: formed in the input dtype, then in the compute dtype (as the
-    unfused backend)."""
+    unfused backend). ``keep`` (bool ``[sq, skv]``), when given, replaces the window."""
     b, h, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     q5 = q.reshape(b, hkv, h // hkv, sq, d)
     logits = torch.matmul(q5, k.unsqueeze(2).transpose(-1, -2))
     logits = logits.to(unfused.compute_dtype(q.dtype)) * scale
-    keep = _keep_mask(sq, skv, q_offset, window, q.device)
+    if keep is None:
+        keep = _keep_mask(sq, skv, q_offset, window, q.device)
     return logits if keep is None else logits.masked_fill(~keep, float("-inf"))
 
 
-def _kernel_call(q, k, v, scale: float, q_offset: int, window) -> Optional[flash.FlashCall]:
+def _kernel_call(q, k, v, scale: float, q_offset: int, window,
+                 keep=None) -> Optional[flash.FlashCall]:
     """The flash kernels' call for one ``attend`` block (bhsd tensors), or None where they
     cannot serve it and the PyTorch math runs: not CUDA fp16/bf16, the extension missing, a
-    head dim it lacks, or an offset that is neither diagonal alignment."""
+    head dim it lacks, an offset that is neither diagonal alignment, or an explicit mask."""
     d = q.shape[-1]
-    if not (q.is_cuda and q.dtype in flash.SUPPORTED_DTYPES and k.dtype == v.dtype == q.dtype
-            and k.shape[-1] == v.shape[-1] == d and d % 8 == 0 and d <= flash.MAX_HEAD_DIM
+    if not (keep is None and q.is_cuda and q.dtype in flash.SUPPORTED_DTYPES
+            and k.dtype == v.dtype == q.dtype and k.shape[-1] == v.shape[-1] == d and d % 8 == 0 and d <= flash.MAX_HEAD_DIM
             and flash._extension() is not None):
         return None
     sq, skv = q.shape[2], k.shape[2]
@@ -131,13 +137,14 @@ def _bshd(x):
     return x.transpose(1, 2)
 
 
-def attend(q, k, v, scale: float, q_offset: int = 0, window=None):
+def attend(q, k, v, scale: float, q_offset: int = 0, window=None, keep=None):
     """Attention of q ``[b, h, sq, d]`` over k, v ``[b, hkv, skv, d]`` (GQA by broadcasting)
     where query i sits at key position ``q_offset + i``; ``window`` (left, right) as TE's
     window_size, (-1, 0) = causal, None = no mask. Returns ``(out [b, h, sq, dv], lse
     [b, h, sq])`` in the compute dtype (float32, or float64 for float64); differentiable
-    (the LSE is not)."""
-    call = _kernel_call(q, k, v, scale, q_offset, window)
+    (the LSE is not). ``keep`` (bool ``[sq, skv]``, True = attend) replaces offset and window
+    (thd: sequences and positions); it always runs the PyTorch math."""
+    call = _kernel_call(q, k, v, scale, q_offset, window, keep)
     if call is not None:
         out, lse = torch.ops.transformer_fa.flash_attn_fwd(_bshd(q), _bshd(k), _bshd(v), None,
                                                            None, None, None, *call)
@@ -145,7 +152,7 @@ def attend(q, k, v, scale: float, q_offset: int = 0, window=None):
         lse = lse.masked_fill(lse == float("inf"), float("-inf"))
         return _bshd(out).float(), lse
     b, h, sq, _ = q.shape
-    logits = _logits(q, k, scale, q_offset, window)
+    logits = _logits(q, k, scale, q_offset, window, keep)
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
     # A row with no key has lse -inf: its probabilities are 0 (not NaN).
     probs = torch.exp(logits - lse.masked_fill(torch.isinf(lse), 0.0))
@@ -154,11 +161,11 @@ def attend(q, k, v, scale: float, q_offset: int = 0, window=None):
 
 
 def attend_backward(q, k, v, dout, lse, delta, scale: float, q_offset: int = 0, window=None,
-                    out=None):
+                    out=None, keep=None):
     """Gradients (dq, dk, dv) of one ``attend`` block, given the final (merged) LSE and
     ``delta = rowsum(dout * out)`` of its rows: flash attention's backward. The kernels take
     the final output instead of delta (``out``: they form delta themselves)."""
-    call = _kernel_call(q, k, v, scale, q_offset, window)
+    call = _kernel_call(q, k, v, scale, q_offset, window, keep)
     if call is not None and out is not None:
         grads = flash._bwd_impl(_bshd(dout).to(q.dtype), _bshd(q), _bshd(k), _bshd(v),
                                 _bshd(out).to(q.dtype), lse.float().contiguous(), None, None,
@@ -167,9 +174,11 @@ def attend_backward(q, k, v, dout, lse, delta, scale: float, q_offset: int = 0, 
     b, h, sq, d = q.shape
     hkv = k.shape[1]
     g = h // hkv
-    logits = _logits(q, k, scale, q_offset, window)
+    logits = _logits(q, k, scale, q_offset, window, keep)
     dtype = logits.dtype
-    probs = torch.exp(logits - lse.reshape(b, hkv, g, sq, 1))
+    # a row without keys (thd padding) has lse -inf and probabilities 0
+    finite_lse = lse.masked_fill(torch.isinf(lse), 0.0)
+    probs = torch.exp(logits - finite_lse.reshape(b, hkv, g, sq, 1))
     dout5 = dout.reshape(b, hkv, g, sq, -1).to(dtype)
     dv = torch.matmul(probs.transpose(-1, -2), dout5).sum(2)
     dprobs = torch.matmul(dout5, v.unsqueeze(2).to(dtype).transpose(-1, -2))
@@ -177,6 +186,61 @@ def attend_backward(q, k, v, dout, lse, delta, scale: float, q_offset: int = 0, 
     dq = torch.matmul(dlogits, k.unsqueeze(2).to(dtype)).reshape(b, h, sq, d)
     dk = torch.matmul(dlogits.transpose(-1, -2), q.reshape(b, hkv, g, sq, d).to(dtype)).sum(2)
     return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------- thd (varlen)
+
+class _ThdSide:
+    """One side (q or kv) of a thd call under CP, TE's convention: ``cu_seqlens`` and
+    ``cu_seqlens_padded`` are the global ones; each padded sequence length is divisible by
+    2 * cp_size, and a rank holds, per sequence, chunks r and 2 * cp_size - 1 - r of its
+    padded tokens at the offsets ``cu_seqlens_padded // cp_size``. Tokens past a sequence's
+    real length are padding: they neither attend nor are attended to (zeros out, zero grads)."""
+
+    def __init__(self, cu_seqlens, cu_seqlens_padded, cp_size: int, rows: int):
+        self.lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        self.starts = (cu_seqlens_padded // cp_size).long()
+        self.cp_size, self.rows = cp_size, rows
+
+    def positions(self, rank: int):
+        """(sequence id, global position) of each local row of rank ``rank``'s part; rows
+        that are padding (or past the last sequence) get sequence id -1."""
+        row = torch.arange(self.rows, device=self.starts.device)
+        seq = torch.bucketize(row, self.starts[1:], right=True)
+        inside = seq < self.lengths.numel()
+        seq = seq.clamp(max=self.lengths.numel() - 1)
+        offset = row - self.starts[seq]
+        half = (self.starts[seq + 1] - self.starts[seq]) // 2
+        second = offset >= half
+        chunk = torch.where(second, 2 * self.cp_size - 1 - rank, rank)
+        position = chunk * half + offset - second * half
+        real = inside & (position < self.lengths[seq])
+        return torch.where(real, seq, -1), position
+
+
+def _thd_keep(q_side: _ThdSide, kv_positions, rank: int, window):
+    """Bool ``[rows_q, rows_kv]``: query and key of the same sequence, neither padding, the
+    key inside the query's window (None = all)."""
+    q_seq, q_pos = q_side.positions(rank)
+    kv_seq, kv_pos = kv_positions
+    keep = (q_seq.unsqueeze(1) == kv_seq) & (q_seq >= 0).unsqueeze(1)
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            keep &= kv_pos >= q_pos.unsqueeze(1) - left
+        if right >= 0:
+            keep &= kv_pos <= q_pos.unsqueeze(1) + right
+    return keep
+
+
+def _thd_ring_plan(q_side: _ThdSide, kv_side: _ThdSide, rank: int, window):
+    """The p2p plan of thd: every local row against the whole block, masked by ``keep``."""
+    everything = slice(None)
+
+    def plan(src):
+        return everything, everything, None, _thd_keep(q_side, kv_side.positions(src), rank,
+                                                        window)
+    return plan
 
 
 # ------------------------------------------------------------------------- communication
@@ -210,18 +274,18 @@ class _Ring:
 
 
 def _ring_block(src: int, rank: int, causal: bool, len_q: int, len_kv: int):
-    """(query rows, key rows, window) that rank ``rank`` computes against the K/V of rank
+    """(query rows, key rows, window, keep=None) that rank ``rank`` computes against the K/V of rank
     ``src``. Causal and load-balanced: its own block is causal; of an earlier rank's K/V only
     the first chunk is in the past, seen by both local chunks; a later rank's K/V is wholly in
     the past of the second local chunk only. The rest is masked and skipped."""
     everything = slice(None)
     if not causal:
-        return everything, everything, None
+        return everything, everything, None, None
     if src == rank:
-        return everything, everything, (-1, 0)
+        return everything, everything, (-1, 0), None
     if src < rank:
-        return everything, slice(0, len_kv // 2), None
-    return slice(len_q // 2, None), everything, None
+        return everything, slice(0, len_kv // 2), None, None
+    return slice(len_q // 2, None), everything, None, None
 
 
 def _merge(out, lse, rows, block_out, block_lse) -> None:
@@ -235,46 +299,43 @@ def _merge(out, lse, rows, block_out, block_lse) -> None:
 
 
 class _RingAttention(torch.autograd.Function):
-    """p2p CP over bhsd tensors. The backward does not go through autograd of the forward
+    """p2p CP over bhsd tensors; ``plan(src)`` gives the (query rows, key rows, window, keep)
+    of the block against the K/V of rank ``src``. The backward does not go through autograd of the forward
     (which would keep every K/V block and its scores): it recomputes each block from the
     saved LSE (``attend_backward``) while K/V and their dK/dV accumulators travel the ring."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal, ring):
-        len_q, len_kv = q.shape[2], k.shape[2]
+    def forward(ctx, q, k, v, scale, plan, ring):
         dtype = unfused.compute_dtype(q.dtype)
         out = q.new_zeros(q.shape[:3] + (v.shape[-1],), dtype=dtype)
         lse = q.new_full(q.shape[:3], float("-inf"), dtype=dtype)
         kv = (k, v)
         for step in range(ring.size):
             pending = ring.start_shift(kv) if step + 1 < ring.size else None
-            rows, cols, window = _ring_block((ring.rank - step) % ring.size, ring.rank, causal,
-                                             len_q, len_kv)
+            rows, cols, window, keep = plan((ring.rank - step) % ring.size)
             block_out, block_lse = attend(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
-                                          scale, 0, window)
+                                          scale, 0, window, keep)
             _merge(out, lse, rows, block_out, block_lse)
             if pending is not None:
                 kv = ring.finish_shift(pending)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.causal, ctx.ring = scale, causal, ring
+        ctx.scale, ctx.plan, ctx.ring = scale, plan, ring
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring, scale = ctx.ring, ctx.scale
-        len_q, len_kv = q.shape[2], k.shape[2]
         delta = (dout.to(out.dtype) * out).sum(-1)
         dq = q.new_zeros(q.shape, dtype=out.dtype)
         kv = (k, v)
         dkv = (k.new_zeros(k.shape, dtype=out.dtype), v.new_zeros(v.shape, dtype=out.dtype))
         for step in range(ring.size):
             pending = ring.start_shift(kv) if step + 1 < ring.size else None
-            rows, cols, window = _ring_block((ring.rank - step) % ring.size, ring.rank,
-                                             ctx.causal, len_q, len_kv)
+            rows, cols, window, keep = ctx.plan((ring.rank - step) % ring.size)
             block_dq, block_dk, block_dv = attend_backward(
                 q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], dout[:, :, rows],
-                lse[:, :, rows], delta[:, :, rows], scale, 0, window, out[:, :, rows])
+                lse[:, :, rows], delta[:, :, rows], scale, 0, window, out[:, :, rows], keep)
             dq[:, :, rows] += block_dq
             dkv[0][:, :, cols] += block_dk
             dkv[1][:, :, cols] += block_dv
@@ -340,6 +401,19 @@ def _all_gather_attention(q, k, v, scale, window, group):
     return torch.cat(outs, dim=2)
 
 
+def _thd_all_gather_attention(q, k, v, scale, window, q_side, kv_side, group):
+    """thd all_gather: K/V gathered in rank order, each local query attends over the rows of
+    its sequence that its window reaches (one masked block)."""
+    cp_size, cp_rank = size_and_rank(group)
+    kv = gather_along_dim(torch.cat([k, v], dim=-1), 2, group)
+    k_all, v_all = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
+    gathered = [kv_side.positions(src) for src in range(cp_size)]
+    kv_positions = tuple(torch.cat(parts) for parts in zip(*gathered))
+    out, _ = attend(q, k_all, v_all, scale, keep=_thd_keep(q_side, kv_positions, cp_rank,
+                                                            window))
+    return out
+
+
 def _a2a_attention(q, k, v, scale, window, group):
     """Ulysses: [b, h, s/c, d] -> [b, h/c, s, d] by all-to-all, attention over the whole
     sequence (natural order), and back."""
@@ -356,17 +430,8 @@ def _a2a_attention(q, k, v, scale, window, group):
 
 # ----------------------------------------------------------------------------- entry point
 
-def check_call(module, q, k, v, qkv_format, mask_type, window, cp_size,
-               refused) -> Tuple[str, Tuple[int, int]]:
-    """Everything a CP call needs, checked on this rank before any communication."""
-    comm = module.cp_comm_type
-    q_format, kv_format = layout.split_qkv_format(qkv_format)
-    if q_format != kv_format or q_format not in _FORMATS:
-        raise ValueError(f"qkv_format={qkv_format!r} with context parallelism is not supported "
-                         f"yet; use one of {_FORMATS}")
-    if mask_type not in _MASK_TYPES:
-        raise ValueError(f"attn_mask_type={mask_type!r} with context parallelism is not "
-                         f"supported; use one of {_MASK_TYPES}")
+def _check_common(module, q, k, v, fmt, refused) -> None:
+    """The checks of every CP call: refused arguments, module settings, tensor shapes."""
     for name, value in refused.items():  # None = not given (or at its neutral value)
         if value is not None:
             shown = "a tensor" if isinstance(value, torch.Tensor) else repr(value)
@@ -378,8 +443,65 @@ def check_call(module, q, k, v, qkv_format, mask_type, window, cp_size,
     if module.training and module.attention_dropout > 0.0:
         raise ValueError(f"attention_dropout={module.attention_dropout} in training is not "
                          f"supported with context parallelism; use 0.0 (or eval mode)")
-    layout.validate_qkv(q, k, v, q_format, kv_format, module.num_attention_heads,
+    layout.validate_qkv(q, k, v, fmt, fmt, module.num_attention_heads,
                         module.num_gqa_groups, module.head_dim_qk, module.head_dim_v)
+
+
+def check_thd_call(module, q, k, v, mask_type, window, cp_size, cu_seqlens,
+                   refused) -> Tuple[_ThdSide, _ThdSide]:
+    """Everything a thd CP call needs (TE's global cu_seqlens and cu_seqlens_*_padded),
+    checked on this rank before any communication; returns the (q, kv) sides."""
+    comm = module.cp_comm_type
+    if comm not in ("p2p", "all_gather"):
+        raise ValueError(f"qkv_format='thd' with cp_comm_type={comm!r} is not supported; use "
+                         f"'p2p' or 'all_gather'")
+    if mask_type not in _THD_MASK_TYPES:
+        raise ValueError(f"attn_mask_type={mask_type!r} with context parallelism is not "
+                         f"supported; use one of {_THD_MASK_TYPES}")
+    _check_common(module, q, k, v, "thd", refused)
+    cu_q, cu_kv, padded_q, padded_kv = cu_seqlens
+    sides, batch = [], None
+    for name, cu, padded, t in (("cu_seqlens_q", cu_q, padded_q, q),
+                                ("cu_seqlens_kv", cu_kv, padded_kv, k)):
+        batch = padding.check_cu_seqlens(cu, name, batch, None, q.device)
+        if padded is None:
+            padded = cu  # TE: no padding between sequences
+        padding.check_cu_seqlens(padded, f"{name}_padded", batch, None, q.device)
+        lengths, padded_lengths = cu.diff(), padded.diff()
+        if bool((padded_lengths % (2 * cp_size) != 0).any()):
+            raise ValueError(f"{name}_padded (or {name} without it) must give every sequence "
+                             f"a length divisible by 2 * cp_size = {2 * cp_size}, got lengths "
+                             f"{padded_lengths.tolist()}")
+        if bool((lengths > padded_lengths).any()):
+            raise ValueError(f"{name} has a sequence longer than its padded length in "
+                             f"{name}_padded: {lengths.tolist()} > {padded_lengths.tolist()}")
+        local = int(padded[-1]) // cp_size
+        if local > t.shape[0]:
+            raise ValueError(f"{name}_padded needs {local} tokens on each rank "
+                             f"(cu_seqlens_padded[-1] / cp_size), the tensor has {t.shape[0]}")
+        sides.append(_ThdSide(cu, padded, cp_size, t.shape[0]))
+    if "causal" in mask_type and not (torch.equal(sides[0].lengths, sides[1].lengths)
+                                      and torch.equal(sides[0].starts, sides[1].starts)):
+        raise ValueError("causal thd attention with context parallelism needs the same "
+                         "cu_seqlens (and cu_seqlens_padded) for q and kv")
+    if window not in ((-1, -1), (-1, 0)) and comm == "p2p":
+        raise ValueError(f"window_size={window} with cp_comm_type='p2p' is not supported (as "
+                         f"in TE); use cp_comm_type='all_gather'")
+    return sides[0], sides[1]
+
+
+def check_call(module, q, k, v, qkv_format, mask_type, window, cp_size,
+               refused) -> Tuple[str, Tuple[int, int]]:
+    """Everything a bshd/sbhd CP call needs, checked on this rank before any communication."""
+    comm = module.cp_comm_type
+    q_format, kv_format = layout.split_qkv_format(qkv_format)
+    if q_format != kv_format or q_format not in _FORMATS:
+        raise ValueError(f"qkv_format={qkv_format!r} with context parallelism is not supported "
+                         f"yet; use one of {_FORMATS + ('thd',)}")
+    if mask_type not in _MASK_TYPES:
+        raise ValueError(f"attn_mask_type={mask_type!r} with context parallelism is not "
+                         f"supported; use one of {_MASK_TYPES}")
+    _check_common(module, q, k, v, q_format, refused)
     len_q, _ = layout.seq_batch_of(q, q_format)
     len_kv, _ = layout.seq_batch_of(k, kv_format)
     for name, length in (("query_layer", len_q), ("key_layer", len_kv)):
@@ -406,22 +528,47 @@ def check_call(module, q, k, v, qkv_format, mask_type, window, cp_size,
     return comm, window
 
 
-def attention(module, q, k, v, qkv_format: str, mask_type: str, window, refused: dict):
+def attention(module, q, k, v, qkv_format: str, mask_type: str, window, refused: dict,
+              cu_seqlens=(None, None, None, None)):
     """DotProductAttention's forward under CP: q, k, v are this rank's load-balanced part of
-    the sequences; returns this rank's part of the output (same order), heads merged."""
-    cp_size, _ = size_and_rank(module.cp_group)
+    the sequences; returns this rank's part of the output (same order), heads merged.
+    ``cu_seqlens``: (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
+    as given (TE's global ones), read by thd only."""
+    cp_size, cp_rank = size_and_rank(module.cp_group)
     mask_type = masks.normalize_mask_type(mask_type)
     window = masks.check_set_window_size(mask_type, window)
+    comm = module.cp_comm_type
+    scale = module.softmax_scale
+    if qkv_format == "thd":
+        q_side, kv_side = check_thd_call(module, q, k, v, mask_type, window, cp_size,
+                                         cu_seqlens, refused)
+        logger.debug("Context parallelism: cp_comm_type=%s, cp_size=%d, thd, %s (PyTorch "
+                     "math, masked per sequence)", comm, cp_size, mask_type)
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, h, t, d]
+        no_window = None if window == (-1, -1) else window
+        if comm == "p2p":
+            ring = _Ring(module.cp_group, module.cp_global_ranks)
+            out = _RingAttention.apply(q, k, v, scale,
+                                       _thd_ring_plan(q_side, kv_side, cp_rank, no_window), ring)
+        else:
+            out = _thd_all_gather_attention(q, k, v, scale, no_window, q_side, kv_side,
+                                            module.cp_group)
+        out = out.to(q.dtype)[0].transpose(0, 1)
+        return out.reshape(out.shape[0], -1)
+    refused = dict(refused, **dict(zip(("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded",
+                                        "cu_seqlens_kv_padded"), cu_seqlens)))
     comm, window = check_call(module, q, k, v, qkv_format, mask_type, window, cp_size, refused)
-    logger.debug("Context parallelism: cp_comm_type=%s, cp_size=%d, %s, %s (unfused math)",
+    logger.debug("Context parallelism: cp_comm_type=%s, cp_size=%d, %s, %s",
                  comm, cp_size, qkv_format, mask_type)
     fmt = qkv_format
     q, k, v = (unfused._to_bhsd(t, fmt, None, 0) for t in (q, k, v))
-    scale = module.softmax_scale
     no_window = None if window == (-1, -1) else window
     if comm == "p2p":
         ring = _Ring(module.cp_group, module.cp_global_ranks)
-        out = _RingAttention.apply(q, k, v, scale, mask_type == "causal", ring)
+        causal = mask_type == "causal"
+        len_q, len_kv = q.shape[2], k.shape[2]
+        out = _RingAttention.apply(
+            q, k, v, scale, lambda src: _ring_block(src, cp_rank, causal, len_q, len_kv), ring)
     elif comm == "all_gather":
         out = _all_gather_attention(q, k, v, scale, no_window, module.cp_group)
     else:

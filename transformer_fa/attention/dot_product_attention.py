@@ -10,6 +10,7 @@ from typing import Callable, Optional, Tuple, Union
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .. import parallel
 from ..module._common import check_te_only_kwargs
 from . import context_parallel, inference, layout, masks, padding, selection
 from .backends import unfused
@@ -29,6 +30,11 @@ def _positive_int(name: str, value) -> int:
     return value
 
 
+def _per_rank(name: str, heads, tp_size: int) -> int:
+    _positive_int(name, heads)
+    return parallel.divide(heads, tp_size, name, "DotProductAttention")
+
+
 class DotProductAttention(torch.nn.Module):
     """Scaled dot product attention over q, k, v in any TE layout (TE's DotProductAttention).
 
@@ -37,7 +43,9 @@ class DotProductAttention(torch.nn.Module):
     ``attention_dropout`` applies in training mode only; ``softmax_scale`` defaults to
     ``1/sqrt(k_channels)``. After each forward, ``last_backend`` names the backend that ran.
     ``bottom_right_diagonal`` aligns the window and ALiBi of non-causal masks (TE's).
-    Tensor parallel arguments are accepted at their single-device values; ``cp_group``,
+    ``tp_size`` / ``tp_group`` (TE's): the head counts given are the global ones and this
+    rank attends ``num_attention_heads / tp_size`` of them (its q, k, v hold only those;
+    ``num_attention_heads`` and ``num_gqa_groups`` become the per-rank counts); ``cp_group``,
     ``cp_global_ranks``, ``cp_stream``, ``cp_comm_type`` (TE's) turn on context parallelism
     (see ``set_context_parallel_group`` and ``attention/context_parallel.py``);
     ``get_rng_state_tracker`` (TE's) forks its RNG state around dropout.
@@ -64,13 +72,23 @@ class DotProductAttention(torch.nn.Module):
                  return_max_logit: Optional[bool] = False, name: Optional[str] = None,
                  softcap: float = 0.0):
         super().__init__()
-        check_te_only_kwargs(dict(sequence_parallel=sequence_parallel, tp_size=tp_size,
-                                  tp_group=tp_group), type(self).__name__)
+        check_te_only_kwargs(dict(sequence_parallel=sequence_parallel), type(self).__name__)
+        # TE's tensor parallelism: the head counts given are the global ones; this rank
+        # attends its num_attention_heads / tp_size heads (num_gqa_groups likewise). The size
+        # is tp_group's when one is given, else tp_size as given (TE's rule).
+        if tp_group is None:
+            self.tp_size = _positive_int("tp_size", tp_size)
+        else:
+            self.tp_size, _ = parallel.resolve_tp(type(self).__name__, tp_group, tp_size)
+        self.tp_group = tp_group
         self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
         self.get_rng_state_tracker = get_rng_state_tracker
         self.bottom_right_diagonal = bottom_right_diagonal
         self.name = name
-        self.num_attention_heads = _positive_int("num_attention_heads", num_attention_heads)
+        num_attention_heads = _per_rank("num_attention_heads", num_attention_heads, self.tp_size)
+        if num_gqa_groups is not None:
+            num_gqa_groups = _per_rank("num_gqa_groups", num_gqa_groups, self.tp_size)
+        self.num_attention_heads = num_attention_heads  # this rank's heads
         if isinstance(kv_channels, (tuple, list)):
             if len(kv_channels) != 2:
                 raise ValueError(f"kv_channels must be an int or (k_channels, v_channels), "
@@ -185,10 +203,10 @@ class DotProductAttention(torch.nn.Module):
                 self.qkv_format if qkv_format is None else qkv_format,
                 self.attn_mask_type if attn_mask_type is None else attn_mask_type,
                 self.window_size if window_size is None else window_size,
-                refused=_cp_refused(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
-                                    cu_seqlens_kv_padded, core_attention_bias_type,
-                                    core_attention_bias, alibi_slopes,
-                                    self.softcap if softcap is None else softcap))
+                refused=_cp_refused(core_attention_bias_type, core_attention_bias,
+                                    alibi_slopes, self.softcap if softcap is None else softcap),
+                cu_seqlens=(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+                            cu_seqlens_kv_padded))
         if cu_seqlens_q_padded is not None or cu_seqlens_kv_padded is not None:
             rows_q, rows_kv = _padded_sides(
                 self.qkv_format if qkv_format is None else qkv_format, query_layer, key_layer,
@@ -372,13 +390,10 @@ def check_unsupported_forward_args(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_pad
             raise ValueError(f"{name} needs the unpadded {name[:-7]} beside it")
 
 
-def _cp_refused(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
-                bias_type, bias, alibi_slopes, softcap) -> dict:
-    """The forward arguments context parallelism refuses, None where not given / neutral."""
-    return dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
-                cu_seqlens_q_padded=cu_seqlens_q_padded,
-                cu_seqlens_kv_padded=cu_seqlens_kv_padded,
-                core_attention_bias_type=None if bias_type == "no_bias" else bias_type,
+def _cp_refused(bias_type, bias, alibi_slopes, softcap) -> dict:
+    """The forward arguments context parallelism refuses, None where not given / neutral
+    (cu_seqlens go to it apart: thd reads them, the other formats refuse them)."""
+    return dict(core_attention_bias_type=None if bias_type == "no_bias" else bias_type,
                 core_attention_bias=bias, alibi_slopes=alibi_slopes, softcap=softcap or None)
 
 
