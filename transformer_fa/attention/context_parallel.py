@@ -121,8 +121,8 @@ def _kernel_call(q, k, v, scale: float, q_offset: int, window,
     head dim it lacks, an offset that is neither diagonal alignment, or an explicit mask."""
     d = q.shape[-1]
     if not (keep is None and q.is_cuda and q.dtype in flash.SUPPORTED_DTYPES
-            and k.dtype == v.dtype == q.dtype and k.shape[-1] == v.shape[-1] == d and d % 8 == 0 and d <= flash.MAX_HEAD_DIM
-            and flash._extension() is not None):
+            and k.dtype == v.dtype == q.dtype and k.shape[-1] == v.shape[-1] == d
+            and d % 8 == 0 and d <= flash.MAX_HEAD_DIM and flash._extension() is not None):
         return None
     sq, skv = q.shape[2], k.shape[2]
     left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
