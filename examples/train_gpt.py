@@ -2,6 +2,7 @@
 
     python examples/train_gpt.py                       # about 1 minute on 2 CPU cores
     python examples/train_gpt.py --device cuda         # bf16 autocast and the fast backends
+    python examples/train_gpt.py --device cuda --fp8 delayed   # FP8 GEMMs (or --fp8 current)
     python examples/train_gpt.py --format sbhd --normalization LayerNorm --steps 100
     torchrun --nproc-per-node 2 examples/train_gpt.py --tp 2 --sequence-parallel --format sbhd
     torchrun --nproc-per-node 2 examples/train_gpt.py --cp 2 --cp-comm-type a2a
@@ -34,7 +35,8 @@ try:
 except ImportError:  # running from a checkout without installing: use the repo root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from transformer_fa import parallel
+from transformer_fa import fp8_autocast, parallel
+from transformer_fa.common.recipe import DelayedScaling, Float8CurrentScaling
 from transformer_fa.attention.rope import RotaryPositionEmbedding
 from transformer_fa.module import LayerNorm, RMSNorm
 from transformer_fa.transformer import TransformerLayer
@@ -152,7 +154,8 @@ def loss_on_batch(model, x, y):
     """Cross entropy of this rank's part of the batch: a mean over its tokens (under CP every
     rank holds as many tokens, so the mean of these means is the whole batch's loss)."""
     x, y = cp_part(x, model.cp_group), cp_part(y, model.cp_group)
-    with autocast(x.device):
+    recipe = getattr(model, "fp8_recipe", None)
+    with autocast(x.device), fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
         logits = model(x)
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
@@ -243,6 +246,9 @@ def parse_args(argv=None):
                    help="context-parallel ranks (run under torchrun --nproc-per-node TP*CP)")
     p.add_argument("--cp-comm-type", choices=["p2p", "all_gather", "a2a"], default="p2p",
                    help="with --cp: how attention reaches the other ranks' keys and values")
+    p.add_argument("--fp8", choices=["delayed", "current"],
+                   help="the layers' GEMMs in FP8 with TE's DelayedScaling or "
+                        "Float8CurrentScaling recipe (needs a GPU of compute capability 8.9+)")
     args = p.parse_args(argv)
     for key, value in DEFAULTS.items():
         if getattr(args, key) is None:
@@ -325,6 +331,8 @@ def main(argv=None):
     model = GPT(len(tokenizer.chars), args.hidden_size, args.layers, args.heads, args.gqa_groups,
                 args.seq_len, args.format, args.normalization, args.dropout, device, tp_group,
                 args.sequence_parallel, cp_group, args.cp_comm_type).to(device)
+    model.fp8_recipe = {None: None, "delayed": DelayedScaling(),
+                        "current": Float8CurrentScaling()}[args.fp8]
     n_params = sum(p.numel() for p in model.parameters())
     print(f"corpus: {len(text)} chars, vocab {len(tokenizer.chars)}; model: {n_params / 1e6:.2f}M "
           f"params, {args.layers} layers, hidden {args.hidden_size}, {args.heads} heads / "

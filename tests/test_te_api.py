@@ -176,9 +176,11 @@ def test_mask_type_aliases(alias):
 
 
 def test_module_level_fp8_names():
+    if torch.cuda.is_available():
+        pytest.skip("checks the answers without CUDA")
     assert te.is_fp8_available() is False
     available, reason = te.is_fp8_available(return_reason=True)
-    assert not available and "FP8" in reason
+    assert not available and "compute capability 8.9" in reason
     x = torch.randn(3, 1, H)
     lyr = layer()
     with te.fp8_autocast(enabled=False, calibrating=False, fp8_recipe=None, fp8_group=None):
@@ -189,8 +191,8 @@ def test_module_level_fp8_names():
                             amax_compute_algo="max")
     assert recipe.margin == 0 and Float8CurrentScaling().fp8_format is Format.HYBRID
     for manager in (lambda: te.fp8_autocast(enabled=True, fp8_recipe=recipe),
-                    lambda: te.autocast(recipe=recipe), lambda: te.fp8_model_init()):
-        with pytest.raises(ValueError, match="FP8 is not supported"):
+                    lambda: te.autocast(recipe=recipe)):
+        with pytest.raises(ValueError, match="FP8 needs a CUDA GPU"):
             with manager():
                 pass
     with pytest.raises(ValueError, match="E5M2"):

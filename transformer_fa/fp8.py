@@ -1,55 +1,388 @@
-"""TE's FP8 entry points. FP8 is not implemented yet (issue 26): the context managers accept
-TE's arguments and run as no-ops when disabled; enabling them is a clear error."""
-from contextlib import contextmanager
-from typing import Tuple, Union
+"""FP8 training with TE's API: ``autocast``/``fp8_autocast``, per-module scaling state and the
+FP8 GEMM that Linear, LayerNormLinear and LayerNormMLP run inside an enabled autocast.
 
-_NO_FP8 = "FP8 is not supported by transformer_fa yet"
+An FP8 GEMM casts its input and weight to E4M3 with per-tensor scales and multiplies them with
+``torch._scaled_mm`` (output in the activation dtype); its backward casts the output gradient
+to E5M2 (``Format.HYBRID``) or E4M3 (``Format.E4M3``) for the dgrad and wgrad GEMMs.
+Scales follow the recipe:
+
+* ``DelayedScaling``: each tensor's amax goes into row 0 of an amax history; after the step
+  (forward: when the outermost autocast exits, backward: after the module's backward) the amax
+  is taken from the history ("max" or "most_recent"), the history rolls, and
+  ``scale = (fp8_max / amax) / 2**margin`` as TE computes it. The first step uses scale 1.
+* ``Float8CurrentScaling``: the scale comes from the tensor's own amax, each time.
+
+FP8 needs a GPU of compute capability 8.9+ (TE's rule). ``torch._scaled_mm`` also runs FP8 on
+CPU (slowly); ``TRANSFORMER_FA_FP8_ON_CPU=1`` allows that, for tests and numerics checks.
+"""
+import io
+import os
+from typing import List, Optional, Tuple, Union
+
+import torch
+
+from .common.recipe import DelayedScaling, Float8CurrentScaling, Format, Recipe
+
+_FP8_DTYPES = {Format.E4M3: torch.float8_e4m3fn, Format.E5M2: torch.float8_e5m2}
+_FP32_MAX = torch.finfo(torch.float32).max
+_ALLOW_CPU_ENV = "TRANSFORMER_FA_FP8_ON_CPU"
 
 
 def is_fp8_available(return_reason: bool = False) -> Union[bool, Tuple[bool, str]]:
-    """TE's check: FP8 is never available here."""
-    return (False, _NO_FP8) if return_reason else False
+    """TE's check: a CUDA GPU of compute capability 8.9 or higher (or CPU, when
+    TRANSFORMER_FA_FP8_ON_CPU=1 allows torch._scaled_mm's CPU path)."""
+    if os.environ.get(_ALLOW_CPU_ENV) == "1":
+        available, reason = True, ""
+    elif not torch.cuda.is_available():
+        available, reason = False, (f"FP8 needs a CUDA GPU of compute capability 8.9 or "
+                                    f"higher; none is available (set {_ALLOW_CPU_ENV}=1 to run "
+                                    f"the FP8 GEMMs on CPU, slowly, for tests)")
+    elif torch.cuda.get_device_capability() < (8, 9):
+        available, reason = False, ("Device compute capability 8.9 or higher required for FP8 "
+                                    "execution.")
+    else:
+        available, reason = True, ""
+    return (available, reason) if return_reason else available
 
 
-# TE's other quantization queries: none of those formats is available either.
-is_mxfp8_available = is_fp8_available
-is_fp8_block_scaling_available = is_fp8_available
-is_nvfp4_available = is_fp8_available
+def _not_available(return_reason: bool = False):
+    reason = "transformer_fa implements only the per-tensor FP8 recipes"
+    return (False, reason) if return_reason else False
 
 
-def _refuse_if_enabled(enabled: bool, what: str) -> None:
-    if enabled:
-        raise ValueError(f"{what}(enabled=True): {_NO_FP8}; pass enabled=False (or drop the "
-                         f"context manager) to run in the parameters' precision")
+# TE's other quantization formats (MXFP8, FP8 block scaling, NVFP4) are not implemented.
+is_mxfp8_available = _not_available
+is_fp8_block_scaling_available = _not_available
+is_nvfp4_available = _not_available
 
 
-@contextmanager
-def autocast(enabled: bool = True, calibrating: bool = False, recipe=None,
-             amax_reduction_group=None, _graph: bool = False):
-    """TE's ``autocast`` (quantized execution): a no-op with ``enabled=False``."""
-    _refuse_if_enabled(enabled or calibrating, "autocast")
-    yield
+class _AutocastState:
+    """The innermost autocast's settings, and the modules whose forward scales the outermost
+    autocast updates when it exits."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.calibrating = False
+        self.recipe: Optional[Recipe] = None
+        self.group = None
+        self.depth = 0
+        self.metas_to_update: List["FP8Meta"] = []
 
 
-@contextmanager
-def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe=None,
-                 fp8_group=None, _graph: bool = False):
-    """TE's older name of ``autocast``: a no-op with ``enabled=False``."""
-    _refuse_if_enabled(enabled or calibrating, "fp8_autocast")
-    yield
+_STATE = _AutocastState()
 
 
-@contextmanager
-def fp8_model_init(enabled: bool = True, recipe=None,
-                   preserve_high_precision_init_val: bool = False):
-    """TE's FP8 parameter creation: a no-op with ``enabled=False``."""
-    _refuse_if_enabled(enabled, "fp8_model_init")
-    yield
+def fp8_enabled() -> bool:
+    return _STATE.enabled
 
 
-@contextmanager
-def quantized_model_init(enabled: bool = True, recipe=None,
-                         preserve_high_precision_init_val: bool = False):
-    """TE 2.x's name of ``fp8_model_init``: a no-op with ``enabled=False``."""
-    _refuse_if_enabled(enabled, "quantized_model_init")
-    yield
+def fp8_active() -> bool:
+    """GEMMs run in FP8 or record amaxes (calibration)."""
+    return _STATE.enabled or _STATE.calibrating
+
+
+def get_fp8_recipe() -> Optional[Recipe]:
+    return _STATE.recipe
+
+
+def _check_recipe(recipe, name: str) -> Recipe:
+    if recipe is None:
+        return DelayedScaling()  # TE's default recipe
+    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+        raise TypeError(f"{name} must be a transformer_fa.common.recipe.DelayedScaling or "
+                        f"Float8CurrentScaling, got {type(recipe).__name__}")
+    return recipe
+
+
+class autocast:  # noqa: N801 (TE's name)
+    """TE's ``autocast``: inside ``enabled=True`` the modules run their GEMMs in FP8 with the
+    recipe's scaling; ``calibrating=True`` records amaxes (and updates delayed scales) while
+    the GEMMs stay in high precision. Nested autocasts take the inner settings, restored on
+    exit; the outermost exit updates the delayed forward scales (TE's)."""
+
+    _name = "autocast"
+    _recipe_arg = "recipe"
+
+    def __init__(self, enabled: bool = True, calibrating: bool = False,
+                 recipe: Optional[Recipe] = None, amax_reduction_group=None,
+                 _graph: bool = False) -> None:
+        self._enabled = bool(enabled)
+        self._calibrating = bool(calibrating)
+        self._recipe = _check_recipe(recipe, self._recipe_arg)
+        self._group = amax_reduction_group
+        self._saved = None
+        if self._enabled:
+            available, reason = is_fp8_available(return_reason=True)
+            if not available:
+                raise ValueError(f"{self._name}(enabled=True): {reason}")
+
+    def __enter__(self):
+        if self._saved is not None:
+            raise RuntimeError(f"{self._name} cannot be entered twice at the same time")
+        state = _STATE
+        self._saved = (state.enabled, state.calibrating, state.recipe, state.group)
+        state.enabled, state.calibrating = self._enabled, self._calibrating
+        state.recipe, state.group = self._recipe, self._group
+        state.depth += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        state = _STATE
+        state.enabled, state.calibrating, state.recipe, state.group = self._saved
+        self._saved = None
+        state.depth -= 1
+        if state.depth == 0:
+            metas, state.metas_to_update = state.metas_to_update, []
+            if torch.is_grad_enabled():
+                for meta in metas:
+                    meta.update_delayed_scales(forward=True)
+
+
+class fp8_autocast(autocast):  # noqa: N801 (TE's name)
+    """TE's older name of ``autocast`` (``fp8_recipe``, ``fp8_group``)."""
+
+    _name = "fp8_autocast"
+    _recipe_arg = "fp8_recipe"
+
+    def __init__(self, enabled: bool = True, calibrating: bool = False,
+                 fp8_recipe: Optional[Recipe] = None, fp8_group=None,
+                 _graph: bool = False) -> None:
+        super().__init__(enabled, calibrating, fp8_recipe, fp8_group, _graph)
+
+
+class fp8_model_init:  # noqa: N801 (TE's name)
+    """TE's FP8 parameter creation. Parameters stay in high precision here (the FP8 GEMMs
+    cast the weights once per step), so this accepts TE's arguments and changes nothing."""
+
+    def __init__(self, enabled: bool = True, recipe=None,
+                 preserve_high_precision_init_val: bool = False) -> None:
+        _check_recipe(recipe, "recipe")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+quantized_model_init = fp8_model_init  # TE 2.x's name
+
+
+def compute_scale(amax: torch.Tensor, scale: torch.Tensor, fp8_max: float,
+                  margin: int = 0) -> torch.Tensor:
+    """TE's scaling factor: (fp8_max / amax) / 2**margin; the old scale where amax is 0 or
+    not finite, fp32's max where the quotient overflows."""
+    new = (fp8_max / amax) / (2 ** margin)
+    new = torch.where((amax > 0) & torch.isfinite(amax), new, scale)
+    return torch.where(torch.isinf(new), torch.full_like(new, _FP32_MAX), new)
+
+
+def update_amax_history(amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: float,
+                        recipe: DelayedScaling) -> None:
+    """TE's delayed update, in place: amax from the history, new scale, history rolled by one
+    with row 0 cleared for the next step's amaxes."""
+    algo = recipe.amax_compute_algo
+    if callable(algo):
+        amax = algo(amax_history)
+    elif algo == "max":
+        amax = amax_history.max(dim=0).values
+    else:
+        amax = amax_history[0].clone()
+    if recipe.scaling_factor_compute_algo is not None:
+        new_scale = recipe.scaling_factor_compute_algo(amax, scale, fp8_max, recipe)
+    else:
+        new_scale = compute_scale(amax, scale, fp8_max, recipe.margin)
+    scale.copy_(new_scale)
+    amax_history.copy_(torch.roll(amax_history, -1, 0))
+    amax_history[0].zero_()
+
+
+def _reduce_amax(amax: torch.Tensor, group, recipe: Recipe) -> None:
+    if (group is not None and getattr(recipe, "reduce_amax", False)
+            and torch.distributed.is_initialized()):
+        torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
+
+
+class FP8Meta:
+    """One module's FP8 state (TE's ``fp8_meta``): for each of its GEMMs a forward scale and
+    amax history for the input and the weight, and a backward one for the output gradient;
+    and the weights' FP8 copies, cast once per weight version and scale."""
+
+    def __init__(self, num_gemms: int = 1) -> None:
+        self.num_gemms = num_gemms
+        self.recipe: Optional[Recipe] = None
+        self.group = None
+        self.scale_fwd = self.amax_history_fwd = None
+        self.scale_bwd = self.amax_history_bwd = None
+        self.weight_cache = {}
+
+    def _prepare(self, recipe: Recipe, device: torch.device) -> None:
+        """(Re)make the state where the recipe's kind or history length changed."""
+        history_len = getattr(recipe, "amax_history_len", 1)
+        fresh = (self.scale_fwd is None or type(recipe) is not type(self.recipe)
+                 or self.amax_history_fwd.shape[0] != history_len)
+        self.recipe = recipe
+        if fresh:
+            n = self.num_gemms
+            self.scale_fwd = torch.ones(2 * n, device=device)
+            self.amax_history_fwd = torch.zeros(history_len, 2 * n, device=device)
+            self.scale_bwd = torch.ones(n, device=device)
+            self.amax_history_bwd = torch.zeros(history_len, n, device=device)
+            self.weight_cache = {}
+
+    def update_delayed_scales(self, forward: bool) -> None:
+        if not isinstance(self.recipe, DelayedScaling):
+            return
+        fmt = self.recipe.fp8_format.value
+        history = self.amax_history_fwd if forward else self.amax_history_bwd
+        scale = self.scale_fwd if forward else self.scale_bwd
+        _reduce_amax(history[0], self.group, self.recipe)
+        update_amax_history(history, scale, fmt.max_fwd if forward else fmt.max_bwd,
+                            self.recipe)
+        if forward:
+            self.weight_cache = {}  # the weight scales changed
+
+    def record_forward(self, recipe: Recipe, inp: torch.Tensor, weight: torch.Tensor,
+                       gemm: int) -> None:
+        """Calibration: the amaxes of a high-precision GEMM's operands."""
+        self._join(recipe, inp.device)
+        if isinstance(recipe, DelayedScaling):
+            for slot, tensor in ((2 * gemm, inp), (2 * gemm + 1, weight)):
+                _record_amax(self.amax_history_fwd, slot, tensor)
+
+    def _join(self, recipe: Recipe, device: torch.device) -> None:
+        self._prepare(recipe, device)
+        self.group = _STATE.group
+        if not any(meta is self for meta in _STATE.metas_to_update):
+            _STATE.metas_to_update.append(self)
+
+    # TE keeps the FP8 state in the module's extra state: a pickled dict in a uint8 tensor.
+    def get_extra_state(self) -> torch.Tensor:
+        if not isinstance(self.recipe, DelayedScaling):
+            return torch.empty(0, dtype=torch.uint8)  # current scaling has no state (TE's)
+        state = {"recipe": self.recipe, "num_gemms": self.num_gemms,
+                 "scale_fwd": self.scale_fwd.cpu(), "amax_history_fwd": self.amax_history_fwd.cpu(),
+                 "scale_bwd": self.scale_bwd.cpu(), "amax_history_bwd": self.amax_history_bwd.cpu()}
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+    def set_extra_state(self, state, device: torch.device) -> None:
+        if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
+            return
+        if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8:
+            raise TypeError(f"FP8 extra state must be a uint8 tensor (get_extra_state's), got "
+                            f"{type(state).__name__}")
+        loaded = torch.load(io.BytesIO(state.numpy().tobytes()), weights_only=False)
+        if loaded["num_gemms"] != self.num_gemms:
+            raise ValueError(f"FP8 extra state is for {loaded['num_gemms']} GEMMs, this module "
+                             f"has {self.num_gemms}")
+        self.recipe = loaded["recipe"]
+        for key in ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd"):
+            setattr(self, key, loaded[key].to(device))
+        self.weight_cache = {}
+
+
+def _record_amax(history: torch.Tensor, slot: int, tensor: torch.Tensor) -> torch.Tensor:
+    amax = tensor.detach().abs().amax().float()
+    history[0, slot] = torch.maximum(history[0, slot], amax)
+    return amax
+
+
+def _quantize(tensor: torch.Tensor, fmt: Format, fp8_max: float, recipe: Recipe,
+              history: torch.Tensor, scales: torch.Tensor, slot: int):
+    """(FP8 tensor, its inverse scale). Delayed scaling records the amax and casts with the
+    stored scale; current scaling casts with the scale from this tensor's amax."""
+    if isinstance(recipe, DelayedScaling):
+        _record_amax(history, slot, tensor)
+        scale = scales[slot]
+    else:
+        amax = tensor.detach().abs().amax().float()
+        scale = compute_scale(amax, torch.ones_like(amax), fp8_max)
+    scaled = (tensor.detach().float() * scale).clamp(-fp8_max, fp8_max)
+    return scaled.to(_FP8_DTYPES[fmt]), scale.reciprocal().reshape(())
+
+
+def check_fp8_gemm_shape(inp: torch.Tensor, features: Tuple[int, ...], owner: str) -> None:
+    """torch._scaled_mm needs every GEMM dim a multiple of 16 (the backward's wgrad sums over
+    the tokens); TE asserts such shapes as well, so a misfit is an error, not a slow path."""
+    tokens = inp.numel() // inp.shape[-1] if inp.dim() else 0
+    for name, size in (("tokens (the product of the input's leading dims)", tokens),
+                       ("features", features)):
+        sizes = size if isinstance(size, tuple) else (size,)
+        if any(n % 16 for n in sizes):
+            raise ValueError(f"{owner}: FP8 GEMMs need {name} to be multiples of 16, got "
+                             f"{size} (input shape {list(inp.shape)}); pad the input or run "
+                             f"outside fp8_autocast")
+
+
+def _scaled_mm(a, b, scale_a, scale_b, out_dtype):
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+
+class _FP8Matmul(torch.autograd.Function):
+    """inp @ weight^T with FP8 operands; dgrad and wgrad GEMMs in FP8 as well."""
+
+    @staticmethod
+    def forward(ctx, inp, weight, meta, gemm, recipe):
+        fmt = recipe.fp8_format
+        fwd_fmt = Format.E4M3
+        fp8_max = fmt.value.max_fwd
+        x_fp8, x_scale_inv = _quantize(inp, fwd_fmt, fp8_max, recipe, meta.amax_history_fwd,
+                                       meta.scale_fwd, 2 * gemm)
+        w_fp8, w_scale_inv = _weight_fp8(meta, weight, gemm, recipe, fp8_max)
+        out = _scaled_mm(x_fp8, w_fp8.t(), x_scale_inv, w_scale_inv, inp.dtype)
+        ctx.save_for_backward(x_fp8, x_scale_inv, w_fp8, w_scale_inv)
+        ctx.meta, ctx.gemm, ctx.recipe = meta, gemm, recipe
+        ctx.dtypes = (inp.dtype, weight.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_fp8, x_scale_inv, w_fp8, w_scale_inv = ctx.saved_tensors
+        meta, gemm, recipe = ctx.meta, ctx.gemm, ctx.recipe
+        fmt = recipe.fp8_format
+        grad_fmt = Format.E5M2 if fmt == Format.HYBRID else Format.E4M3
+        g_fp8, g_scale_inv = _quantize(grad_out.contiguous(), grad_fmt, fmt.value.max_bwd,
+                                       recipe, meta.amax_history_bwd, meta.scale_bwd, gemm)
+        inp_dtype, weight_dtype = ctx.dtypes
+        grad_inp = grad_weight = None
+        if ctx.needs_input_grad[0]:  # dgrad: g @ W, W column-major for _scaled_mm
+            grad_inp = _scaled_mm(g_fp8, w_fp8.t().contiguous().t(), g_scale_inv, w_scale_inv,
+                                  inp_dtype)
+        if ctx.needs_input_grad[1]:  # wgrad: g^T @ x
+            grad_weight = _scaled_mm(g_fp8.t().contiguous(), x_fp8.t().contiguous().t(),
+                                     g_scale_inv, x_scale_inv, weight_dtype)
+        if isinstance(recipe, DelayedScaling):
+            sub = meta.amax_history_bwd[:, gemm:gemm + 1]
+            scale = meta.scale_bwd[gemm:gemm + 1]
+            _reduce_amax(sub[0], meta.group, recipe)
+            update_amax_history(sub, scale, fmt.value.max_bwd, recipe)
+        return grad_inp, grad_weight, None, None, None
+
+
+def _weight_fp8(meta: FP8Meta, weight: torch.Tensor, gemm: int, recipe: Recipe, fp8_max):
+    """The weight cast once per step: cached by the weight's identity and version (an
+    optimizer step bumps the version; a delayed scale update clears the cache)."""
+    key = (gemm, id(weight), weight._version)
+    cached = meta.weight_cache.get(gemm)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    cast = _quantize(weight, Format.E4M3, fp8_max, recipe, meta.amax_history_fwd,
+                     meta.scale_fwd, 2 * gemm + 1)
+    meta.weight_cache[gemm] = (key, cast)
+    return cast
+
+
+def fp8_matmul(inp: torch.Tensor, weight: torch.Tensor, meta: FP8Meta, gemm: int = 0):
+    """inp @ weight^T under the current autocast's recipe: FP8 with enabled=True (the input
+    flattened to 2D for the GEMM), high precision otherwise (amaxes recorded when
+    calibrating)."""
+    recipe = _STATE.recipe
+    if not _STATE.enabled:
+        if _STATE.calibrating:
+            meta.record_forward(recipe, inp, weight, gemm)
+        return torch.nn.functional.linear(inp, weight)
+    meta._join(recipe, inp.device)
+    out = _FP8Matmul.apply(inp.reshape(-1, inp.shape[-1]), weight, meta, gemm, recipe)
+    return out.reshape(*inp.shape[:-1], weight.shape[0])

@@ -1,6 +1,5 @@
-"""TE's FP8 recipe classes, as plain dataclasses with TE's fields and defaults, so that code
-which builds a recipe imports and runs. Using one needs FP8, which is not supported yet
-(transformer_fa.autocast(enabled=True, ...) says so)."""
+"""TE's FP8 recipe classes, as plain dataclasses with TE's fields and defaults; autocast /
+fp8_autocast (transformer_fa.fp8) run the modules' GEMMs in FP8 with them."""
 import dataclasses
 from enum import Enum
 from typing import Callable, NamedTuple, Optional, Union

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as recompute_in_backward
 
-from .. import parallel
+from .. import fp8, parallel
 from ._common import (
     check_device,
     check_hidden_states,
@@ -26,12 +26,15 @@ from .layernorm import apply_norm, make_norm_params
 
 
 def parallel_linear(inp, weight, bias, return_bias=False, row_group=None,
-                    sequence_parallel=False):
+                    sequence_parallel=False, fp8_meta=None, gemm=0):
     """(x W^T [+ b], bias or None): the bias is returned instead of added if ``return_bias``.
     With a ``row_group`` (row-parallel) the partial outputs are summed over the group first
-    (reduce-scattered along the first dim with ``sequence_parallel``), then the bias added."""
-    if return_bias or row_group is not None:
-        out = F.linear(inp, weight)
+    (reduce-scattered along the first dim with ``sequence_parallel``), then the bias added.
+    Inside an FP8 (or calibrating) autocast, x W^T is ``fp8.fp8_matmul`` with the module's
+    ``fp8_meta``; the bias is added in high precision."""
+    quantized = fp8_meta is not None and fp8.fp8_active()
+    if return_bias or row_group is not None or quantized:
+        out = fp8.fp8_matmul(inp, weight, fp8_meta, gemm) if quantized else F.linear(inp, weight)
         if row_group is not None:
             out = parallel.row_parallel_output(out, row_group, sequence_parallel)
         if bias is None:
@@ -65,6 +68,26 @@ def _split_sizes(parameters_split, out_features: int) -> List[Tuple[str, int]]:
     return [(name.rstrip("_") + "_", size) for name, size in splits]
 
 
+class _FP8State:
+    """TE's per-module FP8 state: scales and amax histories (``fp8_meta``), kept in the
+    module's extra state so that checkpoints carry them."""
+
+    def _init_fp8(self, num_gemms: int) -> None:
+        self.fp8_meta = fp8.FP8Meta(num_gemms)
+
+    def _check_fp8_shapes(self, inp: torch.Tensor, *features: int) -> None:
+        """The GEMMs' in/out features and the tokens fit torch._scaled_mm (before any runs)."""
+        if fp8.fp8_enabled():
+            fp8.check_fp8_gemm_shape(inp, (inp.shape[-1],) + features, type(self).__name__)
+
+    def get_extra_state(self) -> torch.Tensor:
+        return self.fp8_meta.get_extra_state()
+
+    def set_extra_state(self, state) -> None:
+        device = next(self.parameters()).device
+        self.fp8_meta.set_extra_state(state, device)
+
+
 class _TensorParallel:
     """TE's tensor-parallel state of a module: group, size, rank, mode, sequence_parallel."""
 
@@ -84,7 +107,7 @@ class _TensorParallel:
         self.tp_group = tp_group
 
 
-class Linear(_TensorParallel, torch.nn.Module):
+class Linear(_FP8State, _TensorParallel, torch.nn.Module):
     """y = x W^T + b, TE's ``Linear`` on a single device."""
 
     def __init__(
@@ -138,6 +161,7 @@ class Linear(_TensorParallel, torch.nn.Module):
         elif mode == "row":
             in_features = parallel.divide(in_features, tp_size, "in_features", owner)
             weight = weight.chunk(tp_size, 1)[self.tp_rank]
+        self._init_fp8(num_gemms=1)
         self.in_features = in_features  # this rank's, as TE's
         self.out_features = out_features
         self._weight_names = [prefix + "weight" for prefix, _ in splits]
@@ -188,10 +212,12 @@ class Linear(_TensorParallel, torch.nn.Module):
         GEMM then sums in the same order whatever the input's strides (bitwise equal)."""
         row_group = self.tp_group if self.parallel_mode == "row" else None
         return parallel_linear(inp.contiguous(), self.full_weight(), self.full_bias(),
-                               self.return_bias, row_group, self.sequence_parallel)
+                               self.return_bias, row_group, self.sequence_parallel,
+                               self.fp8_meta)
 
     def _check_input(self, inp: torch.Tensor) -> None:
         check_hidden_states(inp, self.in_features, self.params_dtype, "inp")
+        self._check_fp8_shapes(inp, self.out_features)
         if self.parallel_mode == "row" and self.sequence_parallel:
             parallel.check_first_dim(inp, self.tp_size, type(self).__name__)
 
@@ -265,7 +291,7 @@ class LayerNormLinear(Linear):
         return pack_outputs(out, bias, ln_out, self.return_bias, self.return_layernorm_output)
 
 
-class LayerNormMLP(_TensorParallel, torch.nn.Module):
+class LayerNormMLP(_FP8State, _TensorParallel, torch.nn.Module):
     """Norm -> FC1 -> activation -> FC2, TE's ``LayerNormMLP``.
 
     For gated activations (geglu, reglu, swiglu, ...) FC1 has 2 * ffn_hidden_size outputs.
@@ -314,6 +340,7 @@ class LayerNormMLP(_TensorParallel, torch.nn.Module):
         self.activation_params = activation_params
         self.checkpoint = checkpoint
         self.params_dtype = resolve_dtype(params_dtype)
+        self._init_fp8(num_gemms=2)  # FC1 is GEMM 0, FC2 GEMM 1
         self.hidden_size = hidden_size
         self.ffn_hidden_size = ffn_hidden_size
         self.eps = eps
@@ -352,6 +379,7 @@ class LayerNormMLP(_TensorParallel, torch.nn.Module):
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, **_):
         check_hidden_states(inp, self.hidden_size, self.params_dtype, "inp")
+        self._check_fp8_shapes(inp, *self.fc1_weight.shape[:1], *self.fc2_weight.shape)
         if self.checkpoint and torch.is_grad_enabled():
             return recompute_in_backward(self._forward, inp, use_reentrant=False)
         return self._forward(inp)
@@ -369,10 +397,12 @@ class LayerNormMLP(_TensorParallel, torch.nn.Module):
         if self.set_parallel_mode:
             gathered = parallel.column_parallel_input(ln_out, self.tp_group,
                                                       self.sequence_parallel)
-        hidden = self.activation_fn(F.linear(gathered, self.fc1_weight, self.fc1_bias))
+        fc1_out, _ = parallel_linear(gathered, self.fc1_weight, self.fc1_bias,
+                                     fp8_meta=self.fp8_meta, gemm=0)
+        hidden = self.activation_fn(fc1_out)
         row_group = self.tp_group if self.set_parallel_mode else None
         out, bias = parallel_linear(hidden, self.fc2_weight, self.fc2_bias, self.return_bias,
-                                    row_group, self.sequence_parallel)
+                                    row_group, self.sequence_parallel, self.fp8_meta, gemm=1)
         if self.return_layernorm_output_gathered:
             ln_out = gathered
         return pack_outputs(out, bias, ln_out, self.return_bias, self.return_layernorm_output)

@@ -1,0 +1,253 @@
+"""FP8 training with TE's API on CPU: torch._scaled_mm runs FP8 GEMMs on CPU, which
+TRANSFORMER_FA_FP8_ON_CPU=1 allows (the recipes' bookkeeping and the GEMM numerics are the
+same as on a GPU)."""
+import pytest
+import torch
+
+import transformer_fa as te
+from transformer_fa import fp8
+from transformer_fa.common.recipe import DelayedScaling, Float8CurrentScaling, Format
+
+E4M3_MAX, E5M2_MAX = 448.0, 57344.0
+
+
+@pytest.fixture(autouse=True)
+def allow_fp8_on_cpu(monkeypatch):
+    monkeypatch.setenv("TRANSFORMER_FA_FP8_ON_CPU", "1")
+
+
+def _linear(inp=32, out=48, **kwargs):
+    torch.manual_seed(0)
+    return te.Linear(inp, out, device="cpu", **kwargs)
+
+
+def _dequantized(t, scale):
+    """What an E4M3 cast with this scale keeps of t (TE's saturating cast)."""
+    return (t * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() / scale
+
+
+def test_cpu_needs_the_opt_in(monkeypatch):
+    monkeypatch.delenv("TRANSFORMER_FA_FP8_ON_CPU")
+    if torch.cuda.is_available():
+        pytest.skip("checks the answer without CUDA")
+    assert te.is_fp8_available(return_reason=True)[0] is False
+    with pytest.raises(ValueError, match="fp8_autocast.*compute capability 8.9"):
+        te.fp8_autocast(enabled=True)
+
+
+def test_delayed_scaling_bookkeeping_follows_te_formulas():
+    """First step at scale 1; after it the amax is taken from the history, the scale is
+    (fp8_max / amax) / 2**margin and the history rolls with row 0 cleared."""
+    lin = _linear()
+    recipe = DelayedScaling(margin=1, amax_history_len=3, amax_compute_algo="max")
+    meta = lin.fp8_meta
+    amaxes = []
+    for step, gain in enumerate((4.0, 1.0)):
+        x = torch.randn(16, 32) * gain
+        with te.fp8_autocast(fp8_recipe=recipe):
+            if step == 0:
+                out = lin(x)
+                w_amax = lin.weight.abs().max()
+                # scale 1 in the first step: the output is the plain E4M3 cast's GEMM
+                ref = _dequantized(x, 1.0) @ _dequantized(lin.weight.detach(), 1.0).T
+                torch.testing.assert_close(out, ref + lin.bias, atol=1e-5, rtol=1e-5)
+            else:
+                lin(x)
+        amaxes.append(x.abs().max())
+        # history rolled: the newest amax is the last row, row 0 cleared
+        torch.testing.assert_close(meta.amax_history_fwd[-1, 0], amaxes[-1])
+        assert meta.amax_history_fwd[0].eq(0).all()
+        expected = E4M3_MAX / max(amaxes) / 2
+        torch.testing.assert_close(meta.scale_fwd[0], expected)
+        torch.testing.assert_close(meta.scale_fwd[1], E4M3_MAX / w_amax / 2)
+    # "most_recent" takes the newest amax only
+    history = torch.tensor([[3.0], [0.0], [8.0]])
+    scale = torch.ones(1)
+    fp8.update_amax_history(history, scale, E4M3_MAX,
+                            DelayedScaling(amax_compute_algo="most_recent"))
+    torch.testing.assert_close(scale, torch.tensor([E4M3_MAX / 3]))
+    torch.testing.assert_close(history, torch.tensor([[0.0], [8.0], [3.0]]))
+
+
+def test_scale_keeps_the_old_value_for_zero_or_inf_amax():
+    old = torch.tensor([2.0, 2.0, 2.0, 2.0])
+    amax = torch.tensor([0.0, float("inf"), 1e-45, 4.0])
+    new = fp8.compute_scale(amax, old, E4M3_MAX, margin=0)
+    assert new.tolist()[:2] == [2.0, 2.0]
+    assert new[2] == torch.finfo(torch.float32).max and new[3] == E4M3_MAX / 4
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_linear_forward_backward_close_to_high_precision(recipe):
+    """Within FP8's precision of the fp32 result: E4M3 keeps 3 mantissa bits (rounding up to
+    6% per operand, TE's tests allow rtol 0.125), E5M2 gradients 2 bits (TE: rtol 0.25). The delayed recipe's first step runs at scale 1 (TE's), where the small weights
+    fall into E4M3's subnormals; from the second step its scales come from the amaxes."""
+    lin = _linear()
+    for step in range(3):
+        x = torch.randn(2, 16, 32, requires_grad=True)
+        dy = torch.randn(2, 16, 48)
+        with te.autocast(recipe=recipe):
+            out = lin(x)
+        out.backward(dy)
+        grads = (x.grad, lin.weight.grad, lin.bias.grad)
+        x.grad = None
+        lin.zero_grad()
+        ref = lin(x)
+        ref.backward(dy)
+        wants = (ref, x.grad, lin.weight.grad, lin.bias.grad)
+        for got, want, tol in zip((out,) + grads, wants, (0.1, 0.15, 0.15, 1e-6)):
+            assert got.dtype == want.dtype
+            if step > 0 or isinstance(recipe, Float8CurrentScaling):
+                assert (got - want).norm() / want.norm() < tol
+        x.grad = None
+        lin.zero_grad()
+
+
+def test_current_scaling_forward_is_the_scaled_e4m3_gemm():
+    lin = _linear()
+    x = torch.randn(16, 32)
+    with te.autocast(recipe=Float8CurrentScaling()):
+        out = lin(x)
+    w = lin.weight.detach()
+    ref = _dequantized(x, E4M3_MAX / x.abs().max()) @ _dequantized(w, E4M3_MAX / w.abs().max()).T
+    torch.testing.assert_close(out, ref + lin.bias, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fmt, grad_dtype", [(Format.HYBRID, torch.float8_e5m2),
+                                             (Format.E4M3, torch.float8_e4m3fn)])
+def test_gradient_format_follows_the_recipe(monkeypatch, fmt, grad_dtype):
+    seen = []
+    real = fp8._scaled_mm
+
+    def spy(a, b, scale_a, scale_b, out_dtype):
+        seen.append((a.dtype, b.dtype))
+        return real(a, b, scale_a, scale_b, out_dtype)
+
+    monkeypatch.setattr(fp8, "_scaled_mm", spy)
+    lin = _linear()
+    x = torch.randn(16, 32, requires_grad=True)
+    with te.fp8_autocast(fp8_recipe=DelayedScaling(fp8_format=fmt)):
+        out = lin(x)
+    out.sum().backward()
+    e4m3 = torch.float8_e4m3fn
+    assert seen == [(e4m3, e4m3), (grad_dtype, e4m3), (grad_dtype, e4m3)]
+
+
+def test_weight_is_cast_once_per_version(monkeypatch):
+    casts = []
+    real = fp8._quantize
+
+    def spy(tensor, *args):
+        casts.append(tensor.shape)
+        return real(tensor, *args)
+
+    monkeypatch.setattr(fp8, "_quantize", spy)
+    lin = _linear()
+    x = torch.randn(16, 32)
+    with te.autocast(recipe=Float8CurrentScaling()):
+        lin(x)
+        lin(x)
+        assert casts.count(lin.weight.shape) == 1
+        with torch.no_grad():
+            lin.weight.mul_(2)  # an optimizer step bumps the version
+        lin(x)
+    assert casts.count(lin.weight.shape) == 2
+
+
+def test_nested_autocast_takes_the_inner_settings():
+    lin = _linear()
+    x = torch.randn(16, 32)
+    with te.autocast(recipe=Float8CurrentScaling()):
+        fp8_out = lin(x)
+        with te.autocast(enabled=False):
+            assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
+        assert torch.equal(lin(x), fp8_out)
+    assert not fp8.fp8_enabled()
+
+
+def test_calibration_records_amaxes_in_high_precision():
+    lin = _linear()
+    x = torch.randn(16, 32) * 3
+    with te.fp8_autocast(enabled=False, calibrating=True,
+                         fp8_recipe=DelayedScaling(amax_history_len=2)):
+        out = lin(x)
+    assert torch.equal(out, torch.nn.functional.linear(x, lin.weight, lin.bias))
+    torch.testing.assert_close(lin.fp8_meta.scale_fwd[0], E4M3_MAX / x.abs().max())
+
+
+@pytest.mark.parametrize("module", ["LayerNormLinear", "LayerNormMLP"])
+def test_fused_modules_run_their_gemms_in_fp8(monkeypatch, module):
+    calls = []
+    real = fp8._scaled_mm
+    monkeypatch.setattr(fp8, "_scaled_mm", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(0)
+    mod = getattr(te, module)(32, 64, device="cpu")
+    x = torch.randn(16, 32, requires_grad=True)
+    with te.autocast():
+        out = mod(x)
+    out.sum().backward()
+    gemms = 2 if module == "LayerNormMLP" else 1
+    assert len(calls) == 3 * gemms
+    assert mod.fp8_meta.scale_fwd.shape == (2 * gemms,)
+    assert (mod.fp8_meta.scale_bwd != 1).all()  # the backward updated its delayed scales
+    ref = mod(x)
+    assert (out - ref).norm() / ref.norm() < 0.06
+
+
+def test_extra_state_round_trip():
+    lin = _linear()
+    with te.autocast(recipe=DelayedScaling(amax_history_len=4)):
+        lin(torch.randn(16, 32, requires_grad=True)).sum().backward()
+    state = lin.state_dict()
+    assert "_extra_state" in state
+    fresh = _linear()
+    fresh.load_state_dict(state)
+    for key in ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd"):
+        assert torch.equal(getattr(fresh.fp8_meta, key), getattr(lin.fp8_meta, key))
+    assert fresh.fp8_meta.recipe == lin.fp8_meta.recipe
+    # a module that never ran FP8 (or current scaling) has empty extra state, as TE's
+    assert _linear().state_dict()["_extra_state"].numel() == 0
+    mlp = te.LayerNormMLP(32, 64, device="cpu")
+    with pytest.raises(ValueError, match="this module has 2"):
+        mlp.set_extra_state(state["_extra_state"])
+
+
+def test_bad_recipes_and_shapes_are_named():
+    with pytest.raises(TypeError, match="fp8_recipe must be"):
+        te.fp8_autocast(fp8_recipe="delayed")
+    with pytest.raises(ValueError, match="E5M2"):
+        DelayedScaling(fp8_format=Format.E5M2)
+    lin = _linear(32, 40)
+    with te.autocast(), pytest.raises(ValueError, match=r"Linear: FP8 GEMMs need features"):
+        lin(torch.randn(16, 32))
+    with te.autocast(), pytest.raises(ValueError, match="tokens"):
+        _linear()(torch.randn(3, 32))
+
+
+def test_transformer_layer_trains_close_to_high_precision():
+    def train(recipe):
+        torch.manual_seed(0)
+        layer = te.TransformerLayer(64, 128, 4, hidden_dropout=0.0, attention_dropout=0.0,
+                                    device="cpu")
+        opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+        torch.manual_seed(1)
+        x = torch.randn(16, 2, 64)
+        target = torch.randn(16, 2, 64)
+        losses = []
+        for _ in range(6):
+            with te.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
+                out = layer(x)
+            loss = torch.nn.functional.mse_loss(out, target)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    high = train(None)
+    for recipe in (DelayedScaling(), Float8CurrentScaling()):
+        low = train(recipe)
+        assert low[-1] < low[0]
+        for a, b in zip(low, high):
+            assert abs(a - b) / b < 0.02
