@@ -176,14 +176,9 @@ class _SplitAlongDim(torch.autograd.Function):
         return torch.cat(_gather(grad, ctx.group), ctx.dim), None, None
 
 
-class _GatherToReplicated(torch.autograd.Function):
-    """All-gather along ``dim`` for a consumer that every rank runs alike (a replicated loss):
-    backward keeps this rank's chunk of the gradient, with no sum."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return torch.cat(_gather(x, group), dim)
+class _GatherToReplicated(_GatherAlongDim):
+    """_GatherAlongDim's all-gather for a consumer that every rank runs alike (a replicated
+    loss): backward keeps this rank's chunk of the gradient, with no sum."""
 
     @staticmethod
     def backward(ctx, grad):
