@@ -129,9 +129,7 @@ def check_scores_fit(comm, ranks, b, h, s, d, dtype, device):
     heads. One GPU without CP runs a fused backend, and CP blocks on the flash kernels keep
     memory linear in s: no check."""
     from transformer_fa.attention import context_parallel
-    probe = torch.empty(1, 1, 8, d, dtype=dtype, device=device)
-    if comm is None or context_parallel._kernel_call(probe, probe, probe, 1.0, 0,
-                                                      (-1, 0)) is not None:
+    if comm is None or context_parallel.blocks_run_on_kernels(dtype, d, device):
         return
     heads, rows = (h, s // ranks) if comm == "p2p" else (h // ranks, s)
     need = BYTES_PER_SCORE * b * heads * rows * rows

@@ -133,6 +133,13 @@ def _kernel_call(q, k, v, scale: float, q_offset: int, window,
                            0.0, False, True)
 
 
+def blocks_run_on_kernels(dtype, head_dim: int, device) -> bool:
+    """Whether CP's (bshd/sbhd) blocks of this dtype and head dim run on the flash kernels on
+    ``device`` (memory linear in s), not the PyTorch math (float32 scores of a whole block)."""
+    probe = torch.empty(1, 1, 8, head_dim, dtype=dtype, device=device)
+    return _kernel_call(probe, probe, probe, 1.0, 0, (-1, 0)) is not None
+
+
 def _bshd(x):
     return x.transpose(1, 2)
 
