@@ -35,6 +35,8 @@ from benchmarks import report, timing  # noqa: E402
 # our backend names -> the env switch that enables each
 OURS = dict(zip(report.OURS, ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")))
 BACKENDS = report.BACKENDS
+FLASH = report.OURS[0]  # our flash kernels' backend name
+DECODE_PAGE_SIZES = (16, 64)  # the decode part's paged rows (ours only: the peers have none)
 NO_BACKEND = "No dot product attention backend is available for the provided inputs"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 RECORD_KEYS = ("backend", "dtype", "d", "causal", "s", "b", "h", "fwd_tflops", "bwd_tflops",
@@ -61,7 +63,7 @@ K = 1024
 PRESETS = {
     "full": Preset((512, K, 2 * K, 4 * K, 8 * K, 16 * K), (64, 128, 256), 16 * K, 2048,
                    (32, 8, 128, (K, 4 * K, 16 * K)), (16, 4 * K, 16, 128),
-                   (32, 8, 128, (1, 8, 32), (4 * K, 8 * K, 16 * K, 32 * K, 64 * K, 128 * K)),
+                   (32, 8, 128, (1, 8, 32, 128), (4 * K, 8 * K, 16 * K, 32 * K, 64 * K, 128 * K)),
                    (2, 128, 16, 64), (8, 2, 4 * K, 2048, 16, 8192, 10), 10, 30, 450),
     "quick": Preset((K, 4 * K), (64, 128), 16 * K, 2048,
                     (32, 8, 128, (4 * K,)), (16, 4 * K, 16, 128),
@@ -333,9 +335,13 @@ class Bench:
         hq, hkv, d, batches, seqlens = self.p.decode
         for b in batches:
             for sk in seqlens:
+                kv_bytes = 2 * b * sk * hkv * d * 2  # bf16 K and V
+                if self.device == "cuda" and kv_bytes > torch.cuda.mem_get_info()[0] / 2:
+                    print(f"  decode b={b} sk={sk}: skipped, K+V ({kv_bytes / 1e9:.0f} GB) "
+                          "would not leave room for the backends", flush=True)
+                    continue
                 q = self.randn(b, 1, hq, d, dtype=torch.bfloat16)
                 k, v = (self.randn(b, sk, hkv, d, dtype=torch.bfloat16) for _ in range(2))
-                kv_bytes = 2 * k.numel() * k.element_size()
                 for name in self.chosen(BACKENDS):
                     res = self.measure(name, lambda: attention_fn(name, q, k, v, False),
                                        [q, k, v], backward=False)
@@ -346,8 +352,35 @@ class Bench:
                                **res)
                     self.data["decode"].append(rec)
                     log_row(rec)
+                if FLASH in self.backends and self.device == "cuda":
+                    for page_size in DECODE_PAGE_SIZES:
+                        rec = self.paged_decode_row(q, k, v, page_size)
+                        rec.update(dtype="bf16", b=b, sk=sk, hq=hq, hkv=hkv, d=d,
+                                   kv_tb_per_s=round(kv_bytes / rec["ms"] / 1e9, 3)
+                                   if rec.get("ms") else None)
+                        self.data["decode"].append(rec)
+                        log_row(rec)
                 q = k = v = None  # freed before the next size (the lambdas above hold names)
                 self.free()
+
+    def paged_decode_row(self, q, k, v, page_size):
+        """Our decode kernel reading the same K/V as pages through a block table: k and v
+        viewed as page pools, each sequence's pages in a shuffled order (the table's reads
+        are what is measured; the values do not matter)."""
+        b, sk = k.shape[:2]
+        name = f"{FLASH} (paged {page_size})"
+        if sk % page_size:
+            return dict(backend=name, ms=None, reason=f"sk not a multiple of {page_size}")
+        pools = [t.view(b * sk // page_size, page_size, *t.shape[2:]) for t in (k, v)]
+        gen = torch.Generator().manual_seed(0)
+        table = torch.randperm(b * sk // page_size, generator=gen).view(b, -1).to(
+            device=q.device, dtype=torch.int32)
+        lens = torch.full((b,), sk, dtype=torch.int32, device=q.device)
+        tfa = import_tfa()
+        res = self.measure(FLASH, lambda: lambda: tfa.flash_attn_with_kvcache(
+            q, *pools, cache_seqlens=lens, block_table=table), [q, k, v], backward=False)
+        res.pop("bwd_ms")
+        return dict(backend=name, ms=res.pop("fwd_ms"), **res)
 
     def overhead(self):
         """Host time of a DotProductAttention call against the selected backend's bare `run`."""

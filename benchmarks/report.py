@@ -32,8 +32,9 @@ def ratio_table(recs, row_keys, metrics, digits=0):
     """One row per distinct row_keys, one column per backend that ran at least once.
     Cells are the metrics joined by '/'; ours add their ratio to the best peer in brackets."""
     rows = list(dict.fromkeys(tuple(r[k] for k in row_keys) for r in recs))
-    names = [n for n in BACKENDS if any(r["backend"] == n and r[metrics[0]] is not None
-                                        for r in recs)]
+    ran = dict.fromkeys(r["backend"] for r in recs if r[metrics[0]] is not None)
+    # the known backends first, then variants of ours (e.g. "FlashAttention (paged 64)")
+    names = [n for n in BACKENDS if n in ran] + [n for n in ran if n not in BACKENDS]
     out = []
     for row in rows:
         by = {r["backend"]: r for r in recs if tuple(r[k] for k in row_keys) == row}
@@ -43,7 +44,7 @@ def ratio_table(recs, row_keys, metrics, digits=0):
         for name in names:
             vals = [by[name][m] if name in by else None for m in metrics]
             text = " / ".join(fmt(v, digits) for v in vals)
-            if name in OURS and vals[0] is not None and any(best):
+            if name.split(" (")[0] in OURS and vals[0] is not None and any(best):
                 text += " (" + " / ".join(f"{v / b:.2f}x" if v and b else "–"
                                           for v, b in zip(vals, best)) + ")"
             cells.append(text)

@@ -121,7 +121,8 @@ tf::Arch fwd_family(const tf::FwdParams& p, int arch, bool bf16, int requested,
 tf::Arch bwd_family(const tf::Device&) { return tf::Arch::kSm80; }
 
 // Checks q, k, v, the lengths and the mask arguments, and fills the parameters the forward
-// and the backward share. Returns the batch size.
+// and the backward share. Returns the batch size. kv_paged: k and v are page pools (bshd,
+// one page per batch row), not the sequences' rows; max_seqlen_k bounds the keys.
 int64_t fill_common(tf::FwdParams& p, const char* op, const at::Tensor& q, const at::Tensor& k,
                     const at::Tensor& v, const c10::optional<at::Tensor>& cu_seqlens_q,
                     const c10::optional<at::Tensor>& cu_seqlens_k, int64_t q_format,
@@ -129,7 +130,7 @@ int64_t fill_common(tf::FwdParams& p, const char* op, const at::Tensor& q, const
                     double softmax_scale, int64_t window_left, int64_t window_right,
                     bool bottom_right, double dropout_p,
                     const c10::optional<at::Tensor>& rng_state,
-                    const c10::optional<at::Tensor>& alibi_slopes) {
+                    const c10::optional<at::Tensor>& alibi_slopes, bool kv_paged = false) {
   TORCH_CHECK(q_format >= 0 && q_format <= 2 && kv_format >= 0 && kv_format <= 2, op,
               ": formats are 0 (bshd), 1 (sbhd), 2 (thd)");
   check_tensor(q, "q", q_format);
@@ -165,9 +166,12 @@ int64_t fill_common(tf::FwdParams& p, const char* op, const at::Tensor& q, const
   check_cu(cu_seqlens_q, "cu_seqlens_q", b, q);
   check_cu(cu_seqlens_k, "cu_seqlens_k", b, q);
   if (!q_thd) TORCH_CHECK((q_format == kSBHD ? q.size(1) : q.size(0)) == b, op, ": batch mismatch");
-  if (!k_thd) TORCH_CHECK((kv_format == kSBHD ? k.size(1) : k.size(0)) == b, op, ": batch mismatch");
+  if (!k_thd && !kv_paged) {
+    TORCH_CHECK((kv_format == kSBHD ? k.size(1) : k.size(0)) == b, op, ": batch mismatch");
+  }
   const int64_t seqlen_q = q_thd ? max_seqlen_q : (q_format == kSBHD ? q.size(0) : q.size(1));
-  const int64_t seqlen_k = k_thd ? max_seqlen_k : (kv_format == kSBHD ? k.size(0) : k.size(1));
+  const int64_t seqlen_k = k_thd || kv_paged ? max_seqlen_k
+                                             : (kv_format == kSBHD ? k.size(0) : k.size(1));
   TORCH_CHECK(seqlen_q >= 0 && seqlen_k >= 0, op, ": negative max_seqlen");
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, op, ": dropout_p must be in [0, 1)");
   if (dropout_p > 0.0) {
@@ -369,6 +373,81 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
   return {dq, dk, dv};
 }
 
+// Decode forward: a few query tokens per sequence against a long K/V (a KV cache), the keys
+// split over several CTAs (sm80 family, every sm80+ GPU). The arguments mean what fwd's do;
+// block_table (int32 [b, pages per sequence]) makes k and v page pools [pages, page_size,
+// h_k, d] (bshd, page_size a multiple of 16) read through it, and then cu_seqlens_k gives the
+// cached lengths and max_seqlen_k their bound. num_splits: 0 chooses. No dropout, ALiBi or
+// LSE (inference). Returns out in q's format, contiguous, as fwd's.
+at::Tensor fwd_kvcache(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const c10::optional<at::Tensor>& cu_seqlens_q,
+                       const c10::optional<at::Tensor>& cu_seqlens_k,
+                       const c10::optional<at::Tensor>& block_table, int64_t q_format,
+                       int64_t kv_format, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                       double softmax_scale, int64_t window_left, int64_t window_right,
+                       bool bottom_right, int64_t num_splits) {
+  c10::cuda::CUDAGuard guard(q.device());
+  const char* op = "flash_attn_fwd_kvcache";
+  tf::DecodeParams p{};
+  const bool paged = block_table.has_value();
+  TORCH_CHECK(!paged || (kv_format == kBSHD && cu_seqlens_k.has_value()), op,
+              ": a block_table needs bshd page pools and cu_seqlens_k (the cached lengths)");
+  const int64_t b = fill_common(p, op, q, k, v, cu_seqlens_q, cu_seqlens_k, q_format,
+                                kv_format, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                window_left, window_right, bottom_right, 0.0, c10::optional<at::Tensor>(),
+                                c10::optional<at::Tensor>(), paged);
+  TORCH_CHECK(num_splits >= 0, op, ": num_splits must be >= 0 (0: chosen), got ",
+              num(num_splits));
+  if (paged) {
+    const auto& bt = *block_table;
+    TORCH_CHECK(bt.is_cuda() && bt.device() == q.device() && bt.scalar_type() == at::kInt &&
+                    bt.dim() == 2 && bt.size(0) == b && bt.stride(1) == 1,
+                op, ": block_table must be int32 [b, pages] with unit stride in pages on ",
+                q.device().str(), ", got ", dims(bt.sizes()));
+    const int64_t page_size = k.size(1);
+    TORCH_CHECK(page_size % 16 == 0, op, ": page_size must be a multiple of 16, got ",
+                num(page_size));
+    TORCH_CHECK(max_seqlen_k <= bt.size(1) * page_size, op, ": max_seqlen_k ", num(max_seqlen_k),
+                " is more than the block table's ", num(bt.size(1) * page_size), " keys");
+    p.block_table = bt.data_ptr<int>();
+    p.block_table_batch_stride = bt.stride(0);
+    p.page_size = static_cast<int>(page_size);
+  }
+  const bool q_thd = q_format == kTHD;
+  at::Tensor out = q_thd ? at::zeros(q.sizes(), q.options()) : at::empty(q.sizes(), q.options());
+  if (out.numel() == 0) return out;
+  TORCH_CHECK(int64_t(p.h_k) * ((p.seqlen_q * (p.h / p.h_k) + 15) / 16) <= tf::kMaxGridYZ, op,
+              ": too many KV heads x query rows for one launch");
+  p.o = out.data_ptr();
+  const Strides so = strides_of(out, q_format);
+  p.o_batch_stride = so.batch; p.o_row_stride = so.row; p.o_head_stride = so.head;
+  p.accum_rows = (q_thd ? q.size(0) : b * p.seqlen_q) * p.h;
+  p.num_splits = static_cast<int>(num_splits);
+
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  const int hd = kernel_head_dim(p.d);
+  const tf::Device& dev = device_info(q.get_device());
+  tf::DecodePlan plan{};
+  TORCH_CHECK(tf::dispatch_plan_decode(tf::Arch::kSm80, bf16, hd, p, dev, plan), op,
+              ": this build has no ", kernel_name(q.scalar_type(), hd), " kernel");
+  TORCH_CHECK(plan.smem_bytes <= dev.smem_optin, op, ": head dim ", num(p.d), " needs ",
+              num(plan.smem_bytes), " bytes of shared memory per block; this GPU has ",
+              num(dev.smem_optin));
+  at::Tensor o_accum, lse_accum;
+  if (p.num_splits > 1) {
+    const auto f32 = q.options().dtype(at::kFloat);
+    o_accum = at::empty({plan.accum_floats}, f32);
+    lse_accum = at::empty({plan.lse_floats}, f32);
+    p.o_accum = o_accum.data_ptr<float>();
+    p.lse_accum = lse_accum.data_ptr<float>();
+  }
+  TORCH_CHECK(tf::dispatch_decode(tf::Arch::kSm80, bf16, hd, p, dev,
+                                  c10::cuda::getCurrentCUDAStream().stream()),
+              op, ": this build has no ", kernel_name(q.scalar_type(), hd), " kernel");
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
 // The family fwd would run a call on (its name, and why not sm90 when it is not), from the
 // call's shape alone: the Python backend logs it. arch: the GPU's compute capability.
 std::vector<std::string> fwd_family_of(int64_t arch, bool bf16, int64_t d, int64_t seqlen_q,
@@ -403,6 +482,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bottom_right"), py::arg("return_lse"), py::arg("dropout_p") = 0.0,
         py::arg("rng_state") = py::none(), py::arg("alibi_slopes") = py::none(),
         py::arg("family") = kAnyFamily);
+  m.def("fwd_kvcache", &fwd_kvcache, "Split-KV decode forward (contiguous or paged K/V)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cu_seqlens_q"),
+        py::arg("cu_seqlens_k"), py::arg("block_table"), py::arg("q_format"),
+        py::arg("kv_format"), py::arg("max_seqlen_q"), py::arg("max_seqlen_k"),
+        py::arg("softmax_scale"), py::arg("window_left"), py::arg("window_right"),
+        py::arg("bottom_right"), py::arg("num_splits") = 0);
   m.def("fwd_family", &fwd_family_of,
         "(family name, why not sm90) of the forward of a call with this shape",
         py::arg("arch"), py::arg("bf16"), py::arg("d"), py::arg("seqlen_q"), py::arg("seqlen_k"),

@@ -2,6 +2,7 @@
 __version__ = "0.1.0"
 
 from . import attention, common
+from .attention.backends.flash import flash_attn_with_kvcache
 from .attention import (DotProductAttention, InferenceParams, MultiheadAttention,
                         RotaryPositionEmbedding, apply_rotary_pos_emb)
 from .module import LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
@@ -19,4 +20,5 @@ __all__ = ["attention", "DotProductAttention", "MultiheadAttention", "Transforme
            "fp8_autocast", "fp8_model_init", "is_fp8_available", "checkpoint",
            "CudaRNGStatesTracker", "make_graphed_callables", "quantized_model_init",
            "is_mxfp8_available", "is_fp8_block_scaling_available", "is_nvfp4_available",
-           "get_device_compute_capability", "is_bf16_available", "InferenceParams"]
+           "get_device_compute_capability", "is_bf16_available", "InferenceParams",
+           "flash_attn_with_kvcache"]

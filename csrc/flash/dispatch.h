@@ -252,6 +252,110 @@ inline bool dispatch_bwd(Arch arch, bool bf16, int hd, const BwdParams& params,
 #endif
   return false;
 }
+inline bool dispatch_plan_decode(Arch arch, bool bf16, int hd, DecodeParams& params,
+                                 const Device& device, DecodePlan& plan) {
+#ifdef TFA_FLASH_SM80_FP16_HDIM64
+  if (arch == Arch::kSm80 && !bf16 && hd == 64) {
+    plan = plan_decode<Arch::kSm80, DType::kFP16, 64>(params, device);
+    return true;
+  }
+#endif
+#ifdef TFA_FLASH_SM80_FP16_HDIM128
+  if (arch == Arch::kSm80 && !bf16 && hd == 128) {
+    plan = plan_decode<Arch::kSm80, DType::kFP16, 128>(params, device);
+    return true;
+  }
+#endif
+#ifdef TFA_FLASH_SM80_FP16_HDIM192
+  if (arch == Arch::kSm80 && !bf16 && hd == 192) {
+    plan = plan_decode<Arch::kSm80, DType::kFP16, 192>(params, device);
+    return true;
+  }
+#endif
+#ifdef TFA_FLASH_SM80_FP16_HDIM256
+  if (arch == Arch::kSm80 && !bf16 && hd == 256) {
+    plan = plan_decode<Arch::kSm80, DType::kFP16, 256>(params, device);
+    return true;
+  }
+#endif
+#ifdef TFA_FLASH_SM80_BF16_HDIM64
+  if (arch == Arch::kSm80 && bf16 && hd == 64) {
+    plan = plan_decode<Arch::kSm80, DType::kBF16, 64>(params, device);
+    return true;
+  }
+#endif
+#ifdef TFA_FLASH_SM80_BF16_HDIM128
+  if (arch == Arch::kSm80 && bf16 && hd == 128) {
+    plan = plan_decode<Arch::kSm80, DType::kBF16, 128>(params, device);
+    return true;
+  }
+#endif
+#ifdef TFA_FLASH_SM80_BF16_HDIM192
+  if (arch == Arch::kSm80 && bf16 && hd == 192) {
+    plan = plan_decode<Arch::kSm80, DType::kBF16, 192>(params, device);
+    return true;
+  }
+#endif
+#ifdef TFA_FLASH_SM80_BF16_HDIM256
+  if (arch == Arch::kSm80 && bf16 && hd == 256) {
+    plan = plan_decode<Arch::kSm80, DType::kBF16, 256>(params, device);
+    return true;
+  }
+#endif
+  return false;
+}
+inline bool dispatch_decode(Arch arch, bool bf16, int hd, const DecodeParams& params,
+                            const Device& device, cudaStream_t stream) {
+#ifdef TFA_FLASH_SM80_FP16_HDIM64
+  if (arch == Arch::kSm80 && !bf16 && hd == 64) {
+    run_decode<Arch::kSm80, DType::kFP16, 64>(params, device, stream);
+    return true;
+  }
+#endif
+#ifdef TFA_FLASH_SM80_FP16_HDIM128
+  if (arch == Arch::kSm80 && !bf16 && hd == 128) {
+    run_decode<Arch::kSm80, DType::kFP16, 128>(params, device, stream);
+    return true;
+  }
+#endif
+#ifdef TFA_FLASH_SM80_FP16_HDIM192
+  if (arch == Arch::kSm80 && !bf16 && hd == 192) {
+    run_decode<Arch::kSm80, DType::kFP16, 192>(params, device, stream);
+    return true;
+  }
+#endif
+#ifdef TFA_FLASH_SM80_FP16_HDIM256
+  if (arch == Arch::kSm80 && !bf16 && hd == 256) {
+    run_decode<Arch::kSm80, DType::kFP16, 256>(params, device, stream);
+    return true;
+  }
+#endif
+#ifdef TFA_FLASH_SM80_BF16_HDIM64
+  if (arch == Arch::kSm80 && bf16 && hd == 64) {
+    run_decode<Arch::kSm80, DType::kBF16, 64>(params, device, stream);
+    return true;
+  }
+#endif
+#ifdef TFA_FLASH_SM80_BF16_HDIM128
+  if (arch == Arch::kSm80 && bf16 && hd == 128) {
+    run_decode<Arch::kSm80, DType::kBF16, 128>(params, device, stream);
+    return true;
+  }
+#endif
+#ifdef TFA_FLASH_SM80_BF16_HDIM192
+  if (arch == Arch::kSm80 && bf16 && hd == 192) {
+    run_decode<Arch::kSm80, DType::kBF16, 192>(params, device, stream);
+    return true;
+  }
+#endif
+#ifdef TFA_FLASH_SM80_BF16_HDIM256
+  if (arch == Arch::kSm80 && bf16 && hd == 256) {
+    run_decode<Arch::kSm80, DType::kBF16, 256>(params, device, stream);
+    return true;
+  }
+#endif
+  return false;
+}
 
 // The kernels this build has of the family that serves every GPU (sm80), as
 // "<dtype>_hdim<d>".

@@ -127,6 +127,35 @@ struct BwdParams : FwdParams {
   int num_splits;
 };
 
+// Decode (a few query tokens against a long K/V cache): the forward's tensors and mask, read
+// through a block table where the cache is paged, with the keys split over several CTAs.
+// No dropout, ALiBi or LSE output (FwdParams's rng_state, alibi_slopes and lse are null).
+struct DecodeParams : FwdParams {
+  // Paged K/V: null, or k and v are page pools [pages, page_size, h_k, d] (k_batch_stride,
+  // v_batch_stride: one page) and key j of sequence b is row j % page_size of page
+  // block_table[b * block_table_batch_stride + j / page_size]; page_size is a multiple of 16.
+  const int* __restrict__ block_table;
+  int64_t block_table_batch_stride;
+  int page_size;
+  // Split-KV: num_splits CTAs share the keys of each (sequence, KV head, row tile) (0: the
+  // planner chooses). With more than one, each writes its normalized partial O to o_accum
+  // (float32 [num_splits, accum_rows, kernel head dim]) and its LSE in log2 units to
+  // lse_accum ([num_splits, accum_rows]); row = token * h + head, token = the packed index
+  // (thd q) or b * seqlen_q + t. A second kernel merges them into o.
+  int num_splits;
+  float* __restrict__ o_accum;
+  float* __restrict__ lse_accum;
+  int64_t accum_rows;  // tokens * h
+};
+
+// What the decode planner decided beside DecodeParams::num_splits: the binding checks the
+// shared memory and allocates the workspace.
+struct DecodePlan {
+  int smem_bytes;
+  int64_t accum_floats;  // o_accum (0: one split, no workspace)
+  int64_t lse_floats;    // lse_accum
+};
+
 // The launches put heads and sequences in their grids' y and z dimensions (CUDA allows up to
 // 65535 there); the binding rejects calls with more.
 constexpr int kMaxGridYZ = 65535;
@@ -148,6 +177,11 @@ template <Arch kArch, DType kDType, int kHeadDim>
 BwdPlan plan_bwd(BwdParams& params, const Device& device);
 template <Arch kArch, DType kDType, int kHeadDim>
 void run_bwd(const BwdParams& params, const Device& device, cudaStream_t stream);
+// Chooses params.num_splits (where 0) and says what to allocate.
+template <Arch kArch, DType kDType, int kHeadDim>
+DecodePlan plan_decode(DecodeParams& params, const Device& device);
+template <Arch kArch, DType kDType, int kHeadDim>
+void run_decode(const DecodeParams& params, const Device& device, cudaStream_t stream);
 
 }  // namespace flash
 }  // namespace transformer_fa

@@ -130,8 +130,35 @@ def forward_family(p: AttentionParams) -> Tuple[str, str]:
         p.core_attention_bias_type == "alibi", p.attention_dropout > 0.0, requested_family()))
 
 
+# The decode kernel (split-KV, csrc/flash/sm80/decode_kernel.cuh) serves forward-only calls
+# with at most this many query rows per KV head (query tokens x query heads per KV head):
+# there one CTA per 128-row query tile would leave most SMs idle, while the decode kernel
+# splits the keys over the GPU and reads each K/V row once for a whole GQA group.
+DECODE_MAX_ROWS = 64
+
+
+def uses_decode_kernel(p: AttentionParams) -> bool:
+    """Whether the forward of params runs on the split-KV decode kernel: no gradient (it
+    writes no LSE), no dropout or ALiBi, a decode-sized query (DECODE_MAX_ROWS) or a paged
+    cache (which only it reads), and no kernel family asked for by name."""
+    if (p.requires_grad or p.attention_dropout > 0.0 or p.core_attention_bias_type != "no_bias"
+            or p.is_compiling or requested_family() != FLASH_FAMILIES["auto"]):
+        return False
+    rows = p.max_seqlen_q * (p.num_heads // p.num_gqa_groups)
+    return p.kv_page_size > 0 or rows <= DECODE_MAX_ROWS
+
+
+def reads_kv_pages(p: AttentionParams) -> bool:
+    """A paged KV cache reaches this backend as page pools (not gathered) when the decode
+    kernel serves the call; its pages must hold whole 16-key chunks."""
+    return p.kv_page_size > 0 and p.kv_page_size % 16 == 0 and uses_decode_kernel(p)
+
+
 def describe_choice(p: AttentionParams) -> str:
     """What runs inside the backend, for the debug log after it is selected."""
+    if uses_decode_kernel(p):
+        pages = f", paged K/V (page_size = {p.kv_page_size})" if p.kv_page_size else ""
+        return f"FlashAttention decode kernel (split-KV, sm80 family{pages})"
     family, why_not_sm90 = forward_family(p)
     if family == "sm90":
         return "FlashAttention forward kernel family = sm90 (wgmma, TMA), backward = sm80"
@@ -189,6 +216,16 @@ def _fwd_ext(q, k, v, cu_q, cu_kv, rng, slopes, call: FlashCall):
                         c.softmax_scale, c.window_left, c.window_right, c.bottom_right,
                         c.return_lse, c.dropout_p, rng, slopes, c.family)
     return out, lse
+
+
+def _decode(q, k, v, cu_q, cu_kv, page_table, call: FlashCall, num_splits: int = 0):
+    """The binding's split-KV decode forward on any q, k, v (k, v: page pools when
+    page_table is given): out in q's format."""
+    c = call
+    return _ext.fwd_kvcache(_ready(q), _ready(k), _ready(v), cu_q, cu_kv, page_table,
+                            FLASH_FORMAT_CODES[c.q_format], FLASH_FORMAT_CODES[c.kv_format],
+                            c.max_seqlen_q, c.max_seqlen_kv, c.softmax_scale, c.window_left,
+                            c.window_right, c.bottom_right, num_splits)
 
 
 def _fwd_impl(q, k, v, cu_q, cu_kv, rng, slopes, call: FlashCall):
@@ -335,6 +372,10 @@ def run(inputs: AttentionInputs, params: AttentionParams) -> torch.Tensor:
     need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                              or v.requires_grad)
     call = FlashCall.from_params(p, return_lse=need_grad)
+    if not need_grad and uses_decode_kernel(p):
+        _require_extension()
+        out = _decode(q, k, v, cu_q, cu_kv, inputs.page_table if p.kv_page_size else None, call)
+        return out.view(*out.shape[:-2], out.shape[-2] * out.shape[-1])
     if p.is_compiling or torch.compiler.is_compiling():
         out = torch.ops.transformer_fa.flash_attn_fwd(q, k, v, cu_q, cu_kv, rng, slopes,
                                                       *call)[0]
@@ -345,3 +386,83 @@ def run(inputs: AttentionInputs, params: AttentionParams) -> torch.Tensor:
         else:
             out = _fwd_impl(q, k, v, cu_q, cu_kv, rng, slopes, call)[0]
     return out.view(*out.shape[:-2], out.shape[-2] * out.shape[-1])
+
+
+# --------------------------------------------------------------------------------------------
+# FlashAttention's KV-cache call
+# --------------------------------------------------------------------------------------------
+def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            cache_seqlens=None, block_table: Optional[torch.Tensor] = None,
+                            softmax_scale: Optional[float] = None, causal: bool = False,
+                            window_size: Tuple[int, int] = (-1, -1),
+                            num_splits: int = 0) -> torch.Tensor:
+    """FlashAttention's ``flash_attn_with_kvcache`` (its attention; the cache is written by
+    the caller, e.g. InferenceParams): q ``[b, sq, h, d]`` against k_cache / v_cache
+    ``[b, s_cache, h_k, d]``, or with ``block_table`` (int32 ``[b, pages per sequence]``) the
+    page pools ``[pages, page_size, h_k, d]`` (page_size a multiple of 16).
+
+    cache_seqlens: int32 ``[b]`` or an int, the keys of each sequence (default: all of
+    s_cache; needed with a block table). causal aligns bottom-right: query i of sq sees the keys
+    up to cache_seqlens - sq + i. window_size: (left, right), -1 unbounded. num_splits: CTAs per
+    sequence and KV head over the keys (0: chosen from the shape and the GPU). Runs the
+    split-KV decode kernel; returns ``[b, sq, h, d]``.
+    """
+    tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D, got shape {tuple(t.shape)}")
+        if not t.is_cuda or t.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name} must be a float16 or bfloat16 CUDA tensor, got "
+                             f"{t.dtype} on {t.device}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TypeError(f"q, k_cache and v_cache must have one dtype, got {q.dtype}, "
+                        f"{k_cache.dtype}, {v_cache.dtype}")
+    if k_cache.device != q.device or v_cache.device != q.device:
+        raise ValueError("q, k_cache and v_cache must be on one device")
+    b, sq, h, d = q.shape
+    if k_cache.shape != v_cache.shape or k_cache.shape[-1] != d:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} "
+                         f"must have one shape with q's head dim {d}")
+    h_k = k_cache.shape[2]
+    if d % 8 or d > MAX_HEAD_DIM or h % h_k:
+        raise ValueError(f"head dim {d} must be a multiple of 8 up to {MAX_HEAD_DIM}, and "
+                         f"q's {h} heads a multiple of the cache's {h_k}")
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0: chosen), got {num_splits!r}")
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, int) for w in window_size)):
+        raise ValueError(f"window_size must be a (left, right) pair of ints, got "
+                         f"{window_size!r}")
+    if block_table is not None:
+        if (not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32
+                or block_table.dim() != 2 or block_table.shape[0] != b
+                or block_table.device != q.device):
+            raise ValueError(f"block_table must be an int32 [b={b}, pages] tensor on "
+                             f"{q.device}")
+        if k_cache.shape[1] % 16:
+            raise ValueError(f"page_size (k_cache.shape[1]) must be a multiple of 16, got "
+                             f"{k_cache.shape[1]}")
+        if cache_seqlens is None:
+            raise ValueError("cache_seqlens is required with a block_table")
+        max_k = block_table.shape[1] * k_cache.shape[1]
+    else:
+        if k_cache.shape[0] != b:
+            raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences, q {b}")
+        max_k = k_cache.shape[1]
+    cu_q = cu_k = None
+    if cache_seqlens is not None:
+        if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+            cache_seqlens = torch.full((b,), cache_seqlens, dtype=torch.int32, device=q.device)
+        if (not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype != torch.int32
+                or cache_seqlens.shape != (b,) or cache_seqlens.device != q.device):
+            raise ValueError(f"cache_seqlens must be an int or an int32 [b={b}] tensor on "
+                             f"{q.device}")
+        cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)
+        cu_k = torch.nn.functional.pad(cache_seqlens.cumsum(0, dtype=torch.int32), (1, 0))
+    _require_extension()
+    scale = float(softmax_scale) if softmax_scale is not None else d ** -0.5
+    left, right = int(window_size[0]), 0 if causal else int(window_size[1])
+    call = FlashCall("bshd", "bshd", sq, max_k, scale, left, right, True, 0.0, False, False)
+    return _decode(q, k_cache, v_cache, cu_q, cu_k, block_table, call, num_splits)

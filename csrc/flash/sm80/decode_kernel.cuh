@@ -1,0 +1,365 @@
+// Split-KV decode forward (Flash-Decoding) for sm80+: a few query tokens against a long K/V
+// (a KV cache, contiguous or paged). mma.sync m16n8k16, ldmatrix, cp.async, online softmax.
+//
+// Work partition. A CTA serves one (sequence, KV head, 16-row tile, split): its rows are the
+// (token, query head) pairs of the KV head's GQA group, row = token * group + head in group, so
+// one read of a K/V row serves every query head of the group. Its split is a contiguous run of
+// 16-key chunks of the sequence's key range; inside it, warp w takes chunks w, w + 4, ...
+// through its own cp.async pipeline of kStages chunks in its own shared memory (no CTA barrier
+// in the main loop), with its own running max, sum and O accumulator. At the end the warps'
+// partials are merged in shared memory; with one split the CTA writes O, else the normalized
+// partial and its LSE go to a float32 workspace and decode_combine_kernel merges the splits.
+#pragma once
+
+#include "flash/sm80/common.cuh"
+
+namespace transformer_fa {
+namespace flash {
+namespace sm80 {
+
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+template <typename T, int kHeadDim_, int kStages_>
+struct DecodeTraits {
+  using Element = T;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kStages = kStages_;  // chunks in flight per warp (cp.async groups)
+  static constexpr int kNWarps = 4;
+  static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kRows = 16;   // (token, head) rows per CTA: one MMA row tile
+  static constexpr int kChunk = 16;  // keys per warp step (a page holds whole chunks)
+  static constexpr int kChunkElems = kChunk * kHeadDim;
+  static constexpr int kWarpElems = kStages * 2 * kChunkElems;  // K and V of every stage
+  static constexpr int kSmemQBytes = kRows * kHeadDim * int(sizeof(T));
+  static constexpr int kSmemStageBytes = kNWarps * kWarpElems * int(sizeof(T));
+  static constexpr int kSmemStatBytes = 2 * kNWarps * kRows * int(sizeof(float));
+  static constexpr int kSmemBytes = kSmemQBytes + kSmemStageBytes + kSmemStatBytes;
+  static_assert(kStages >= 2, "the pipeline loads one chunk while it computes another");
+  static_assert(kHeadDim % 64 == 0, "rows of whole 8-chunk swizzle groups");
+  static_assert(kNWarps * kRows * kHeadDim * 4 <= kSmemStageBytes,
+                "the warps' float32 O partials fit where their stages were");
+};
+
+// The 16-key chunks of rows [t_lo, t_hi] of a sequence: chunk c holds keys
+// [first + 16 c, first + 16 c + 16); first is a multiple of 16 (pages hold whole chunks).
+struct ChunkRange {
+  int first, count;
+};
+
+__device__ __forceinline__ ChunkRange chunk_range(const FwdParams& p, const Band& band, int t_lo,
+                                                  int t_hi) {
+  int n_hi = band.len_k;
+  if (p.window_right >= 0) n_hi = min(n_hi, t_hi + band.off + p.window_right + 1);
+  int n_lo = 0;
+  if (p.window_left >= 0) n_lo = max(0, t_lo + band.off - p.window_left);
+  n_lo = n_lo / 16 * 16;
+  return {n_lo, n_hi > n_lo ? (n_hi - n_lo + 15) / 16 : 0};
+}
+
+template <typename Tr>
+__global__ void __launch_bounds__(Tr::kNThreads) decode_kernel(const DecodeParams p) {
+  using T = typename Tr::Element;
+  constexpr int D = Tr::kHeadDim;
+  constexpr int NW = Tr::kNWarps;
+  constexpr int ROWS = Tr::kRows;
+  constexpr int CH = Tr::kChunk;
+  constexpr int S = Tr::kStages;
+  constexpr int NF_O = D / 8;  // O n-tiles
+  constexpr int KF = D / 16;   // k-steps of Q K^T
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sStages = sQ + ROWS * D;
+  float* sMax = reinterpret_cast<float*>(smem_raw + Tr::kSmemQBytes + Tr::kSmemStageBytes);
+  float* sSum = sMax + NW * ROWS;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, tq = lane % 4;
+  const int group = p.h / p.h_k;
+  const int m_tiles = (p.seqlen_q * group + ROWS - 1) / ROWS;
+  const int split = blockIdx.x;
+  const int kvh = blockIdx.y / m_tiles;
+  const int r0 = (blockIdx.y % m_tiles) * ROWS;
+  const int bidb = blockIdx.z;
+
+  const SeqInfo si = seq_info(p, bidb);
+  if (r0 >= si.rows_q * group) return;  // rows of no token of this sequence
+  const Band band = band_of(p, si);
+  const int live_rows = min(ROWS, si.len_q * group - r0);  // <= 0: padding tokens only
+  const int t_lo = r0 / group, t_hi = (r0 + max(live_rows, 1) - 1) / group;
+  const ChunkRange range = live_rows > 0 ? chunk_range(p, band, t_lo, t_hi) : ChunkRange{0, 0};
+  const int per_split = (range.count + p.num_splits - 1) / p.num_splits;
+  const int c_begin = split * per_split;
+  const int c_end = min(range.count, c_begin + per_split);
+  const int mine = c_end - c_begin > warp ? (c_end - c_begin - warp + NW - 1) / NW : 0;
+
+  // Q rows: row r is token (r0 + r) / group, query head kvh * group + (r0 + r) % group.
+  {
+    const T* q_seq = reinterpret_cast<const T*>(p.q) + si.q_off(p.q_batch_stride, p.q_row_stride);
+    for (int i = tid; i < ROWS * (D / 8); i += Tr::kNThreads) {
+      const int r = i / (D / 8), col = (i % (D / 8)) * 8;
+      const int row = r0 + r;
+      const bool ok = r < live_rows && col < p.d;
+      const T* src = q_seq + int64_t(row / group) * p.q_row_stride +
+                     int64_t(kvh * group + row % group) * p.q_head_stride + col;
+      cp_async_16(smem_u32(sQ + swz<D>(r, col)), ok ? src : q_seq, ok);
+    }
+    cp_async_commit();
+  }
+
+  // K and V of one chunk into a stage of this warp; rows past the keys are zero-filled (P is
+  // 0 there, and 0 * garbage could be NaN).
+  T* const sWarp = sStages + warp * Tr::kWarpElems;
+  auto load_chunk = [&](int i) {
+    const int j0 = range.first + (c_begin + warp + i * NW) * CH;
+    T* sK = sWarp + (i % S) * 2 * Tr::kChunkElems;
+    T* sV = sK + Tr::kChunkElems;
+    const T* k_rows;
+    const T* v_rows;
+    if (p.block_table != nullptr) {
+      const int page = p.block_table[int64_t(bidb) * p.block_table_batch_stride + j0 / p.page_size];
+      const int in_page = j0 % p.page_size;
+      k_rows = reinterpret_cast<const T*>(p.k) + int64_t(page) * p.k_batch_stride +
+               int64_t(in_page) * p.k_row_stride;
+      v_rows = reinterpret_cast<const T*>(p.v) + int64_t(page) * p.v_batch_stride +
+               int64_t(in_page) * p.v_row_stride;
+    } else {
+      const SeqInfo at = si.in_loop_k();
+      k_rows = reinterpret_cast<const T*>(p.k) + at.k_off(p.k_batch_stride, p.k_row_stride) +
+               int64_t(j0) * p.k_row_stride;
+      v_rows = reinterpret_cast<const T*>(p.v) + at.k_off(p.v_batch_stride, p.v_row_stride) +
+               int64_t(j0) * p.v_row_stride;
+    }
+    k_rows += int64_t(kvh) * p.k_head_stride;
+    v_rows += int64_t(kvh) * p.v_head_stride;
+#pragma unroll
+    for (int c = lane; c < CH * (D / 8); c += 32) {
+      const int r = c / (D / 8), col = (c % (D / 8)) * 8;
+      const bool ok = j0 + r < band.len_k && col < p.d;
+      cp_async_16(smem_u32(sK + swz<D>(r, col)), ok ? k_rows + r * p.k_row_stride + col : k_rows,
+                  ok);
+      cp_async_16(smem_u32(sV + swz<D>(r, col)), ok ? v_rows + r * p.v_row_stride + col : v_rows,
+                  ok);
+    }
+  };
+
+#pragma unroll
+  for (int i = 0; i < S - 1; ++i) {
+    if (i < mine) load_chunk(i);
+    cp_async_commit();  // empty groups keep the count that cp_async_wait relies on
+  }
+  cp_async_wait<S - 1>();  // this thread's Q chunks have landed
+  __syncthreads();         // and every thread's
+
+  float acc_o[NF_O][4];
+#pragma unroll
+  for (int nf = 0; nf < NF_O; ++nf)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_o[nf][e] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+  const float sl2 = p.scale_softmax_log2;
+  const uint32_t sQ_u32 = smem_u32(sQ);
+
+  for (int i = 0; i < mine; ++i) {
+    cp_async_wait<S - 2>();  // chunk i has landed (this lane's part)
+    __syncwarp();            // every lane's part, and every lane is done with chunk i - 1
+    if (i + S - 1 < mine) load_chunk(i + S - 1);  // into chunk i - 1's stage
+    cp_async_commit();
+
+    const int j0 = range.first + (c_begin + warp + i * NW) * CH;
+    const T* sK = sWarp + (i % S) * 2 * Tr::kChunkElems;
+    const T* sV = sK + Tr::kChunkElems;
+    const uint32_t sK_u32 = smem_u32(sK), sV_u32 = smem_u32(sV);
+
+    // S = Q K^T for 16 rows x 16 keys.
+    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int kk = 0; kk < KF; ++kk) {
+      uint32_t a[4], b[4];
+      ldmatrix_x4(a, sQ_u32 + 2 * swz<D>(lane % 16, kk * 16 + (lane / 16) * 8));
+      ldmatrix_x4(b, sK_u32 + 2 * swz<D>((lane & 7) + ((lane >> 4) << 3),
+                                         kk * 16 + ((lane >> 3) & 1) * 8));
+      mma_16816<T>(s[0], a, b[0], b[1]);
+      mma_16816<T>(s[1], a, b[2], b[3]);
+    }
+
+    // The mask, on chunks that reach past the keys or cross the band.
+    if (band_cuts(band, t_lo, t_hi, j0, j0 + CH - 1)) {
+#pragma unroll
+      for (int nf = 0; nf < 2; ++nf)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int t = (r0 + g + 8 * (e >> 1)) / group;
+          const int j = j0 + nf * 8 + 2 * tq + (e & 1);
+          const bool keep = j < band.len_k &&
+                            (band.right < 0 || j <= t + band.off + band.right) &&
+                            (band.left < 0 || j >= t + band.off - band.left);
+          if (!keep) s[nf][e] = -INFINITY;
+        }
+    }
+
+    // Online softmax (rows g and g + 8). A row with no key so far keeps max -inf.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = row_max[r];
+#pragma unroll
+      for (int nf = 0; nf < 2; ++nf) mx = fmaxf(mx, fmaxf(s[nf][2 * r], s[nf][2 * r + 1]));
+      mx = quad_max(mx);
+      const float mx_scaled = mx == -INFINITY ? 0.f : mx * sl2;
+      const float corr = exp2f(row_max[r] * sl2 - mx_scaled);
+      row_max[r] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int nf = 0; nf < 2; ++nf)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float pe = exp2f(fmaf(s[nf][2 * r + e], sl2, -mx_scaled));
+          s[nf][2 * r + e] = pe;
+          sum += pe;
+        }
+      row_sum[r] = row_sum[r] * corr + sum;
+#pragma unroll
+      for (int nf = 0; nf < NF_O; ++nf) {
+        acc_o[nf][2 * r] *= corr;
+        acc_o[nf][2 * r + 1] *= corr;
+      }
+    }
+
+    // O += P V (P from registers: the S accumulator layout is the A-operand layout).
+    uint32_t a[4];
+    a[0] = pack2<T>(s[0][0], s[0][1]);
+    a[1] = pack2<T>(s[0][2], s[0][3]);
+    a[2] = pack2<T>(s[1][0], s[1][1]);
+    a[3] = pack2<T>(s[1][2], s[1][3]);
+#pragma unroll
+    for (int nn = 0; nn < NF_O / 2; ++nn) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, sV_u32 + 2 * swz<D>((lane & 7) + ((lane >> 3) & 1) * 8,
+                                               nn * 16 + (lane >> 4) * 8));
+      mma_16816<T>(acc_o[2 * nn], a, b[0], b[1]);
+      mma_16816<T>(acc_o[2 * nn + 1], a, b[2], b[3]);
+    }
+  }
+
+  // Merge the warps. Their stages become float32 O partials [warp][row][D].
+  cp_async_wait<0>();
+  __syncthreads();  // every warp is done with its stages
+  float* sO = reinterpret_cast<float*>(sStages);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = g + 8 * r;
+    const float sum = quad_sum(row_sum[r]);
+    if (tq == 0) {
+      sMax[warp * ROWS + row] = row_max[r] == -INFINITY ? -INFINITY : row_max[r] * sl2;
+      sSum[warp * ROWS + row] = sum;
+    }
+#pragma unroll
+    for (int nf = 0; nf < NF_O; ++nf) {
+      *reinterpret_cast<float2*>(sO + (warp * ROWS + row) * D + nf * 8 + 2 * tq) =
+          make_float2(acc_o[nf][2 * r], acc_o[nf][2 * r + 1]);
+    }
+  }
+  __syncthreads();  // the merge below reads other warps' partials
+
+  T* o_seq = reinterpret_cast<T*>(p.o) + si.q_off(p.o_batch_stride, p.o_row_stride);
+  for (int i = tid; i < ROWS * (D / 4); i += Tr::kNThreads) {
+    const int r = i / (D / 4), col = (i % (D / 4)) * 4;
+    const int row = r0 + r;
+    if (row >= si.rows_q * group) continue;  // the next sequence's (packed q)
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) m = fmaxf(m, sMax[w * ROWS + r]);
+    float l = 0.f;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (r < live_rows && m != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < NW; ++w) {
+        const float mw = sMax[w * ROWS + r];
+        if (mw == -INFINITY) continue;
+        const float f = exp2f(mw - m);
+        l += f * sSum[w * ROWS + r];
+        const float4 ow = *reinterpret_cast<const float4*>(sO + (w * ROWS + r) * D + col);
+        o.x += f * ow.x; o.y += f * ow.y; o.z += f * ow.z; o.w += f * ow.w;
+      }
+    }
+    const bool live = l > 0.f;  // false for padding tokens and rows with no key
+    const float inv = live ? 1.f / l : 0.f;
+    o.x *= inv; o.y *= inv; o.z *= inv; o.w *= inv;
+    const int t = row / group, head = kvh * group + row % group;
+    if (p.num_splits == 1) {
+      if (col < p.d) {
+        *reinterpret_cast<uint2*>(o_seq + int64_t(t) * p.o_row_stride +
+                                  int64_t(head) * p.o_head_stride + col) =
+            make_uint2(pack2<T>(o.x, o.y), pack2<T>(o.z, o.w));
+      }
+    } else {
+      const int64_t token = p.q_packed ? int64_t(si.start_q) + t : int64_t(bidb) * p.seqlen_q + t;
+      const int64_t acc_row = int64_t(split) * p.accum_rows + token * p.h + head;
+      *reinterpret_cast<float4*>(p.o_accum + acc_row * D + col) = o;
+      if (col == 0) p.lse_accum[acc_row] = live ? m + __log2f(l) : -INFINITY;
+    }
+  }
+}
+
+// Merges the splits of decode_kernel: one warp per (token, head) row of the workspace, each
+// lane kD / 32 columns. Tokens of no sequence (packed q past cu_seqlens_q[b]) and rows whose
+// splits all saw no key get zeros.
+template <typename T, int kD>
+__global__ void __launch_bounds__(128) decode_combine_kernel(const DecodeParams p) {
+  constexpr int kPerLane = kD / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t row = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;
+  if (row >= p.accum_rows) return;
+  const int64_t token = row / p.h;
+  const int head = int(row % p.h);
+  T* out;
+  bool in_sequence = true;
+  if (p.q_packed) {
+    in_sequence = token < p.cu_seqlens_q[p.b];
+    out = reinterpret_cast<T*>(p.o) + token * p.o_row_stride;
+  } else {
+    out = reinterpret_cast<T*>(p.o) + (token / p.seqlen_q) * p.o_batch_stride +
+          (token % p.seqlen_q) * p.o_row_stride;
+  }
+  out += int64_t(head) * p.o_head_stride;
+
+  float m = -INFINITY;
+  if (in_sequence) {
+    for (int s = lane; s < p.num_splits; s += 32)
+      m = fmaxf(m, p.lse_accum[int64_t(s) * p.accum_rows + row]);
+  }
+#pragma unroll
+  for (int w = 16; w > 0; w /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, w));
+  float acc[kPerLane];
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) acc[k] = 0.f;
+  if (m != -INFINITY) {
+    float l = 0.f;
+    for (int s = 0; s < p.num_splits; ++s) {
+      const int64_t at = int64_t(s) * p.accum_rows + row;
+      const float ls = p.lse_accum[at];
+      if (ls == -INFINITY) continue;  // a split with no key: its partial was not written
+      const float f = exp2f(ls - m);
+      l += f;
+      const float* part = p.o_accum + at * kD + lane * kPerLane;
+#pragma unroll
+      for (int k = 0; k < kPerLane; ++k) acc[k] += f * part[k];
+    }
+#pragma unroll
+    for (int k = 0; k < kPerLane; ++k) acc[k] /= l;
+  }
+  const int col0 = lane * kPerLane;
+#pragma unroll
+  for (int k = 0; k < kPerLane; k += 2) {
+    if (col0 + k < p.d) {
+      *reinterpret_cast<uint32_t*>(out + col0 + k) = pack2<T>(acc[k], acc[k + 1]);
+    }
+  }
+}
+
+}  // namespace sm80
+}  // namespace flash
+}  // namespace transformer_fa

@@ -1,0 +1,88 @@
+// Launch template of the sm80 family's split-KV decode forward: the stage counts per head dim,
+// the choice of the number of splits, and the launches (decode_kernel, decode_combine_kernel).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+
+#include "flash/flash.h"
+#include "flash/sm80/decode_kernel.cuh"
+
+namespace transformer_fa {
+namespace flash {
+namespace sm80 {
+
+// Chunks in flight per warp: about 96 KB of stages per CTA, so that two CTAs share an SM on
+// an H100 (d256: one) and each SM keeps 100+ KB of K/V reads in flight, what HBM3 needs to
+// stream at full speed.
+template <typename T, int kHeadDim>
+struct DecodeConfig;
+template <typename T> struct DecodeConfig<T, 64> { using Traits = DecodeTraits<T, 64, 6>; };
+template <typename T> struct DecodeConfig<T, 128> { using Traits = DecodeTraits<T, 128, 3>; };
+template <typename T> struct DecodeConfig<T, 192> { using Traits = DecodeTraits<T, 192, 2>; };
+template <typename T> struct DecodeConfig<T, 256> { using Traits = DecodeTraits<T, 256, 2>; };
+
+constexpr int kMaxDecodeSplits = 128;
+
+// CTAs of the main kernel per (sequence, KV head) before splitting: one per 16-row tile.
+inline int decode_row_tiles(const FwdParams& p) {
+  return (p.seqlen_q * (p.h / p.h_k) + 15) / 16;
+}
+
+// The number of splits: the one that makes the last wave of CTAs over the GPU's CTA slots the
+// fullest, counted as the time of the slowest slot (waves / splits), among splits that leave
+// every warp at least 4 chunks of the longest sequence (fewer and the pipeline never fills).
+// Ties (within 5%) go to fewer splits: each adds a partial to write and merge.
+inline int choose_decode_splits(int units, int slots, int seqlen_k, int warps) {
+  const int chunks = (seqlen_k + 15) / 16;
+  const int most = std::max(1, std::min(kMaxDecodeSplits, chunks / (4 * warps)));
+  int best = 1;
+  double best_time = 1e30;
+  for (int s = 1; s <= most; ++s) {
+    const double waves = std::ceil(double(units) * s / slots);
+    const double time = waves / s;
+    if (time < best_time * 0.95) {
+      best = s;
+      best_time = time;
+    }
+  }
+  return best;
+}
+
+template <typename T, int kHeadDim>
+DecodePlan plan_decode(DecodeParams& p, const Device& device) {
+  using Tr = typename DecodeConfig<T, kHeadDim>::Traits;
+  constexpr int smem = Tr::kSmemBytes;
+  allow_dynamic_smem<&decode_kernel<Tr>>(smem);
+  int per_sm = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_kernel<Tr>, Tr::kNThreads, smem);
+  const int units = p.b * p.h_k * decode_row_tiles(p);
+  if (p.num_splits <= 0) {
+    p.num_splits = choose_decode_splits(units, std::max(1, per_sm) * device.sms, p.seqlen_k,
+                                        Tr::kNWarps);
+  }
+  p.num_splits = std::min(p.num_splits, kMaxDecodeSplits);
+  DecodePlan plan{};
+  plan.smem_bytes = smem;
+  plan.accum_floats = p.num_splits > 1 ? int64_t(p.num_splits) * p.accum_rows * kHeadDim : 0;
+  plan.lse_floats = p.num_splits > 1 ? int64_t(p.num_splits) * p.accum_rows : 0;
+  return plan;
+}
+
+template <typename T, int kHeadDim>
+void launch_decode(const DecodeParams& p, const Device&, cudaStream_t stream) {
+  using Tr = typename DecodeConfig<T, kHeadDim>::Traits;
+  if (p.b == 0 || p.h == 0 || p.seqlen_q == 0) return;
+  constexpr int smem = Tr::kSmemBytes;
+  allow_dynamic_smem<&decode_kernel<Tr>>(smem);
+  const dim3 grid(p.num_splits, p.h_k * decode_row_tiles(p), p.b);
+  decode_kernel<Tr><<<grid, Tr::kNThreads, smem, stream>>>(p);
+  if (p.num_splits > 1) {
+    const int64_t blocks = (p.accum_rows + 3) / 4;  // 4 warps, one row each
+    decode_combine_kernel<T, kHeadDim><<<dim3(unsigned(blocks)), 128, 0, stream>>>(p);
+  }
+}
+
+}  // namespace sm80
+}  // namespace flash
+}  // namespace transformer_fa
