@@ -1,13 +1,17 @@
 """KV cache inference (InferenceParams): the cache across steps equals recomputing each whole
 sequence without it; the cache managers' bookkeeping; bad input is a clear error that leaves
 the cache unchanged."""
+import dataclasses
+import math
 from collections import OrderedDict
 
 import pytest
 import torch
 
 import transformer_fa as tfa
-from transformer_fa.attention import inference
+from transformer_fa.attention import context_parallel, inference, layout
+from transformer_fa.attention.dot_product_attention import _sequence_lengths
+from transformer_fa.attention.backends import unfused
 from kv_cache_cases import (GQA, HEAD_DIM, HEADS, HIDDEN, MAX_SEQLEN, SCHEDULE, make_params,
                             make_stack, reference_outputs, rope_table, run_schedule,
                             sequence_inputs)
@@ -15,13 +19,14 @@ from kv_cache_cases import (GQA, HEAD_DIM, HEADS, HIDDEN, MAX_SEQLEN, SCHEDULE, 
 FORMATS = ("bshd", "sbhd", "thd")
 
 
-def check_schedule(qkv_format, is_paged, rope, cache_args=None, **layer_args):
-    """cache_args: the cached stack's only (the reference runs each sequence alone, causal)."""
+def check_schedule(qkv_format, is_paged, rope, cache_args=None, params=None, **layer_args):
+    """cache_args: the cached stack's only (the reference runs each sequence alone, causal).
+    params: the InferenceParams to use (default: make_params')."""
     reference = make_stack("bshd", **layer_args)
     stack = make_stack(qkv_format, **layer_args, **(cache_args or {}))
     inputs = sequence_inputs(SCHEDULE)
     expected = reference_outputs(reference, inputs, rope)
-    params = make_params(qkv_format, is_paged)
+    params = make_params(qkv_format, is_paged) if params is None else params
     for step, outs, positions in run_schedule(stack, params, inputs, qkv_format, rope):
         for seq, out in outs.items():
             start, end = positions[seq]
@@ -36,6 +41,120 @@ def test_cache_equals_recomputing_whole_sequences(qkv_format, is_paged):
     """GQA, RoPE, sequences joining, leaving and reordering, prefill and multi-token steps."""
     stack = check_schedule(qkv_format, is_paged, rope_table())
     assert stack[0].self_attention.core_attention.last_backend == "UnfusedDotProductAttention"
+
+
+def spy_on_unfused(monkeypatch, check, reads_kv_pages=None):
+    """Wraps the unfused backend's run: ``check(inputs, params)`` sees every call over the
+    cache (those with cu_seqlens_kv). ``reads_kv_pages`` (None: the module has none) becomes
+    the module's; page pools reaching run are gathered here through the page table."""
+    if reads_kv_pages is None:
+        monkeypatch.delattr(unfused, "reads_kv_pages", raising=False)
+    else:
+        monkeypatch.setattr(unfused, "reads_kv_pages", reads_kv_pages, raising=False)
+    run = unfused.run
+
+    def spy(inputs, params):
+        if inputs.cu_seqlens_kv is not None:
+            check(inputs, params)
+        if inputs.page_table is not None:
+            table = inputs.page_table.long()
+            k, v = (pool[table].flatten(1, 2) for pool in (inputs.k, inputs.v))
+            inputs = dataclasses.replace(inputs, k=k, v=v, page_table=None)
+            params = dataclasses.replace(params, kv_page_size=0)
+        return run(inputs, params)
+    monkeypatch.setattr(unfused, "run", spy)
+
+
+def pages_of_the_batch(params):
+    """Each sequence's pages, in batch order, and the pages of the longest."""
+    manager = params.cache_manager
+    pages = [manager.get_page_list(seq) for seq in params.sequences]
+    return pages, math.ceil(max(params.sequences.values()) / manager.page_size)
+
+
+@pytest.mark.parametrize("qkv_format", FORMATS)
+def test_a_backend_that_reads_kv_pages_gets_the_pools_and_page_table(monkeypatch, qkv_format):
+    params = make_params(qkv_format, True, page_size=4)
+    manager, calls, asked = params.cache_manager, [], []
+
+    def check(inputs, attn):
+        b = params.batch_size
+        pages, longest = pages_of_the_batch(params)
+        assert attn.kv_page_size == 4 and attn.kv_format == "bshd"
+        assert any(inputs.k is k and inputs.v is v for k, v in manager.cache.values())
+        table = inputs.page_table
+        assert table.dtype == torch.int32 and tuple(table.shape) == (b, longest)
+        assert all(table[i, :len(p)].tolist() == p for i, p in enumerate(pages))
+        assert attn.max_seqlen_kv == longest * 4 and attn.batch_size == b
+        assert inputs.cu_seqlens_kv.tolist() == params.cu_seqlens_kv[:b + 1].tolist()
+        calls.append(attn)
+
+    spy_on_unfused(monkeypatch, check, reads_kv_pages=lambda attn: asked.append(attn) or True)
+    check_schedule(qkv_format, True, rope_table(), params=params)
+    assert len(calls) == len(SCHEDULE) * len(manager.cache)
+    assert asked and all(attn.kv_page_size == 4 for attn in asked)
+
+
+@pytest.mark.parametrize("reads_kv_pages", [None, lambda attn: False], ids=["absent", "false"])
+def test_a_backend_that_does_not_read_kv_pages_gets_them_gathered(monkeypatch, reads_kv_pages):
+    params = make_params("thd", True, page_size=4)
+    manager, calls = params.cache_manager, []
+
+    def check(inputs, attn):
+        pages, longest = pages_of_the_batch(params)
+        assert inputs.page_table is None and attn.kv_page_size == 0
+        for t in (inputs.k, inputs.v):
+            assert t.is_contiguous()
+            assert tuple(t.shape) == (params.batch_size, longest * 4, GQA, HEAD_DIM)
+        assert attn.max_seqlen_kv == longest * 4
+
+        def sequences_in(pool):  # each sequence's pages of a pool, in order
+            return [torch.cat([pool[page] for page in seq_pages]) for seq_pages in pages]
+        # Row i starts with sequence i's pages (of one of the layers' caches).
+        assert any(all(torch.equal(inputs.k[i, :len(seq)], seq)
+                       for i, seq in enumerate(sequences_in(k_pool)))
+                   for k_pool, _ in manager.cache.values())
+        calls.append(attn)
+
+    spy_on_unfused(monkeypatch, check, reads_kv_pages)
+    check_schedule("thd", True, rope_table(), params=params)
+    assert len(calls) == len(SCHEDULE) * len(manager.cache)
+
+
+def test_page_pools_are_read_through_their_page_table_and_checked():
+    pools = torch.zeros(6, 4, GQA, HEAD_DIM)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    assert layout.kv_seq_batch(pools, "bshd", table) == (8, 2)
+    with pytest.raises(ValueError, match="page pools are bshd"):
+        layout.kv_seq_batch(pools, "sbhd", table)
+    with pytest.raises(TypeError, match="page_table must be an int32 tensor"):
+        layout.kv_seq_batch(pools, "bshd", table.long())
+    with pytest.raises(ValueError, match="stride 1 in its last dim"):
+        layout.kv_seq_batch(pools, "bshd", table.t())
+    q = torch.zeros(3, 5, HEADS, HEAD_DIM)  # bshd: 3 sequences, the table has 2 rows
+    with pytest.raises(ValueError, match="query_layer batch 3 differs from page_table's rows"):
+        layout.validate_qkv(q, pools, pools, "bshd", "bshd", HEADS, GQA, HEAD_DIM, HEAD_DIM, table)
+    layout.validate_qkv(q[:2], pools, pools, "bshd", "bshd", HEADS, GQA, HEAD_DIM, HEAD_DIM,
+                        table)
+    q, cu_q = torch.zeros(3, HEADS, HEAD_DIM), torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    cu_kv = torch.tensor([0, 5, 8, 9], dtype=torch.int32)
+    with pytest.raises(ValueError, match="page_table has 2 rows but the call has 3 sequences"):
+        _sequence_lengths(q, pools, "thd", "bshd", "padding", None, cu_q, cu_kv, 1, 8, table)
+    assert _sequence_lengths(q, pools, "thd", "bshd", "padding", None, cu_q[:3], cu_kv[:3], 1,
+                             8, table)[3:] == (1, 8)
+
+
+def test_inference_with_context_parallelism_is_refused_before_the_cache_changes(monkeypatch):
+    monkeypatch.setattr(context_parallel, "size_and_rank", lambda group: (2, 0))
+    dpa = make_dpa()
+    params = make_params("bshd", True)
+    params.allocate_memory(1)
+    params.pre_step(OrderedDict({0: 3}))
+    before = snapshot(params)
+    with pytest.raises(ValueError, match="inference_params is not supported with context "
+                                         "parallelism"):
+        dpa(*qkv(1, 3), inference_params=params)
+    assert_unchanged(before, params)
 
 
 def test_cache_without_rope_and_with_a_sliding_window():

@@ -179,14 +179,18 @@ class DotProductAttention(torch.nn.Module):
                      core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes,
                      softcap=softcap)
         if inference_params is not None:
-            # KV cache: append k, v in place, then attend over the cache (a varlen call).
+            # KV cache: append k, v in place, then attend over the cache (a varlen call; a
+            # paged cache's pools go on with their page table).
+            if context_parallel.size_and_rank(self.cp_group)[0] > 1:
+                raise ValueError("inference_params is not supported with context parallelism "
+                                 "(cp_group of more than one rank)")
             q, k_cache, v_cache, cache_args = inference.attention_over_cache(
                 inference_params, self, query_layer, key_layer, value_layer,
                 self.qkv_format if qkv_format is None else qkv_format,
                 self.attn_mask_type if attn_mask_type is None else attn_mask_type,
                 dict(again, cu_seqlens_q_padded=cu_seqlens_q_padded,
                      cu_seqlens_kv_padded=cu_seqlens_kv_padded))
-            return self.forward(q, k_cache, v_cache, **cache_args)
+            return self._attend(q, k_cache, v_cache, **cache_args)
         if checkpoint_core_attention and torch.is_grad_enabled():
             # TE's activation checkpointing: recompute attention in the backward.
             return checkpoint(self.forward, query_layer, key_layer, value_layer,
@@ -214,8 +218,17 @@ class DotProductAttention(torch.nn.Module):
             if rows_q is not None or rows_kv is not None:
                 return self._forward_with_gaps(query_layer, key_layer, value_layer, rows_q,
                                                rows_kv, again)
+        return self._attend(query_layer, key_layer, value_layer, **again)
+
+    def _attend(self, q, k, v, attention_mask, qkv_format, cu_seqlens_q, cu_seqlens_kv,
+                max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size, bottom_right_diagonal,
+                core_attention_bias_type, core_attention_bias, alibi_slopes, softcap,
+                page_table=None):
+        """The rest of forward for one plain call: validate, describe, select and run.
+        ``page_table`` (the KV cache's, not a forward argument): k and v are the page pools
+        ``[total_pages, page_size, h_kv, d]`` of a paged cache (bshd) read through it (see
+        ``AttentionInputs.page_table``); the call then carries cu_seqlens_kv."""
         softcap = self.softcap if softcap is None else _check_softcap(softcap)
-        q, k, v = query_layer, key_layer, value_layer
         if self.softmax_offset is not None and self.softmax_offset.device != q.device:
             raise ValueError(f"softmax_offset (softmax_type={self.softmax_type!r}) is on "
                              f"{self.softmax_offset.device} but the inputs are on {q.device}; "
@@ -249,11 +262,13 @@ class DotProductAttention(torch.nn.Module):
                                   self.window_size if window_size is None else window_size)
 
         layout.validate_qkv(q, k, v, q_format, kv_format, self.num_attention_heads,
-                            self.num_gqa_groups, self.head_dim_qk, self.head_dim_v)
+                            self.num_gqa_groups, self.head_dim_qk, self.head_dim_v, page_table)
+        given = (q, k, v)
         qkv_layout, q, k, v = layout.get_qkv_layout(q, k, v, qkv_format)
 
         lengths = _sequence_lengths(q, k, q_format, kv_format, mask_type, attention_mask,
-                                    cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv)
+                                    cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+                                    page_table)
         batch, cu_q, cu_kv, sq, skv = lengths
         arbitrary = _arbitrary_mask(mask_type, attention_mask, batch, self.num_attention_heads,
                                     sq, skv, q.device)
@@ -282,6 +297,7 @@ class DotProductAttention(torch.nn.Module):
             is_compiling=torch.compiler.is_compiling(),
             softmax_type=self.softmax_type, return_max_logit=self.return_max_logit,
             softcap=softcap, bottom_right_diagonal=bottom_right_diagonal is not False,
+            kv_page_size=0 if page_table is None else k.shape[1],
         )
         backend, params = selection.select(fields, env)
         # nn.Module.__setattr__ is slow: set on change. Under compile, reading the old value
@@ -289,8 +305,8 @@ class DotProductAttention(torch.nn.Module):
         if params.is_compiling or self.last_backend != backend.NAME:
             self.last_backend = backend.NAME
         inputs = AttentionInputs(q, k, v, cu_q, cu_kv, arbitrary, bias, slopes,
-                                 self.softmax_offset)
-        if dense_key is not None and q is query_layer and k is key_layer and v is value_layer:
+                                 self.softmax_offset, page_table)
+        if dense_key is not None and q is given[0] and k is given[1] and v is given[2]:
             # Proven without a copy: the same key will mean the same layout and decision.
             if len(self._dense_calls) >= 64:
                 self._dense_calls.clear()
@@ -334,6 +350,10 @@ class DotProductAttention(torch.nn.Module):
         return self._window_memo[1]
 
     def _run(self, backend, inputs, params):
+        if params.kv_page_size:
+            # A paged KV cache: the pools go on to a backend that reads pages, gathered
+            # pages to any other.
+            inputs, params = inference.kv_pages_for(backend, inputs, params)
         # TE draws attention dropout from the tracker's RNG state when one is given.
         forked = (self.get_rng_state_tracker is not None and params.attention_dropout > 0.0)
         with self.get_rng_state_tracker().fork() if forked else nullcontext():
@@ -469,11 +489,12 @@ def _mask_type_for(mask_type: str, q_format: str, kv_format: str) -> str:
 
 
 def _sequence_lengths(q, k, q_format, kv_format, mask_type, attention_mask, cu_seqlens_q,
-                      cu_seqlens_kv, max_seqlen_q, max_seqlen_kv):
+                      cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, page_table=None):
     """(batch, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv) for the call.
 
     cu_seqlens are returned for thd tensors and padding masks only. For sbhd/bshd the max
-    sequence lengths are the tensors' own (padded) sizes.
+    sequence lengths are the tensors' own (padded) sizes; for page pools (``page_table``)
+    the table's pages per row times the page size.
     """
     padded = "padding" in mask_type
     thd = "thd" in (q_format, kv_format)
@@ -483,7 +504,7 @@ def _sequence_lengths(q, k, q_format, kv_format, mask_type, attention_mask, cu_s
                      mask_type, "thd" if thd else q_format)
         attention_mask = None
     sq, bq = layout.seq_batch_of(q, q_format)
-    skv, bkv = layout.seq_batch_of(k, kv_format)
+    skv, bkv = layout.kv_seq_batch(k, kv_format, page_table)
     if padded and attention_mask is not None and "thd" not in (q_format, kv_format):
         if isinstance(attention_mask, (tuple, list)):
             if len(attention_mask) != 2:
@@ -509,6 +530,8 @@ def _sequence_lengths(q, k, q_format, kv_format, mask_type, attention_mask, cu_s
         cu_seqlens_q, "cu_seqlens_q", bq, q.shape[0] if q_format == "thd" else None, q.device)
     padding.check_cu_seqlens(
         cu_seqlens_kv, "cu_seqlens_kv", batch, k.shape[0] if kv_format == "thd" else None, q.device)
+    if page_table is not None and bkv != batch:
+        raise ValueError(f"page_table has {bkv} rows but the call has {batch} sequences")
     sq = _max_len("max_seqlen_q", cu_seqlens_q, sq, max_seqlen_q)
     skv = _max_len("max_seqlen_kv", cu_seqlens_kv, skv, max_seqlen_kv)
     return batch, cu_seqlens_q, cu_seqlens_kv, sq, skv

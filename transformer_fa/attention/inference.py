@@ -25,6 +25,7 @@ bottom-right causal alignment (a query at position p sees keys 0..p).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import OrderedDict
 from typing import Dict, List, Mapping, Optional, Tuple
@@ -32,6 +33,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 import torch
 
 from . import layout, masks
+from .params import AttentionInputs, AttentionParams
 
 __all__ = ["InferenceParams", "KVCacheManager", "NonPagedKVCacheManager", "PagedKVCacheManager"]
 
@@ -595,9 +597,11 @@ def cache_mask_type(attn_mask_type: str) -> str:
 def attention_over_cache(inference_params, module, q, k, v, qkv_format: str,
                          attn_mask_type: str, call_args: dict):
     """Write k, v into the cache of ``module``'s layer and describe the attention of q over
-    it as a varlen call: ``(q, k_cache, v_cache, forward arguments)`` with the step's
-    cu_seqlens, a padding mask type and the cache's format. Checks everything first: bad
-    input leaves the cache unchanged."""
+    it as a varlen call: ``(q, k_cache, v_cache, arguments)`` with the step's cu_seqlens, a
+    padding mask type and the cache's format; the arguments are ``forward``'s plus
+    ``page_table``: for a paged cache k_cache / v_cache are the page pools and page_table
+    the batch's rows of the page table (see ``AttentionInputs.page_table``), else None.
+    Checks everything first: bad input leaves the cache unchanged."""
     check_inference_params(inference_params, module.attention_type)
     for name in ("cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
         if call_args.pop(name, None) is not None:
@@ -623,20 +627,36 @@ def attention_over_cache(inference_params, module, q, k, v, qkv_format: str,
     k_cache, v_cache, cu_q, cu_kv, max_kv, kv_format = inference_params.step(
         module.layer_number, k, v, q_format)
     inference_params._layer_owners[module.layer_number] = module
+    page_table = None
     if inference_params.is_paged:
-        # The kernels do not read block tables yet: this step's pages are gathered into a
-        # contiguous [b, pages * page_size, h, d] copy for the call (pages up to the longest
-        # sequence only).
+        # The call gets the page pools and the batch's rows of the page table, up to the
+        # pages of the longest sequence (a view); a backend that cannot read pages gets them
+        # gathered (kv_pages_for).
         manager = inference_params.cache_manager
         num_pages = math.ceil(max(inference_params.sequences.values()) / manager.page_size)
-        k_cache, v_cache = gather_pages(manager.cache[module.layer_number], manager.page_table,
-                                        b, num_pages)
+        page_table = manager.page_table[:b, :num_pages]
         max_kv = num_pages * manager.page_size
     args = dict(call_args, attention_mask=None, qkv_format=kv_format, cu_seqlens_q=cu_q,
                 cu_seqlens_kv=cu_kv,
                 max_seqlen_q=inference_params.max_seqlen_q if q_format == "thd" else None,
-                max_seqlen_kv=max_kv, attn_mask_type=mask_type, bottom_right_diagonal=True)
+                max_seqlen_kv=max_kv, attn_mask_type=mask_type, bottom_right_diagonal=True,
+                page_table=page_table)
     return q, k_cache, v_cache, args
+
+
+def kv_pages_for(backend, inputs: AttentionInputs,
+                 params: AttentionParams) -> Tuple[AttentionInputs, AttentionParams]:
+    """The inputs and params of a paged call (``params.kv_page_size > 0``) as ``backend``
+    reads them: unchanged if its ``reads_kv_pages(params)`` says it reads page pools, else
+    with the pages gathered into contiguous ``[b, max_seqlen_kv, h, d]`` K and V, no page
+    table and ``kv_page_size`` 0."""
+    reads_kv_pages = getattr(backend, "reads_kv_pages", None)
+    if reads_kv_pages is not None and reads_kv_pages(params):
+        return inputs, params
+    table = inputs.page_table
+    k, v = gather_pages((inputs.k, inputs.v), table, table.shape[0], table.shape[1])
+    return (dataclasses.replace(inputs, k=k, v=v, page_table=None),
+            dataclasses.replace(params, kv_page_size=0))
 
 
 def _check_given_cu_seqlens(given, expected: torch.Tensor) -> None:

@@ -152,9 +152,30 @@ def seq_batch_of(t: torch.Tensor, fmt: str) -> Tuple[Optional[int], Optional[int
     return None, None
 
 
+def kv_seq_batch(k: torch.Tensor, kv_format: str,
+                 page_table: Optional[torch.Tensor] = None) -> Tuple[Optional[int], Optional[int]]:
+    """(seqlen, batch) of the keys: ``seq_batch_of(k)``, or for page pools ``[total_pages,
+    page_size, h, d]`` read through ``page_table`` ``[b, pages_per_seq]`` (a paged KV cache,
+    bshd): (pages_per_seq * page_size, b)."""
+    if page_table is None:
+        return seq_batch_of(k, kv_format)
+    if kv_format != "bshd":
+        raise ValueError(f"page pools are bshd (the KV cache's format), got kv_format {kv_format!r}")
+    if not isinstance(page_table, torch.Tensor) or page_table.dtype != torch.int32:
+        raise TypeError("page_table must be an int32 tensor [b, pages_per_seq]")
+    if page_table.dim() != 2 or page_table.device != k.device or (
+            page_table.shape[1] > 1 and page_table.stride(1) != 1):
+        raise ValueError(f"page_table must be [b, pages_per_seq] with stride 1 in its last dim, "
+                         f"on the pools' device {k.device}; got shape {list(page_table.shape)}, "
+                         f"strides {page_table.stride()} on {page_table.device}")
+    return page_table.shape[1] * k.shape[1], page_table.shape[0]
+
+
 def validate_qkv(q, k, v, q_format: str, kv_format: str, num_heads: int,
-                 num_gqa_groups: int, head_dim_qk: int, head_dim_v: int) -> None:
-    """Checks that q, k, v can be read in the given formats by a module with these sizes."""
+                 num_gqa_groups: int, head_dim_qk: int, head_dim_v: int,
+                 page_table: Optional[torch.Tensor] = None) -> None:
+    """Checks that q, k, v can be read in the given formats by a module with these sizes.
+    With ``page_table``, k and v are page pools (see ``kv_seq_batch``)."""
     names = ("query_layer", "key_layer", "value_layer")
     tensors = (q, k, v)
     for name, t in zip(names, tensors):
@@ -197,6 +218,7 @@ def validate_qkv(q, k, v, q_format: str, kv_format: str, num_heads: int,
             f"key_layer and value_layer must agree in all but the head dim, got "
             f"{tuple(k.shape)} and {tuple(v.shape)}")
     _, bq = seq_batch_of(q, q_format)
-    _, bk = seq_batch_of(k, kv_format)
+    _, bk = kv_seq_batch(k, kv_format, page_table)
     if bq is not None and bk is not None and bq != bk:
-        raise ValueError(f"query_layer batch {bq} differs from key_layer batch {bk}")
+        kv_side = "key_layer" if page_table is None else "page_table's rows:"
+        raise ValueError(f"query_layer batch {bq} differs from {kv_side} batch {bk}")

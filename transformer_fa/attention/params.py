@@ -69,6 +69,12 @@ class AttentionParams:
     softcap: float = 0.0  # logits -> softcap * tanh(logits / softcap) when > 0 (FA2/Gemma 2)
     # TE's bottom_right_diagonal for non-causal masks (windows, ALiBi): False = top-left.
     bottom_right_diagonal: bool = True
+    # 0: k and v are ordinary tensors. > 0: k and v are the page pools ``[total_pages,
+    # kv_page_size, h_kv, d]`` of a paged KV cache (kv_format "bshd"), read through
+    # ``AttentionInputs.page_table``; max_seqlen_kv is the table's pages per row * kv_page_size.
+    # Only a backend whose ``reads_kv_pages(params)`` says so gets them; every other backend
+    # gets the pages gathered into ``[b, max_seqlen_kv, h_kv, d]`` and this field at 0.
+    kv_page_size: int = 0
 
     @property
     def is_padding(self) -> bool:
@@ -131,6 +137,12 @@ class AttentionInputs:
     softmax_offset: ``[h]`` for ``params.softmax_type`` "off-by-one" (zeros) and "learnable"
     (the module's parameter, with its gradient), else None. A backend must add
     ``exp(softmax_offset[h])`` to every softmax denominator of head h.
+    page_table: only when ``params.kv_page_size > 0`` (k and v are then page pools
+    ``[total_pages, page_size, h_kv, d]``): int32 ``[b, pages_per_seq]`` on q's device, row i
+    listing sequence i's pages in order (``pages_per_seq * page_size == params.max_seqlen_kv``;
+    stride 1 in its last dim, rows may be strided: read ``page_table.stride(0)``). Sequence i's
+    keys are its first ``cu_seqlens_kv[i + 1] - cu_seqlens_kv[i]`` cached tokens; entries past
+    them are unused. Else None.
     """
 
     q: torch.Tensor
@@ -142,3 +154,4 @@ class AttentionInputs:
     core_attention_bias: Optional[torch.Tensor] = None
     alibi_slopes: Optional[torch.Tensor] = None
     softmax_offset: Optional[torch.Tensor] = None
+    page_table: Optional[torch.Tensor] = None

@@ -12,6 +12,15 @@ Each module (fused: a package) here is one backend and has the same three names:
   output with heads merged, differentiable w.r.t. q, k, v (and a bias that requires grad):
   ``[sq, b, h*dv]`` for sbhd q, ``[b, sq, h*dv]`` for bshd, ``[t, h*dv]`` for thd, dtype of q.
   Query rows that a padding mask removes, and rows with every key masked, are zero.
+
+Optional:
+
+- ``reads_kv_pages(params) -> bool``: True if ``run`` reads a paged KV cache's page pools
+  through the page table for this call (``params.kv_page_size > 0``: ``inputs.k`` / ``inputs.v``
+  are ``[total_pages, page_size, h_kv, d]``, ``inputs.page_table`` ``[b, pages_per_seq]``).
+  Without it, or when it says False, DotProductAttention gathers the pages into contiguous
+  ``[b, max_seqlen_kv, h_kv, d]`` K and V first and ``run`` gets ``kv_page_size`` 0 and no
+  page table. Never raises.
 """
 from . import flash, fused, unfused
 
