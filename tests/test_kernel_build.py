@@ -16,12 +16,12 @@ def test_default_builds_every_instantiation_for_its_targets():
     files, macros = generate.selected("")
     sm80 = {f: t for f, t in files.items() if f.endswith("_sm80.cu")}
     sm90 = {f: t for f, t in files.items() if f.endswith("_sm90.cu")}
-    assert len(sm80) == 2 * 2 * len(generate.HEAD_DIMS)  # fwd and bwd, 2 dtypes
+    assert len(sm80) == 3 * 2 * len(generate.HEAD_DIMS)  # fwd, bwd and decode, 2 dtypes
     assert set(sm80.values()) == {("80", "90a")}
     assert sorted(sm90) == sorted(f"flash/instantiations/fwd_{t}_hdim{d}_sm90.cu"
                                   for t in ("bf16", "fp16") for d in (64, 128, 256))
     assert set(sm90.values()) == {("90a",)}
-    assert len(files) == len(sm80) + len(sm90) and len(macros) == len(sm80) // 2 + len(sm90)
+    assert len(files) == len(sm80) + len(sm90) and len(macros) == len(sm80) // 3 + len(sm90)
     assert all((CSRC / f).is_file() for f in files)
     dispatch = (CSRC / "flash" / "dispatch.h").read_text()
     assert all(f"#ifdef {m[2:]}" in dispatch for m in macros)
@@ -31,7 +31,8 @@ def test_a_subset_builds_both_directions_of_each_named_kernel():
     files, macros = generate.selected(" bf16_hdim128, sm80_fp16_hdim64 ")
     assert macros == ["-DTFA_FLASH_SM80_FP16_HDIM64", "-DTFA_FLASH_SM80_BF16_HDIM128",
                       "-DTFA_FLASH_SM90_BF16_HDIM128"]
-    assert list(files) == sorted([f"flash/instantiations/{d}_{k}_sm80.cu" for d in ("fwd", "bwd")
+    assert list(files) == sorted([f"flash/instantiations/{d}_{k}_sm80.cu"
+                                  for d in ("fwd", "bwd", "decode")
                                   for k in ("bf16_hdim128", "fp16_hdim64")]
                                  + ["flash/instantiations/fwd_bf16_hdim128_sm90.cu"])
 
@@ -52,6 +53,7 @@ def test_unknown_names_are_refused():
 def test_a_family_builds_only_for_its_targets():
     files, macros = generate.selected("bf16_hdim128")
     assert files == {"flash/instantiations/bwd_bf16_hdim128_sm80.cu": ("80", "90a"),
+                     "flash/instantiations/decode_bf16_hdim128_sm80.cu": ("80", "90a"),
                      "flash/instantiations/fwd_bf16_hdim128_sm80.cu": ("80", "90a"),
                      "flash/instantiations/fwd_bf16_hdim128_sm90.cu": ("90a",)}
     assert macros == ["-DTFA_FLASH_SM80_BF16_HDIM128", "-DTFA_FLASH_SM90_BF16_HDIM128"]

@@ -17,6 +17,8 @@ namespace transformer_fa {
 namespace flash {
 namespace sm80 {
 
+constexpr int kMaxDecodeSplits = 128;  // the combine kernel's LSEs per row, 4 per lane
+
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
@@ -305,11 +307,14 @@ __global__ void __launch_bounds__(Tr::kNThreads) decode_kernel(const DecodeParam
 }
 
 // Merges the splits of decode_kernel: one warp per (token, head) row of the workspace, each
-// lane kD / 32 columns. Tokens of no sequence (packed q past cu_seqlens_q[b]) and rows whose
-// splits all saw no key get zeros.
+// lane kD / 32 columns. Tokens of no sequence (packed q past cu_seqlens_q[b]) get zeros, as do
+// rows whose splits all saw no key. Every split of a row in a sequence wrote its partial (zeros
+// and LSE -inf when it saw no key), so the partials are read unconditionally, their loads
+// independent of the LSEs: a loop whose loads waited on a branch took ~20 us at 33 splits.
 template <typename T, int kD>
 __global__ void __launch_bounds__(128) decode_combine_kernel(const DecodeParams p) {
   constexpr int kPerLane = kD / 32;
+  constexpr int kMaxPerLane = (kMaxDecodeSplits + 31) / 32;  // LSEs a lane holds
   const int lane = threadIdx.x % 32;
   const int64_t row = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;
   if (row >= p.accum_rows) return;
@@ -326,36 +331,52 @@ __global__ void __launch_bounds__(128) decode_combine_kernel(const DecodeParams 
   }
   out += int64_t(head) * p.o_head_stride;
 
+  // Split s's LSE in lane s % 32, slot s / 32; then the weights exp2(lse - max) / sum.
+  float w[kMaxPerLane];
   float m = -INFINITY;
-  if (in_sequence) {
-    for (int s = lane; s < p.num_splits; s += 32)
-      m = fmaxf(m, p.lse_accum[int64_t(s) * p.accum_rows + row]);
+#pragma unroll
+  for (int i = 0; i < kMaxPerLane; ++i) {
+    const int s = i * 32 + lane;
+    w[i] = in_sequence && s < p.num_splits ? p.lse_accum[int64_t(s) * p.accum_rows + row]
+                                           : -INFINITY;
+    m = fmaxf(m, w[i]);
   }
 #pragma unroll
-  for (int w = 16; w > 0; w /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, w));
+  for (int x = 16; x > 0; x /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, x));
+  float l = 0.f;
+#pragma unroll
+  for (int i = 0; i < kMaxPerLane; ++i) {
+    w[i] = m == -INFINITY || w[i] == -INFINITY ? 0.f : exp2f(w[i] - m);
+    l += w[i];
+  }
+#pragma unroll
+  for (int x = 16; x > 0; x /= 2) l += __shfl_xor_sync(0xffffffffu, l, x);
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+
   float acc[kPerLane];
 #pragma unroll
   for (int k = 0; k < kPerLane; ++k) acc[k] = 0.f;
-  if (m != -INFINITY) {
-    float l = 0.f;
+  if (l > 0.f) {
+    const float* part = p.o_accum + row * kD + lane * kPerLane;
+    const int64_t split_stride = p.accum_rows * kD;
+#pragma unroll 8
     for (int s = 0; s < p.num_splits; ++s) {
-      const int64_t at = int64_t(s) * p.accum_rows + row;
-      const float ls = p.lse_accum[at];
-      if (ls == -INFINITY) continue;  // a split with no key: its partial was not written
-      const float f = exp2f(ls - m);
-      l += f;
-      const float* part = p.o_accum + at * kD + lane * kPerLane;
+      const float f = __shfl_sync(0xffffffffu, w[0], s % 32);
+      float ws = f;
 #pragma unroll
-      for (int k = 0; k < kPerLane; ++k) acc[k] += f * part[k];
+      for (int i = 1; i < kMaxPerLane; ++i) {
+        const float fi = __shfl_sync(0xffffffffu, w[i], s % 32);
+        ws = s / 32 == i ? fi : ws;
+      }
+#pragma unroll
+      for (int k = 0; k < kPerLane; ++k) acc[k] += ws * part[s * split_stride + k];
     }
-#pragma unroll
-    for (int k = 0; k < kPerLane; ++k) acc[k] /= l;
   }
   const int col0 = lane * kPerLane;
 #pragma unroll
   for (int k = 0; k < kPerLane; k += 2) {
     if (col0 + k < p.d) {
-      *reinterpret_cast<uint32_t*>(out + col0 + k) = pack2<T>(acc[k], acc[k + 1]);
+      *reinterpret_cast<uint32_t*>(out + col0 + k) = pack2<T>(acc[k] * inv, acc[k + 1] * inv);
     }
   }
 }

@@ -22,8 +22,6 @@ template <typename T> struct DecodeConfig<T, 128> { using Traits = DecodeTraits<
 template <typename T> struct DecodeConfig<T, 192> { using Traits = DecodeTraits<T, 192, 2>; };
 template <typename T> struct DecodeConfig<T, 256> { using Traits = DecodeTraits<T, 256, 2>; };
 
-constexpr int kMaxDecodeSplits = 128;
-
 // CTAs of the main kernel per (sequence, KV head) before splitting: one per 16-row tile.
 inline int decode_row_tiles(const FwdParams& p) {
   return (p.seqlen_q * (p.h / p.h_k) + 15) / 16;
