@@ -275,12 +275,15 @@ def profile_model(name, block, shape, device, dtype, steps, warmup, trace_path=N
         activities.append(torch.profiler.ProfilerActivity.CUDA)
         torch.cuda.synchronize()
     labels = _AttentionLabels(model)
+    # one step traced and dropped first: the profiler's own start-up is not counted
+    schedule = torch.profiler.schedule(wait=0, warmup=1, active=steps, repeat=1)
     try:
-        with torch.profiler.profile(activities=activities) as prof:
-            for _ in range(steps):
+        with torch.profiler.profile(activities=activities, schedule=schedule) as prof:
+            for _ in range(steps + 1):
                 step()
-            if cuda:
-                torch.cuda.synchronize()
+                if cuda:
+                    torch.cuda.synchronize()
+                prof.step()
     finally:
         labels.remove()
     if trace_path is not None:
@@ -311,7 +314,14 @@ def markdown(data: dict) -> str:
         f"layers, b={data['b']}, s={data['s']}, hidden {data['hidden']}, {data['heads']} heads, "
         f"ffn {data['ffn']}, {data['dtype']}, causal; {data['steps']} profiled steps of "
         f"forward + backward + AdamW after {data['warmup']} warm-up steps.", "",
-        f"Run: `{data['command']}`", "",
+        f"Run: `{data['command']}` (on a GPU: `python benchmarks/profile_layer.py "
+        f"--out-dir $OUT`; `--preset tiny --device cpu` is the CPU smoke test).", "",
+        f"Time: the {unit} of the profiled steps per category, divided by the steps; a "
+        "kernel is filed by its name and the ops that launched it (`categorize` in "
+        "benchmarks/profile_layer.py). The wall time per step is taken without the profiler. "
+        "Saved for backward: one layer's forward under "
+        "torch.autograd.graph.saved_tensors_hooks, each storage counted once; the core "
+        "attention's share is what it saves plus its output.", "",
         f"### Time per step ({unit}, ms)", "",
         "| category | " + " | ".join(m["model"] for m in models) + " |",
         "|---|" + "---:|" * len(models)]
