@@ -73,6 +73,10 @@ def test_tiny_profile_on_cpu(tmp_path):
      "elementwise/activation"),
     ("void at::native::multi_tensor_apply_kernel<...>",
      ["aten::_foreach_add_", "Optimizer.step#AdamW.step"], "optimizer"),
+    ("cutlass::device_kernel<GemmUniversal<SM90_TMA_LOAD, DefaultCopy>>", ["aten::mm"],
+     "GEMM"),
+    ("void at::native::elementwise_kernel<128, 4, direct_copy_kernel_cuda>",
+     ["aten::copy_", "aten::contiguous", "DotProductAttention"], "attention fwd"),
     ("void some_kernel<...>", [], "other"),
 ])
 def test_kernels_are_filed_by_name_and_launching_ops(kernel, chain, category):
@@ -143,3 +147,15 @@ def test_join_rows_copies_parts_out_of_order():
     assert torch.equal(joined, torch.cat([second, first]))
     assert joined.data_ptr() != buffer.data_ptr()
     assert join_rows([first, second]).data_ptr() == buffer.data_ptr()
+
+
+def test_split_linear_stays_one_buffer_after_to():
+    torch.manual_seed(0)
+    lin = Linear(16, 24, parameters_split=("query", "key", "value"), device="cpu")
+    key = lin.key_weight
+    expected = lin.full_weight().detach().double()
+    lin.to(torch.float64)
+    assert lin.key_weight is key  # the same parameters (an optimizer's references hold)
+    assert lin.full_weight().data_ptr() == lin.query_weight.data_ptr()
+    assert lin.full_bias().data_ptr() == lin.query_bias.data_ptr()
+    assert torch.equal(lin.full_weight(), expected)

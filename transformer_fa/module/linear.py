@@ -237,6 +237,19 @@ class Linear(_FP8State, _TensorParallel, torch.nn.Module):
     def full_bias(self) -> Optional[torch.Tensor]:
         return self._cat(self._bias_names)
 
+    def _apply(self, fn, *args, **kwargs):
+        """.to(), .cuda(), .half() ... convert each parameter on its own: put the splits back
+        into one buffer, so that the joins stay views (the parameters stay the same objects)."""
+        module = super()._apply(fn, *args, **kwargs)
+        for names in (self._weight_names, self._bias_names):
+            params = [getattr(self, name) for name in names]
+            if len(params) > 1 and not _back_to_back(params):
+                with torch.no_grad():
+                    parts = torch.cat(params).split([p.shape[0] for p in params])
+                for param, part in zip(params, parts):
+                    param.data = part
+        return module
+
     def _project(self, inp: torch.Tensor):
         """(x W^T [+ b], bias) where the bias is returned, not added, if return_bias."""
         return self._gemm(self._parallel_input(inp))
