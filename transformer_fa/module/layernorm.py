@@ -25,6 +25,20 @@ def check_normalization(normalization: str) -> None:
         )
 
 
+def _native_layer_norm_computes_in_float32(x, normalization, weight, bias,
+                                           zero_centered_gamma) -> bool:
+    """Whether F.layer_norm on x as it is gives what the float32 path below gives. CUDA's
+    kernels read bf16/fp16 and compute (forward and backward) in float32, so there they do,
+    without the float32 copy of x that the backward would otherwise keep (twice the bytes of
+    x per norm). CPU's low-precision backward accumulates dgamma/dbeta in low precision, and
+    autocast would run the op in float32: those take the path below, as does
+    zero_centered_gamma (1 + gamma is formed in float32)."""
+    return (normalization == "LayerNorm" and x.is_cuda and not zero_centered_gamma
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and (bias is None or bias.dtype == x.dtype)
+            and not torch.is_autocast_enabled(x.device.type))
+
+
 def apply_norm(
     x: torch.Tensor,
     normalization: str,
@@ -38,6 +52,9 @@ def apply_norm(
         from ..kernels.norm import fused_norm
 
         return fused_norm(x, normalization, weight, bias, eps, zero_centered_gamma)
+    if _native_layer_norm_computes_in_float32(x, normalization, weight, bias,
+                                              zero_centered_gamma):
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
     compute_dtype = torch.promote_types(x.dtype, torch.float32)  # never below x's precision
     gamma = weight.to(compute_dtype)
     if zero_centered_gamma:

@@ -45,6 +45,43 @@ def parallel_linear(inp, weight, bias, return_bias=False, row_group=None,
     return F.linear(inp, weight, bias), None
 
 
+class _JoinRows(torch.autograd.Function):
+    """torch.cat along dim 0 of tensors that lie back to back in one buffer: a view of it."""
+
+    @staticmethod
+    def forward(ctx, *parts):
+        ctx.rows = [p.shape[0] for p in parts]
+        first = parts[0]
+        return first.as_strided((sum(ctx.rows), *first.shape[1:]), first.stride(),
+                                first.storage_offset())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.split(ctx.rows)
+
+
+def _back_to_back(parts: List[torch.Tensor]) -> bool:
+    """Whether ``parts`` are contiguous and follow one another in one storage."""
+    first = parts[0]
+    storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    for p in parts:
+        if (not p.is_contiguous() or p.dtype != first.dtype or p.shape[1:] != first.shape[1:]
+                or p.untyped_storage().data_ptr() != storage or p.storage_offset() != offset):
+            return False
+        offset += p.numel()
+    return True
+
+
+def join_rows(parts: List[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(parts) along dim 0, without a copy where the parts are views of one buffer
+    (a split Linear's parameters, unless something, e.g. ``.to()``, moved them apart)."""
+    if len(parts) == 1:
+        return parts[0]
+    if not torch.compiler.is_compiling() and _back_to_back(parts):
+        return _JoinRows.apply(*parts)
+    return torch.cat(parts, dim=0)
+
+
 def _split_sizes(parameters_split, out_features: int) -> List[Tuple[str, int]]:
     """TE's parameters_split: a tuple of names (equal split) or a dict name -> size."""
     if parameters_split is None:
@@ -168,13 +205,16 @@ class Linear(_FP8State, _TensorParallel, torch.nn.Module):
         self._bias_names = [prefix + "bias" for prefix, _ in splits] if bias else []
         # TE's registration order, all weights then all biases: optimizer states, which
         # follow parameters(), then carry over from TE.
-        for name, part in zip(self._weight_names, weight.split([n for _, n in splits])):
-            self.register_parameter(name, torch.nn.Parameter(part.clone()))
+        # The splits are views of one buffer, back to back, so that full_weight() and
+        # full_bias() are views of it too: no copy each forward, none kept for the backward.
+        sizes = [n for _, n in splits]
+        weights = weight.clone(memory_format=torch.contiguous_format).split(sizes)
+        for name, part in zip(self._weight_names, weights):
+            self.register_parameter(name, torch.nn.Parameter(part))
         # A row-parallel bias is whole: added once, after the sum over the ranks.
-        for name, (_, size) in zip(self._bias_names, splits):
-            self.register_parameter(
-                name, torch.nn.Parameter(torch.zeros(size, dtype=dtype, device=device))
-            )
+        biases = torch.zeros(sum(sizes), dtype=dtype, device=device).split(sizes)
+        for name, part in zip(self._bias_names, biases):
+            self.register_parameter(name, torch.nn.Parameter(part))
         if not bias and parameters_split is None:
             self.register_parameter("bias", None)
         if mode in ("column", "row") and tp_size > 1:
@@ -188,8 +228,7 @@ class Linear(_FP8State, _TensorParallel, torch.nn.Module):
     def _cat(self, names: List[str]) -> Optional[torch.Tensor]:
         if not names:
             return None
-        tensors = [getattr(self, n) for n in names]
-        return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+        return join_rows([getattr(self, n) for n in names])
 
     def full_weight(self) -> torch.Tensor:
         """The [out_features, in_features] weight, splits concatenated."""
@@ -197,6 +236,19 @@ class Linear(_FP8State, _TensorParallel, torch.nn.Module):
 
     def full_bias(self) -> Optional[torch.Tensor]:
         return self._cat(self._bias_names)
+
+    def _apply(self, fn, *args, **kwargs):
+        """.to(), .cuda(), .half() ... convert each parameter on its own: put the splits back
+        into one buffer, so that the joins stay views (the parameters stay the same objects)."""
+        module = super()._apply(fn, *args, **kwargs)
+        for names in (self._weight_names, self._bias_names):
+            params = [getattr(self, name) for name in names]
+            if len(params) > 1 and not _back_to_back(params):
+                with torch.no_grad():
+                    parts = torch.cat(params).split([p.shape[0] for p in params])
+                for param, part in zip(params, parts):
+                    param.data = part
+        return module
 
     def _project(self, inp: torch.Tensor):
         """(x W^T [+ b], bias) where the bias is returned, not added, if return_bias."""

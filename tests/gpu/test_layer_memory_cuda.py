@@ -1,0 +1,67 @@
+"""The layer benchmark's memory on CUDA: what TransformerLayer keeps for its backward against
+the same block in plain PyTorch, and the bf16 LayerNorm that keeps no float32 copy."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import transformer_fa as te
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks import profile_layer  # noqa: E402
+from benchmarks.bench_attention import TorchBlock, tfa_layer  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_layer_norm_low_precision_matches_the_float32_path(dtype):
+    """At hidden 2048 (below the Triton kernel's range) LayerNorm runs CUDA's kernel on x as
+    it is; it computes in float32 as the float32 path did: the same results within rounding,
+    and only x (not a float32 copy) kept for the backward."""
+    torch.manual_seed(0)
+    norm = te.LayerNorm(2048, params_dtype=dtype, device="cuda")
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.1)
+        norm.bias.normal_(0.0, 0.1)
+    x = (torch.randn(4, 256, 2048, device="cuda") * 3 + 1).to(dtype).requires_grad_(True)
+    w = norm.weight.detach().clone().requires_grad_(True)
+    b = norm.bias.detach().clone().requires_grad_(True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    dy = torch.randn_like(x)
+
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = norm(x)
+    y_ref = F.layer_norm(x_ref.float(), (2048,), w.float(), b.float(), 1e-5).to(dtype)
+    torch.testing.assert_close(y, y_ref)
+    y.backward(dy)
+    y_ref.backward(dy)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    torch.testing.assert_close(norm.weight.grad, w.grad)
+    torch.testing.assert_close(norm.bias.grad, b.grad)
+    big = [t for t in saved if t.numel() == x.numel()]
+    assert [t.dtype for t in big] == [dtype]
+
+
+def test_layer_saves_no_more_than_the_torch_block():
+    """bf16, the benchmark's configuration at a small shape: outside the core attention no
+    more bytes than the plain-PyTorch block; with FlashAttention (q, k, v, out, lse, as
+    SDPA's kernels) none in all."""
+    b, s, hidden, heads, ffn = 2, 256, 512, 8, 2048
+    saved = {}
+    for name, block in (("ours", tfa_layer), ("torch", TorchBlock)):
+        torch.manual_seed(0)
+        layer = block(hidden, heads, ffn, torch.bfloat16, "cuda")
+        x = torch.randn(b, s, hidden, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+        saved[name] = profile_layer.saved_tensors(layer, x)
+        if name == "ours":
+            backend = layer.self_attention.core_attention.last_backend
+    ours, theirs = saved["ours"], saved["torch"]
+    assert ours["rest_bytes"] <= theirs["rest_bytes"], (ours["tensors"], theirs["tensors"])
+    assert ours["parameter_bytes"] == theirs["parameter_bytes"]
+    if backend == "FlashAttention":
+        assert ours["activation_bytes"] <= theirs["activation_bytes"], (ours["tensors"],
+                                                                         theirs["tensors"])
