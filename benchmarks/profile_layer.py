@@ -103,12 +103,11 @@ def _chain(event):
 def timed_items(events, device: str):
     """(name, chain, µs) of each kernel (CUDA) or each CPU op's self time (CPU)."""
     if device == "cuda":
-        ops = {e.id: e for e in events
-               if e.device_type == DeviceType.CPU and e.linked_correlation_id == 0}
+        # each CPU op lists the kernels it launched (FunctionEvent.kernels: name, duration µs)
         for e in events:
-            if e.device_type == DeviceType.CUDA:
-                op = ops.get(e.linked_correlation_id)
-                yield e.name, _chain(op), e.time_range.elapsed_us()
+            if e.device_type == DeviceType.CPU:
+                for kernel in e.kernels:
+                    yield kernel.name, _chain(e), kernel.duration
         return
     for e in events:
         if (e.device_type == DeviceType.CPU and not e.is_user_annotation
