@@ -385,13 +385,18 @@ at::Tensor fwd_kvcache(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        const c10::optional<at::Tensor>& block_table, int64_t q_format,
                        int64_t kv_format, int64_t max_seqlen_q, int64_t max_seqlen_k,
                        double softmax_scale, int64_t window_left, int64_t window_right,
-                       bool bottom_right, int64_t num_splits) {
+                       bool bottom_right, int64_t num_splits,
+                       const c10::optional<at::Tensor>& seqlens_k) {
   c10::cuda::CUDAGuard guard(q.device());
   const char* op = "flash_attn_fwd_kvcache";
   tf::DecodeParams p{};
   const bool paged = block_table.has_value();
-  TORCH_CHECK(!paged || (kv_format == kBSHD && cu_seqlens_k.has_value()), op,
-              ": a block_table needs bshd page pools and cu_seqlens_k (the cached lengths)");
+  TORCH_CHECK(!paged || (kv_format == kBSHD && (cu_seqlens_k.has_value() ||
+                                                 seqlens_k.has_value())),
+              op, ": a block_table needs bshd page pools and the cached lengths (cu_seqlens_k "
+              "or seqlens_k)");
+  TORCH_CHECK(!seqlens_k.has_value() || kv_format != kTHD, op,
+              ": seqlens_k is for a bshd/sbhd cache");
   const int64_t b = fill_common(p, op, q, k, v, cu_seqlens_q, cu_seqlens_k, q_format,
                                 kv_format, max_seqlen_q, max_seqlen_k, softmax_scale,
                                 window_left, window_right, bottom_right, 0.0, c10::optional<at::Tensor>(),
@@ -412,6 +417,14 @@ at::Tensor fwd_kvcache(const at::Tensor& q, const at::Tensor& k, const at::Tenso
     p.block_table = bt.data_ptr<int>();
     p.block_table_batch_stride = bt.stride(0);
     p.page_size = static_cast<int>(page_size);
+  }
+  if (seqlens_k.has_value()) {
+    const auto& lens = *seqlens_k;
+    TORCH_CHECK(lens.is_cuda() && lens.device() == q.device() && lens.scalar_type() == at::kInt &&
+                    lens.dim() == 1 && lens.is_contiguous() && lens.numel() == b,
+                op, ": seqlens_k must be contiguous int32 [b] with b = ", num(b), " on ",
+                q.device().str());
+    p.seqlens_k = seqlens_k->data_ptr<int>();
   }
   const bool q_thd = q_format == kTHD;
   at::Tensor out = q_thd ? at::zeros(q.sizes(), q.options()) : at::empty(q.sizes(), q.options());
@@ -487,7 +500,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("cu_seqlens_k"), py::arg("block_table"), py::arg("q_format"),
         py::arg("kv_format"), py::arg("max_seqlen_q"), py::arg("max_seqlen_k"),
         py::arg("softmax_scale"), py::arg("window_left"), py::arg("window_right"),
-        py::arg("bottom_right"), py::arg("num_splits") = 0);
+        py::arg("bottom_right"), py::arg("num_splits") = 0, py::arg("seqlens_k") = py::none());
   m.def("fwd_family", &fwd_family_of,
         "(family name, why not sm90) of the forward of a call with this shape",
         py::arg("arch"), py::arg("bf16"), py::arg("d"), py::arg("seqlen_q"), py::arg("seqlen_k"),

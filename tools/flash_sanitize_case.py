@@ -8,6 +8,7 @@ See tests/gpu/README.md for the commands.
 
     python tools/flash_sanitize_case.py [--backward] [--dims 64,128]
     python tools/flash_sanitize_case.py --sm90
+    python tools/flash_sanitize_case.py --decode
 """
 import argparse
 import math
@@ -25,6 +26,10 @@ parser.add_argument("--dims", default="40,64,128,192,256", help="head dims, comm
 parser.add_argument("--sm90", action="store_true",
                     help="only the sm90 family's forward (bshd, its persistent grid looping "
                          "over more tiles than SMs, ragged tails, sq != sk), causal and not")
+parser.add_argument("--decode", action="store_true",
+                    help="only the split-KV decode kernel: thd and padded bshd queries against "
+                         "contiguous and paged K/V (shuffled pages of 16 and 64), ragged cached "
+                         "lengths, GQA, causal and windowed, 1, 3 and chosen splits")
 args = parser.parse_args()
 
 assert flash._extension() is not None, flash._ext_error
@@ -43,6 +48,39 @@ if args.sm90:
                 out, lse = flash._fwd_impl(q, k, v, None, None, None, None, call)
     torch.cuda.synchronize()
     print("sanitize case done (sm90)", out.float().abs().sum().item())
+    sys.exit(0)
+if args.decode:
+    # 3 sequences: 1, 3 and 2 new tokens over 1, 300 and 77 cached keys (tails not multiples of
+    # a 16-key chunk); 8 query heads on 2 KV heads (row tiles of 4 tokens x 4 heads).
+    lens_q, lens_k = [1, 3, 2], [1, 300, 77]
+    cu_q = torch.tensor([0, 1, 4, 6], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 1, 301, 378], dtype=torch.int32, device="cuda")
+    for d in (int(x) for x in args.dims.split(",")):
+        q_thd = torch.randn(7, 8, d, device="cuda", dtype=torch.bfloat16)  # a token past the end
+        q_bshd = torch.randn(3, 3, 8, d, device="cuda", dtype=torch.float16)
+        for q, fmt in ((q_thd, "thd"), (q_bshd, "bshd")):
+            k = torch.randn(3, 320, 2, d, device="cuda", dtype=q.dtype)
+            v = torch.randn_like(k)
+            for page in (None, 16, 64):
+                kk, vv, table = k, v, None
+                if page is not None:  # the same rows, as shuffled pages
+                    pages = 3 * 320 // page if 320 % page == 0 else None
+                    if pages is None:
+                        continue
+                    order = torch.randperm(pages, device="cuda")
+                    kk, vv = (torch.empty_like(t.view(pages, page, 2, d)).index_copy_(
+                        0, order, t.reshape(pages, page, 2, d)) for t in (k, v))
+                    table = order.view(3, -1).to(torch.int32)
+                for left, right in ((-1, -1), (-1, 0), (40, 0)):
+                    for splits in (1, 3, 0):
+                        call = flash.FlashCall(fmt, "bshd", 3, 320, 1 / math.sqrt(d), left,
+                                               right, True, 0.0, False, False)
+                        out = flash._decode(q, kk, vv, cu_q if fmt == "thd" else
+                                            torch.tensor([0, 1, 4, 6], dtype=torch.int32,
+                                                         device="cuda"),
+                                            cu_k, table, call, splits)
+    torch.cuda.synchronize()
+    print("sanitize case done (decode)", out.float().abs().sum().item())
     sys.exit(0)
 lens_q, lens_k = [37, 130, 1, 70], [50, 129, 9, 200]
 cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32,

@@ -87,7 +87,8 @@ __global__ void __launch_bounds__(Tr::kNThreads) decode_kernel(const DecodeParam
   const int r0 = (blockIdx.y % m_tiles) * ROWS;
   const int bidb = blockIdx.z;
 
-  const SeqInfo si = seq_info(p, bidb);
+  SeqInfo si = seq_info(p, bidb);
+  if (p.seqlens_k != nullptr) si.len_k = p.seqlens_k[bidb];  // FlashAttention's cache_seqlens
   if (r0 >= si.rows_q * group) return;  // rows of no token of this sequence
   const Band band = band_of(p, si);
   const int live_rows = min(ROWS, si.len_q * group - r0);  // <= 0: padding tokens only

@@ -52,8 +52,15 @@ DecodePlan plan_decode(DecodeParams& p, const Device& device) {
   using Tr = typename DecodeConfig<T, kHeadDim>::Traits;
   constexpr int smem = Tr::kSmemBytes;
   allow_dynamic_smem<&decode_kernel<Tr>>(smem);
-  int per_sm = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_kernel<Tr>, Tr::kNThreads, smem);
+  // CTAs per SM, asked once per device (the query costs microseconds of host time per call)
+  static int per_sm_of_device[64] = {};
+  int device_index = 0;
+  cudaGetDevice(&device_index);
+  int& per_sm = per_sm_of_device[device_index & 63];
+  if (per_sm == 0) {
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_kernel<Tr>, Tr::kNThreads,
+                                                  smem);
+  }
   const int units = p.b * p.h_k * decode_row_tiles(p);
   if (p.num_splits <= 0) {
     p.num_splits = choose_decode_splits(units, std::max(1, per_sm) * device.sms, p.seqlen_k,

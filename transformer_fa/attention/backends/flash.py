@@ -218,14 +218,16 @@ def _fwd_ext(q, k, v, cu_q, cu_kv, rng, slopes, call: FlashCall):
     return out, lse
 
 
-def _decode(q, k, v, cu_q, cu_kv, page_table, call: FlashCall, num_splits: int = 0):
+def _decode(q, k, v, cu_q, cu_kv, page_table, call: FlashCall, num_splits: int = 0,
+            seqlens_k: Optional[torch.Tensor] = None):
     """The binding's split-KV decode forward on any q, k, v (k, v: page pools when
-    page_table is given): out in q's format."""
+    page_table is given; seqlens_k: int32 [b] keys per sequence, instead of cu_kv): out in
+    q's format."""
     c = call
     return _ext.fwd_kvcache(_ready(q), _ready(k), _ready(v), cu_q, cu_kv, page_table,
                             FLASH_FORMAT_CODES[c.q_format], FLASH_FORMAT_CODES[c.kv_format],
                             c.max_seqlen_q, c.max_seqlen_kv, c.softmax_scale, c.window_left,
-                            c.window_right, c.bottom_right, num_splits)
+                            c.window_right, c.bottom_right, num_splits, seqlens_k)
 
 
 def _fwd_impl(q, k, v, cu_q, cu_kv, rng, slopes, call: FlashCall):
@@ -451,18 +453,17 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         if k_cache.shape[0] != b:
             raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences, q {b}")
         max_k = k_cache.shape[1]
-    cu_q = cu_k = None
     if cache_seqlens is not None:
         if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
             cache_seqlens = torch.full((b,), cache_seqlens, dtype=torch.int32, device=q.device)
         if (not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype != torch.int32
-                or cache_seqlens.shape != (b,) or cache_seqlens.device != q.device):
-            raise ValueError(f"cache_seqlens must be an int or an int32 [b={b}] tensor on "
-                             f"{q.device}")
-        cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)
-        cu_k = torch.nn.functional.pad(cache_seqlens.cumsum(0, dtype=torch.int32), (1, 0))
+                or cache_seqlens.shape != (b,) or cache_seqlens.device != q.device
+                or not cache_seqlens.is_contiguous()):
+            raise ValueError(f"cache_seqlens must be an int or a contiguous int32 [b={b}] "
+                             f"tensor on {q.device}")
     _require_extension()
     scale = float(softmax_scale) if softmax_scale is not None else d ** -0.5
     left, right = int(window_size[0]), 0 if causal else int(window_size[1])
     call = FlashCall("bshd", "bshd", sq, max_k, scale, left, right, True, 0.0, False, False)
-    return _decode(q, k_cache, v_cache, cu_q, cu_k, block_table, call, num_splits)
+    return _decode(q, k_cache, v_cache, None, None, block_table, call, num_splits,
+                   cache_seqlens)
