@@ -17,7 +17,7 @@ namespace transformer_fa {
 namespace flash {
 namespace sm80 {
 
-constexpr int kMaxDecodeSplits = 128;  // the combine kernel's LSEs per row, 4 per lane
+constexpr int kMaxDecodeSplits = 128;  // the combine kernel holds one split per thread
 
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
@@ -307,18 +307,23 @@ __global__ void __launch_bounds__(Tr::kNThreads) decode_kernel(const DecodeParam
   }
 }
 
-// Merges the splits of decode_kernel: one warp per (token, head) row of the workspace, each
-// lane kD / 32 columns. Tokens of no sequence (packed q past cu_seqlens_q[b]) get zeros, as do
-// rows whose splits all saw no key. Every split of a row in a sequence wrote its partial (zeros
-// and LSE -inf when it saw no key), so the partials are read unconditionally, their loads
-// independent of the LSEs: a loop whose loads waited on a branch took ~20 us at 33 splits.
+// Merges the splits of decode_kernel: one CTA per (token, head) row of the workspace. Thread s
+// holds split s's LSE; the partials are summed kGroups splits at a time (each group of threads
+// reads one split's row with float4 loads), so a row's loads are all in flight at once: with one
+// warp per row, looping over the splits, the merge took 10 us at 33 splits on an H100. Tokens of
+// no sequence (packed q past cu_seqlens_q[b]) and rows whose splits all saw no key get zeros.
+// Every split of a row in a sequence wrote its partial (zeros, LSE -inf when it saw no key).
 template <typename T, int kD>
-__global__ void __launch_bounds__(128) decode_combine_kernel(const DecodeParams p) {
-  constexpr int kPerLane = kD / 32;
-  constexpr int kMaxPerLane = (kMaxDecodeSplits + 31) / 32;  // LSEs a lane holds
-  const int lane = threadIdx.x % 32;
-  const int64_t row = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;
-  if (row >= p.accum_rows) return;
+__global__ void __launch_bounds__(kMaxDecodeSplits) decode_combine_kernel(const DecodeParams p) {
+  constexpr int kThreads = kMaxDecodeSplits;
+  constexpr int kColThreads = kD / 4;               // float4 columns of a row
+  constexpr int kGroups = kThreads / kColThreads;   // splits summed at once
+  static_assert(kGroups >= 1, "a row fits the CTA");
+  __shared__ float s_weight[kThreads];
+  __shared__ float s_red[kThreads / 32];
+  __shared__ float4 s_part[kGroups][kColThreads];
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int64_t row = blockIdx.x;
   const int64_t token = row / p.h;
   const int head = int(row % p.h);
   T* out;
@@ -332,53 +337,54 @@ __global__ void __launch_bounds__(128) decode_combine_kernel(const DecodeParams 
   }
   out += int64_t(head) * p.o_head_stride;
 
-  // Split s's LSE in lane s % 32, slot s / 32; then the weights exp2(lse - max) / sum.
-  float w[kMaxPerLane];
-  float m = -INFINITY;
-#pragma unroll
-  for (int i = 0; i < kMaxPerLane; ++i) {
-    const int s = i * 32 + lane;
-    w[i] = in_sequence && s < p.num_splits ? p.lse_accum[int64_t(s) * p.accum_rows + row]
-                                           : -INFINITY;
-    m = fmaxf(m, w[i]);
-  }
+  // The weights exp2(lse - max) of the splits, and their sum.
+  const float lse = in_sequence && tid < p.num_splits
+                        ? p.lse_accum[int64_t(tid) * p.accum_rows + row] : -INFINITY;
+  float m = lse;
 #pragma unroll
   for (int x = 16; x > 0; x /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, x));
-  float l = 0.f;
+  if (lane == 0) s_red[warp] = m;
+  __syncthreads();
+  m = s_red[0];
 #pragma unroll
-  for (int i = 0; i < kMaxPerLane; ++i) {
-    w[i] = m == -INFINITY || w[i] == -INFINITY ? 0.f : exp2f(w[i] - m);
-    l += w[i];
-  }
+  for (int w = 1; w < kThreads / 32; ++w) m = fmaxf(m, s_red[w]);
+  const float weight = m == -INFINITY || lse == -INFINITY ? 0.f : exp2f(lse - m);
+  s_weight[tid] = weight;
+  float l = weight;
 #pragma unroll
   for (int x = 16; x > 0; x /= 2) l += __shfl_xor_sync(0xffffffffu, l, x);
-  const float inv = l > 0.f ? 1.f / l : 0.f;
+  __syncthreads();  // every warp has read s_red's maxima
+  if (lane == 0) s_red[warp] = l;
+  __syncthreads();  // s_weight and the sums are written
+  l = 0.f;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) l += s_red[w];
 
-  float acc[kPerLane];
-#pragma unroll
-  for (int k = 0; k < kPerLane; ++k) acc[k] = 0.f;
-  if (l > 0.f) {
-    const float* part = p.o_accum + row * kD + lane * kPerLane;
-    const int64_t split_stride = p.accum_rows * kD;
-#pragma unroll 8
-    for (int s = 0; s < p.num_splits; ++s) {
-      const float f = __shfl_sync(0xffffffffu, w[0], s % 32);
-      float ws = f;
-#pragma unroll
-      for (int i = 1; i < kMaxPerLane; ++i) {
-        const float fi = __shfl_sync(0xffffffffu, w[i], s % 32);
-        ws = s / 32 == i ? fi : ws;
+  const int group = tid / kColThreads, col = tid % kColThreads;
+  if (group < kGroups) {
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (l > 0.f) {
+      const float* part = p.o_accum + row * kD + col * 4;
+#pragma unroll 4
+      for (int s = group; s < p.num_splits; s += kGroups) {
+        const float w = s_weight[s];
+        const float4 x = *reinterpret_cast<const float4*>(part + int64_t(s) * p.accum_rows * kD);
+        acc.x += w * x.x; acc.y += w * x.y; acc.z += w * x.z; acc.w += w * x.w;
       }
-#pragma unroll
-      for (int k = 0; k < kPerLane; ++k) acc[k] += ws * part[s * split_stride + k];
     }
+    s_part[group][col] = acc;
   }
-  const int col0 = lane * kPerLane;
+  __syncthreads();  // the groups' sums are written
+  if (tid < kColThreads && tid * 4 < p.d) {
+    float4 o = s_part[0][tid];
 #pragma unroll
-  for (int k = 0; k < kPerLane; k += 2) {
-    if (col0 + k < p.d) {
-      *reinterpret_cast<uint32_t*>(out + col0 + k) = pack2<T>(acc[k] * inv, acc[k + 1] * inv);
+    for (int g = 1; g < kGroups; ++g) {
+      o.x += s_part[g][tid].x; o.y += s_part[g][tid].y;
+      o.z += s_part[g][tid].z; o.w += s_part[g][tid].w;
     }
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    *reinterpret_cast<uint2*>(out + tid * 4) =
+        make_uint2(pack2<T>(o.x * inv, o.y * inv), pack2<T>(o.z * inv, o.w * inv));
   }
 }
 

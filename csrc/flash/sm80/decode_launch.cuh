@@ -83,8 +83,8 @@ void launch_decode(const DecodeParams& p, const Device&, cudaStream_t stream) {
   const dim3 grid(p.num_splits, p.h_k * decode_row_tiles(p), p.b);
   decode_kernel<Tr><<<grid, Tr::kNThreads, smem, stream>>>(p);
   if (p.num_splits > 1) {
-    const int64_t blocks = (p.accum_rows + 3) / 4;  // 4 warps, one row each
-    decode_combine_kernel<T, kHeadDim><<<dim3(unsigned(blocks)), 128, 0, stream>>>(p);
+    decode_combine_kernel<T, kHeadDim>
+        <<<dim3(unsigned(p.accum_rows)), kMaxDecodeSplits, 0, stream>>>(p);
   }
 }
 
