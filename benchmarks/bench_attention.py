@@ -411,15 +411,25 @@ class Bench:
         """Training step (forward, backward, AdamW) of a GPT-style stack, ours vs plain PyTorch."""
         layers, b, s, hidden, heads, ffn, steps = self.p.layer
         dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
-        blocks = {"transformer_fa.TransformerLayer": tfa_layer,
-                  "torch (F.scaled_dot_product_attention)": TorchBlock}
-        for model_name, block in blocks.items():
+        tfa = import_tfa()
+        recipes = {"FP8 DelayedScaling": tfa.common.recipe.DelayedScaling,
+                   "FP8 Float8CurrentScaling": tfa.common.recipe.Float8CurrentScaling}
+        # (model, its block, the FP8 recipe its step runs under or None)
+        blocks = [("transformer_fa.TransformerLayer", tfa_layer, None)]
+        blocks += [(f"transformer_fa.TransformerLayer, {name}", tfa_layer, recipe)
+                   for name, recipe in recipes.items()]
+        blocks.append(("torch (F.scaled_dot_product_attention)", TorchBlock, None))
+        for model_name, block, recipe in blocks:
             rec = dict(model=model_name, dtype=str(dtype).split(".")[-1], layers=layers, b=b,
                        s=s, hidden=hidden, heads=heads, ffn=ffn, step_ms=None,
                        tokens_per_s=None, peak_mem_gb=None, attn_backend=None, reason=None)
             try:
                 if time.monotonic() > self.deadline:
                     raise Unavailable(f"skipped: time budget of {self.p.budget_s} s used up")
+                if recipe is not None and not tfa.is_fp8_available():
+                    raise Unavailable(tfa.is_fp8_available(return_reason=True)[1])
+                precision = (tfa.autocast(enabled=True, recipe=recipe()) if recipe is not None
+                             else contextlib.nullcontext())
                 model = torch.nn.Sequential(*[block(hidden, heads, ffn, dtype, self.device)
                                               for _ in range(layers)])
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -427,7 +437,9 @@ class Bench:
 
                 def step():
                     opt.zero_grad(set_to_none=True)
-                    model(x).float().square().mean().backward()
+                    with precision:
+                        out = model(x)
+                    out.float().square().mean().backward()
                     opt.step()
 
                 if self.device == "cuda":
