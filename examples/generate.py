@@ -341,7 +341,8 @@ def build_model(args):
         if args.prompt:
             raise ValueError("--prompt needs --checkpoint (the toy model's prompts are fixed)")
         torch.manual_seed(0)
-        model = TinyGPT(32, hidden=64, heads=4, gqa=2, layers=2, max_seqlen=64,
+        max_seqlen = max(64, max(map(len, TOY_PROMPTS)) + args.new_tokens)  # RoPE's table
+        model = TinyGPT(32, hidden=64, heads=4, gqa=2, layers=2, max_seqlen=max_seqlen,
                         qkv_format=args.qkv_format or "bshd", device=device)
         loss = train_toy(model, 32, args.train_steps)
         print(f"trained the toy model {args.train_steps} steps, loss {loss:.3f}")
