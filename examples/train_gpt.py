@@ -220,6 +220,27 @@ def _generate(model, tokenizer, prompt, length, device, temperature, top_k):
     return tokenizer.decode(ids[0].tolist())
 
 
+def save_checkpoint(path, model, tokenizer, args):
+    """The weights, the arguments of GPT() that rebuild the model (on any device, without
+    parallelism) and the vocab."""
+    config = dict(vocab_size=len(tokenizer.chars), hidden_size=args.hidden_size,
+                  layers=args.layers, heads=args.heads, gqa_groups=args.gqa_groups,
+                  seq_len=args.seq_len, fmt=args.format, normalization=args.normalization)
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    torch.save(dict(model=state, config=config, chars=tokenizer.chars), path)
+
+
+def load_checkpoint(path, device):
+    """The model (eval mode, no dropout) and the tokenizer saved by save_checkpoint."""
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    tokenizer = CharTokenizer("")
+    tokenizer.chars = list(checkpoint["chars"])
+    tokenizer.index = {c: i for i, c in enumerate(tokenizer.chars)}
+    model = GPT(**checkpoint["config"], dropout=0.0, device=device)
+    model.load_state_dict(checkpoint["model"])
+    return model.eval(), tokenizer
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -238,6 +259,9 @@ def parse_args(argv=None):
     p.add_argument("--sample-chars", type=int, default=300)
     p.add_argument("--data", default=DATA)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save", metavar="PATH",
+                   help="save a checkpoint at the end (the model's weights, its config and "
+                        "the vocab) for examples/generate.py --checkpoint")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks (run under torchrun --nproc-per-node TP*CP)")
     p.add_argument("--sequence-parallel", action="store_true",
@@ -255,6 +279,8 @@ def parse_args(argv=None):
             setattr(args, key, value)
     if args.tp < 1 or args.cp < 1:
         p.error(f"--tp and --cp must be positive, got {args.tp} and {args.cp}")
+    if args.save and args.tp > 1:
+        p.error("--save needs --tp 1 (each TP rank holds only part of the weights)")
     if args.seq_len % (2 * args.cp):
         p.error(f"--seq-len {args.seq_len} must be divisible by 2 * --cp = {2 * args.cp} "
                 f"(each CP rank holds 2 chunks of every sequence)")
@@ -390,6 +416,9 @@ def main(argv=None):
     else:
         print("--- sample ---")
         print(generate(model, tokenizer, "THE ", args.sample_chars, device))
+    if args.save and rank == 0:
+        save_checkpoint(args.save, model, tokenizer, args)
+        print(f"checkpoint saved to {args.save}")
     if dist.is_initialized() and not started:
         dist.destroy_process_group()
     losses["grad_norm"] = [float(norm) for norm in losses["grad_norm"]]
