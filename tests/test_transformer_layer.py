@@ -240,3 +240,16 @@ def test_layer_bad_arguments():
     with pytest.raises(TypeError, match="attention_mask"):
         layer(x, encoder_output=x, self_attn_mask_type="padding",
               attention_mask=torch.zeros(1, 1, 1, 3, dtype=torch.int32))
+
+
+def test_params_dtype_follows_to_dtype():
+    """model.to(torch.bfloat16) (as TE users do): the modules then take bf16 inputs and name a
+    float32 one as the mismatch."""
+    layer = TransformerLayer(64, 128, 4, hidden_dropout=0.0, attention_dropout=0.0,
+                             device="cpu").to(torch.bfloat16)
+    assert layer.params_dtype == torch.bfloat16
+    assert layer.self_attention.params_dtype == torch.bfloat16
+    assert layer.layernorm_mlp.params_dtype == torch.bfloat16
+    assert layer(torch.randn(8, 2, 64, dtype=torch.bfloat16)).dtype == torch.bfloat16
+    with pytest.raises(TypeError, match="differs from params_dtype torch.bfloat16"):
+        layer(torch.randn(8, 2, 64))

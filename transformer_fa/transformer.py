@@ -18,6 +18,7 @@ from .attention import context_parallel, masks
 from .attention.constants import TENSOR_FORMATS as _FORMATS
 from .attention.multi_head_attention import MultiheadAttention, check_bool_masks
 from .module._common import (
+    FollowsParamsDtype,
     check_device,
     check_hidden_states,
     check_te_only_kwargs,
@@ -55,7 +56,7 @@ class DropPath(torch.nn.Module):
         return hidden_state * keep / keep_prob
 
 
-class TransformerLayer(torch.nn.Module):
+class TransformerLayer(FollowsParamsDtype, torch.nn.Module):
     """One transformer block, TE's ``TransformerLayer``.
 
     hidden_states: ``[s, b, hidden]`` for ``attn_input_format="sbhd"``, ``[b, s, hidden]`` for

@@ -78,3 +78,14 @@ def get_cudnn_version() -> Tuple[int, int, int]:
     if version >= 90000:  # cuDNN 9: major * 10000 + minor * 100 + patch
         return (version // 10000, (version % 10000) // 100, version % 100)
     return (version // 1000, (version % 1000) // 100, version % 100)  # cuDNN 8
+
+
+def host_reads_allowed() -> bool:
+    """Whether a check may read device tensors on the host: not while torch.compile traces
+    (it would break the graph) nor while a CUDA graph is being captured (a sync is illegal
+    there). The checks skipped then are caught later by the kernels' own bounds (or were
+    already made in the eager warm-up a capture follows)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+

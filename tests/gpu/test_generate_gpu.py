@@ -46,12 +46,6 @@ def test_bench_on_cuda(tmp_path):
     assert path.exists() and path.with_suffix(".md").exists()
 
 
-@pytest.mark.xfail(raises=RuntimeError, strict=True,
-                   reason="capture fails on the cached step's eager checks that read device "
-                          "tensors on the host (rope.py _check_positions: int(pos.max()); "
-                          "padding.check_cu_seqlens: .tolist(); dot_product_attention._max_len: "
-                          "padding.max_seqlen .item()); remove this mark once they are skipped "
-                          "under capture")
 def test_cuda_graph_decode_equals_eager():
     """The captured and replayed decode step gives the eager step's tokens and logits."""
     model, prompts, _ = generate.build_model(generate.parse_args(TOY))

@@ -11,6 +11,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .. import parallel
+from ..utils import host_reads_allowed
 from ..module._common import check_te_only_kwargs
 from . import context_parallel, inference, layout, masks, padding, selection
 from .backends import unfused
@@ -539,11 +540,12 @@ def _sequence_lengths(q, k, q_format, kv_format, mask_type, attention_mask, cu_s
 
 def _max_len(name: str, cu_seqlens, padded_len: Optional[int], given: Optional[int]) -> int:
     """The padded length of a side: the tensor's own for sbhd/bshd, else max_seqlen."""
-    if torch.compiler.is_compiling():
+    if not host_reads_allowed():  # torch.compile or a CUDA graph capture: no device reads
         if padded_len is not None:
             return padded_len
         if given is None:
-            raise ValueError(f"{name} must be given for the thd format under torch.compile")
+            raise ValueError(f"{name} must be given for the thd format under torch.compile "
+                             f"and in CUDA graph captures")
         return given
     actual = padding.max_seqlen(cu_seqlens)
     if padded_len is not None:

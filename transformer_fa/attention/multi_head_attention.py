@@ -17,6 +17,7 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 import torch
 
 from ..module._common import (
+    FollowsParamsDtype,
     check_hidden_states,
     check_positive_int,
     check_te_only_kwargs,
@@ -70,7 +71,7 @@ def check_bool_masks(attention_mask, name: str, attn_mask_type: str) -> None:
             raise TypeError(f"{name} must be a bool tensor (True = masked out), got {got}")
 
 
-class MultiheadAttention(torch.nn.Module):
+class MultiheadAttention(FollowsParamsDtype, torch.nn.Module):
     """Multi-head attention with TE's ``MultiheadAttention`` arguments.
 
     Self attention (``attention_type="self"``) projects q, k, v from ``hidden_states``; cross

@@ -5,6 +5,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..utils import host_reads_allowed
+
 
 def seqlens_from_cu(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return cu_seqlens[1:] - cu_seqlens[:-1]
@@ -29,7 +31,7 @@ def seqlens_from_padding_mask(mask: torch.Tensor, name: str, batch: int, seqlen:
                          f"got {list(mask.shape)}")
     flat = mask.view(batch, seqlen)
     lengths = (~flat).sum(-1, dtype=torch.int32)
-    if not torch.compiler.is_compiling():
+    if host_reads_allowed():
         expected = torch.arange(seqlen, device=mask.device).view(1, -1) >= lengths.view(-1, 1)
         if not torch.equal(expected, flat):
             raise ValueError(f"{name} must be right-padded: True (masked) only after the "
@@ -53,7 +55,7 @@ def check_cu_seqlens(cu_seqlens: Optional[torch.Tensor], name: str, batch: Optio
         raise ValueError(f"{name} must have b + 1 = {batch + 1} entries, got {cu_seqlens.numel()}")
     if cu_seqlens.device != device:
         raise ValueError(f"{name} is on {cu_seqlens.device}, expected {device}")
-    if not torch.compiler.is_compiling():
+    if host_reads_allowed():
         first, last, min_len = torch.stack(
             [cu_seqlens[0], cu_seqlens[-1], seqlens_from_cu(cu_seqlens).min()]).tolist()
         if first != 0 or min_len < 0:

@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from .. import kernels
+from ..utils import host_reads_allowed
 from .constants import TENSOR_FORMATS as _TENSOR_FORMATS
 
 __all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb"]
@@ -122,7 +123,7 @@ def _check_positions(pos: torch.Tensor, max_len: int, what: str) -> None:
     """Every position must fall inside the table. The check reads the positions on the host,
     so it runs in eager only; under torch.compile the table lookup's own bounds check (an
     IndexError, or a device assert) catches the same error without a sync in the graph."""
-    if torch.compiler.is_compiling() or pos.numel() == 0:
+    if not host_reads_allowed() or pos.numel() == 0:
         return
     if int(pos.max()) >= max_len:
         raise ValueError(f"{what} the {max_len} positions freqs covers")
@@ -131,7 +132,7 @@ def _check_positions(pos: torch.Tensor, max_len: int, what: str) -> None:
 def _check_cp_lengths(cu_seqlens: torch.Tensor, cp_size: int) -> None:
     """Context parallelism cuts every sequence into 2 * cp_size chunks (eager-only check)."""
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    if not torch.compiler.is_compiling() and bool((lengths % (2 * cp_size) != 0).any()):
+    if host_reads_allowed() and bool((lengths % (2 * cp_size) != 0).any()):
         raise ValueError(f"cu_seqlens: sequence lengths {lengths.tolist()} must be divisible "
                          f"by 2 * cp_size = {2 * cp_size} under context parallelism (pass "
                          f"the padded cu_seqlens, as TE)")

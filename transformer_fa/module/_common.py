@@ -106,3 +106,18 @@ def check_hidden_states(inp, hidden_size: int, params_dtype: torch.dtype, name: 
     if inp.dtype != params_dtype and not torch.is_autocast_enabled(inp.device.type):
         raise TypeError(f"{name} dtype {inp.dtype} differs from params_dtype {params_dtype}; "
                         f"cast the input or the module, or run under torch.autocast")
+
+
+class FollowsParamsDtype:
+    """Mixin: ``params_dtype`` follows the parameters through ``.to(dtype)``, ``.half()``,
+    ``.bfloat16()``, so the input dtype check compares against what the module holds now (TE's
+    modules run after ``model.to(torch.bfloat16)``). FP8 copies (one byte) do not count."""
+
+    def _apply(self, fn, *args, **kwargs):
+        module = super()._apply(fn, *args, **kwargs)
+        dtype = next((p.dtype for p in self.parameters()
+                      if p.dtype.is_floating_point and p.element_size() > 1), None)
+        if dtype is not None:
+            self.params_dtype = dtype
+        return module
+

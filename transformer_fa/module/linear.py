@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint as recompute_in_backward
 
 from .. import fp8, parallel
 from ._common import (
+    FollowsParamsDtype,
     check_device,
     check_hidden_states,
     check_positive_int,
@@ -144,7 +145,7 @@ class _TensorParallel:
         self.tp_group = tp_group
 
 
-class Linear(_FP8State, _TensorParallel, torch.nn.Module):
+class Linear(_FP8State, _TensorParallel, FollowsParamsDtype, torch.nn.Module):
     """y = x W^T + b, TE's ``Linear`` on a single device."""
 
     def __init__(
@@ -343,7 +344,7 @@ class LayerNormLinear(Linear):
         return pack_outputs(out, bias, ln_out, self.return_bias, self.return_layernorm_output)
 
 
-class LayerNormMLP(_FP8State, _TensorParallel, torch.nn.Module):
+class LayerNormMLP(_FP8State, _TensorParallel, FollowsParamsDtype, torch.nn.Module):
     """Norm -> FC1 -> activation -> FC2, TE's ``LayerNormMLP``.
 
     For gated activations (geglu, reglu, swiglu, ...) FC1 has 2 * ffn_hidden_size outputs.
