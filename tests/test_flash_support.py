@@ -122,3 +122,23 @@ def test_declines_te_features_it_lacks_and_the_log_says_why(monkeypatch):
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+
+
+def test_decode_kernel_takes_forward_only_decode_sized_calls(monkeypatch):
+    """The split-KV decode kernel serves forward-only calls of at most DECODE_MAX_ROWS query
+    rows per KV head (and then reads paged caches whose pages hold whole 16-key chunks); a
+    prefill, a call needing gradients, dropout, ALiBi or a named kernel family do not use it."""
+    monkeypatch.delenv("TRANSFORMER_FA_FLASH_FAMILY", raising=False)
+    step = gpu_params(max_seqlen_q=4, num_heads=32, num_gqa_groups=8, max_seqlen_kv=4096,
+                      attn_mask_type="padding_causal_bottom_right")
+    assert flash.uses_decode_kernel(step)  # 4 tokens x 4 heads per KV head = 16 rows
+    assert flash.reads_kv_pages(dataclasses.replace(step, kv_page_size=64))
+    assert not flash.reads_kv_pages(dataclasses.replace(step, kv_page_size=8))
+    assert not flash.reads_kv_pages(step)  # not paged
+    prefill = dataclasses.replace(step, max_seqlen_q=17, kv_page_size=64)  # 68 rows
+    assert not flash.uses_decode_kernel(prefill) and not flash.reads_kv_pages(prefill)
+    for change in (dict(requires_grad=True), dict(attention_dropout=0.1),
+                   dict(core_attention_bias_type="alibi", alibi_slopes_shape=(32,))):
+        assert not flash.uses_decode_kernel(dataclasses.replace(step, **change)), change
+    monkeypatch.setenv("TRANSFORMER_FA_FLASH_FAMILY", "sm80")
+    assert not flash.uses_decode_kernel(step)

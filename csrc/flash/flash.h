@@ -138,7 +138,8 @@ struct DecodeParams : FwdParams {
   int64_t block_table_batch_stride;
   int page_size;
   // Keys per sequence (int32 [b]), FlashAttention's cache_seqlens: null, or it overrides the
-  // lengths of cu_seqlens_k / seqlen_k (the K/V rows stay where FwdParams puts them).
+  // lengths of cu_seqlens_k / seqlen_k (the K/V rows stay where FwdParams puts them), clamped
+  // to [0, seqlen_k] so that a bad length cannot read past the cache.
   const int* __restrict__ seqlens_k;
   // Split-KV: num_splits CTAs share the keys of each (sequence, KV head, row tile) (0: the
   // planner chooses). With more than one, each writes its normalized partial O to o_accum

@@ -126,6 +126,8 @@ def test_bad_arguments_are_clear_errors():
         te.flash_attn_with_kvcache(q, k.half(), k.half())
     with pytest.raises(ValueError, match="num_splits"):
         te.flash_attn_with_kvcache(q, k, k, num_splits=-1)
+    with pytest.raises(ValueError, match=r"cache_seqlens must be in \[0, 32\]"):
+        te.flash_attn_with_kvcache(q, k, k, cache_seqlens=33)
 
 
 def test_dot_product_attention_runs_forward_only_decode_on_the_decode_kernel(monkeypatch):

@@ -227,17 +227,24 @@ def test_training_step_sm90_forward_sm80_backward(monkeypatch, causal):
         check(f"d{name}", g.double(), r, bg.double(), 1e-3)
 
 
-def test_debug_log_names_the_family_and_why_not_sm90(monkeypatch):
+def logged_d96_call(monkeypatch, heads):
+    """A causal bf16 call at head dim 96 (no sm90 kernel) with FusedAttention off and the
+    debug log on: (the backend that ran, the log lines)."""
     import transformer_fa as tfa
 
     monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
     monkeypatch.setenv("NVTE_DEBUG", "1")
     monkeypatch.setenv("NVTE_DEBUG_LEVEL", "2")
-    dpa = tfa.DotProductAttention(4, 96, qkv_format="bshd", attn_mask_type="causal").cuda()
-    q = torch.randn(2, 256, 4, 96, device=DEV, dtype=torch.bfloat16)
+    dpa = tfa.DotProductAttention(heads, 96, qkv_format="bshd", attn_mask_type="causal").cuda()
+    q = torch.randn(2, 256, heads, 96, device=DEV, dtype=torch.bfloat16)
     with capture_log() as lines, torch.no_grad():
         dpa(q, q, q)
-    assert dpa.last_backend == "FlashAttention"
+    return dpa.last_backend, lines
+
+
+def test_debug_log_names_the_family_and_why_not_sm90(monkeypatch):
+    backend, lines = logged_d96_call(monkeypatch, heads=4)
+    assert backend == "FlashAttention"
     assert any("FlashAttention kernel family = sm80 (not sm90: it has head dim 64, 128 and "
                "256 kernels only)" in line for line in lines), lines
 
@@ -245,17 +252,9 @@ def test_debug_log_names_the_family_and_why_not_sm90(monkeypatch):
 def test_requested_sm90_family_declines_with_a_reason(monkeypatch):
     """TRANSFORMER_FA_FLASH_FAMILY=sm90 on a call the sm90 kernels do not serve: FlashAttention
     is declined with the reason and the next backend runs."""
-    import transformer_fa as tfa
-
     monkeypatch.setenv("TRANSFORMER_FA_FLASH_FAMILY", "sm90")
-    monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
-    monkeypatch.setenv("NVTE_DEBUG", "1")
-    monkeypatch.setenv("NVTE_DEBUG_LEVEL", "2")
-    dpa = tfa.DotProductAttention(2, 96, qkv_format="bshd", attn_mask_type="causal").cuda()
-    q = torch.randn(1, 256, 2, 96, device=DEV, dtype=torch.bfloat16)
-    with capture_log() as lines, torch.no_grad():
-        dpa(q, q, q)
-    assert dpa.last_backend == "UnfusedDotProductAttention"
+    backend, lines = logged_d96_call(monkeypatch, heads=2)
+    assert backend == "UnfusedDotProductAttention"
     assert any("Disabling FlashAttention as TRANSFORMER_FA_FLASH_FAMILY=sm90 and the sm90 "
                "kernels do not serve this call: it has head dim 64, 128 and 256 kernels "
                "only" in line for line in lines), lines

@@ -88,7 +88,9 @@ __global__ void __launch_bounds__(Tr::kNThreads) decode_kernel(const DecodeParam
   const int bidb = blockIdx.z;
 
   SeqInfo si = seq_info(p, bidb);
-  if (p.seqlens_k != nullptr) si.len_k = p.seqlens_k[bidb];  // FlashAttention's cache_seqlens
+  if (p.seqlens_k != nullptr) {  // FlashAttention's cache_seqlens, kept inside the K/V rows
+    si.len_k = max(0, min(p.seqlens_k[bidb], p.seqlen_k));
+  }
   if (r0 >= si.rows_q * group) return;  // rows of no token of this sequence
   const Band band = band_of(p, si);
   const int live_rows = min(ROWS, si.len_q * group - r0);  // <= 0: padding tokens only

@@ -29,6 +29,7 @@ import torch
 from .. import masks
 from ..constants import (ENV_FLASH_FAMILY, ENV_FLASH_KERNELS, FLASH_FAMILIES, FLASH_FORMAT_CODES,
                          FLASH_MAX_HEAD_DIM, MAX_GRID_YZ)
+from ...utils import host_reads_allowed
 from ..params import AttentionInputs, AttentionParams
 from .support import (aligned, dropout_rng_state, fresh, never_raises, op_schema,
                       reference_only_reasons)
@@ -139,18 +140,18 @@ DECODE_MAX_ROWS = 64
 
 def uses_decode_kernel(p: AttentionParams) -> bool:
     """Whether the forward of params runs on the split-KV decode kernel: no gradient (it
-    writes no LSE), no dropout or ALiBi, a decode-sized query (DECODE_MAX_ROWS) or a paged
-    cache (which only it reads), and no kernel family asked for by name."""
+    writes no LSE), no dropout or ALiBi, a decode-sized query (DECODE_MAX_ROWS), and no
+    kernel family asked for by name."""
     if (p.requires_grad or p.attention_dropout > 0.0 or p.core_attention_bias_type != "no_bias"
             or p.is_compiling or requested_family() != FLASH_FAMILIES["auto"]):
         return False
-    rows = p.max_seqlen_q * (p.num_heads // p.num_gqa_groups)
-    return p.kv_page_size > 0 or rows <= DECODE_MAX_ROWS
+    return p.max_seqlen_q * (p.num_heads // p.num_gqa_groups) <= DECODE_MAX_ROWS
 
 
 def reads_kv_pages(p: AttentionParams) -> bool:
     """A paged KV cache reaches this backend as page pools (not gathered) when the decode
-    kernel serves the call; its pages must hold whole 16-key chunks."""
+    kernel serves the call (a prefill gets the gathered pages and the forward kernels); its
+    pages must hold whole 16-key chunks."""
     return p.kv_page_size > 0 and p.kv_page_size % 16 == 0 and uses_decode_kernel(p)
 
 
@@ -376,7 +377,7 @@ def run(inputs: AttentionInputs, params: AttentionParams) -> torch.Tensor:
     call = FlashCall.from_params(p, return_lse=need_grad)
     if not need_grad and uses_decode_kernel(p):
         _require_extension()
-        out = _decode(q, k, v, cu_q, cu_kv, inputs.page_table if p.kv_page_size else None, call)
+        out = _decode(q, k, v, cu_q, cu_kv, inputs.page_table, call)
         return out.view(*out.shape[:-2], out.shape[-2] * out.shape[-1])
     if p.is_compiling or torch.compiler.is_compiling():
         out = torch.ops.transformer_fa.flash_attn_fwd(q, k, v, cu_q, cu_kv, rng, slopes,
@@ -404,7 +405,9 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     page pools ``[pages, page_size, h_k, d]`` (page_size a multiple of 16).
 
     cache_seqlens: int32 ``[b]`` or an int, the keys of each sequence (default: all of
-    s_cache; needed with a block table). causal aligns bottom-right: query i of sq sees the keys
+    s_cache; needed with a block table), each at most s_cache (pages per row * page_size):
+    checked on the host (one read of the lengths) except during a CUDA graph capture, where
+    the kernel clamps them instead. causal aligns bottom-right: query i of sq sees the keys
     up to cache_seqlens - sq + i. window_size: (left, right), -1 unbounded. num_splits: CTAs per
     sequence and KV head over the keys (0: chosen from the shape and the GPU). Runs the
     split-KV decode kernel; returns ``[b, sq, h, d]``.
@@ -461,6 +464,11 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                 or not cache_seqlens.is_contiguous()):
             raise ValueError(f"cache_seqlens must be an int or a contiguous int32 [b={b}] "
                              f"tensor on {q.device}")
+        if host_reads_allowed() and b > 0:
+            low, high = torch.stack([cache_seqlens.min(), cache_seqlens.max()]).tolist()
+            if low < 0 or high > max_k:
+                raise ValueError(f"cache_seqlens must be in [0, {max_k}] (the cache's keys per "
+                                 f"sequence), got values from {low} to {high}")
     _require_extension()
     scale = float(softmax_scale) if softmax_scale is not None else d ** -0.5
     left, right = int(window_size[0]), 0 if causal else int(window_size[1])
