@@ -29,7 +29,6 @@ import torch
 from .. import masks
 from ..constants import (ENV_FLASH_FAMILY, ENV_FLASH_KERNELS, FLASH_FAMILIES, FLASH_FORMAT_CODES,
                          FLASH_MAX_HEAD_DIM, MAX_GRID_YZ)
-from ...utils import host_reads_allowed
 from ..params import AttentionInputs, AttentionParams
 from .support import (aligned, dropout_rng_state, fresh, never_raises, op_schema,
                       reference_only_reasons)
@@ -405,9 +404,10 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     page pools ``[pages, page_size, h_k, d]`` (page_size a multiple of 16).
 
     cache_seqlens: int32 ``[b]`` or an int, the keys of each sequence (default: all of
-    s_cache; needed with a block table), each at most s_cache (pages per row * page_size):
-    checked on the host (one read of the lengths) except during a CUDA graph capture, where
-    the kernel clamps them instead. causal aligns bottom-right: query i of sq sees the keys
+    s_cache; needed with a block table), each at most s_cache (pages per row * page_size).
+    An int is checked; a tensor's lengths are not read on the host (that would wait for the
+    GPU on every decode step): the kernel clamps them to [0, s_cache], so a bad length cannot
+    read past the cache. causal aligns bottom-right: query i of sq sees the keys
     up to cache_seqlens - sq + i. window_size: (left, right), -1 unbounded. num_splits: CTAs per
     sequence and KV head over the keys (0: chosen from the shape and the GPU). Runs the
     split-KV decode kernel; returns ``[b, sq, h, d]``.
@@ -458,17 +458,15 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         max_k = k_cache.shape[1]
     if cache_seqlens is not None:
         if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+            if not 0 <= cache_seqlens <= max_k:
+                raise ValueError(f"cache_seqlens must be in [0, {max_k}] (the cache's keys per "
+                                 f"sequence), got {cache_seqlens}")
             cache_seqlens = torch.full((b,), cache_seqlens, dtype=torch.int32, device=q.device)
         if (not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype != torch.int32
                 or cache_seqlens.shape != (b,) or cache_seqlens.device != q.device
                 or not cache_seqlens.is_contiguous()):
             raise ValueError(f"cache_seqlens must be an int or a contiguous int32 [b={b}] "
                              f"tensor on {q.device}")
-        if host_reads_allowed() and b > 0:
-            low, high = torch.stack([cache_seqlens.min(), cache_seqlens.max()]).tolist()
-            if low < 0 or high > max_k:
-                raise ValueError(f"cache_seqlens must be in [0, {max_k}] (the cache's keys per "
-                                 f"sequence), got values from {low} to {high}")
     _require_extension()
     scale = float(softmax_scale) if softmax_scale is not None else d ** -0.5
     left, right = int(window_size[0]), 0 if causal else int(window_size[1])
