@@ -8,6 +8,10 @@ GQA/MQA without K/V copies, sq != skv, varlen through cu_seqlens (thd, and paddi
 sbhd/bshd), every layout's strides (packed sb3hd-style views and GQA split views without a
 copy), and a deterministic backward on request.
 
+Forward-only calls of a few query tokens (decode steps, with or without a paged KV cache) run
+on a split-KV decode kernel instead (``uses_decode_kernel``; ``flash_attn_with_kvcache`` is
+FlashAttention's call onto it).
+
 Dropout: the kernels draw a Philox mask from a (seed, offset) pair that this module draws from
 torch's generator and saves; the backward regenerates the same mask from it. The mask is
 specified in csrc/flash/flash.h, and written in torch in tests/gpu/philox.py.
