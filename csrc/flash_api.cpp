@@ -291,7 +291,9 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
 }
 
 // Backward of fwd (same arguments; out and lse are fwd's). Returns (dq, dk, dv), contiguous
-// with the shapes of q, k, v; thd tokens past cu_seqlens[-1] get zeros. deterministic: the
+// with the shapes of q, k, v, or the given grads (dq, dk, dv: buffers with q, k, v's shapes and
+// dtype, any strides the kernels read, e.g. views of one packed buffer); thd tokens past
+// cu_seqlens[-1] get zeros. deterministic: the
 // same inputs give bitwise the same gradients (dQ through per-CTA splits summed in order).
 std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
@@ -301,7 +303,8 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
                             double softmax_scale, int64_t window_left, int64_t window_right,
                             bool bottom_right, double dropout_p,
                             const c10::optional<at::Tensor>& rng_state,
-                            const c10::optional<at::Tensor>& alibi_slopes, bool deterministic) {
+                            const c10::optional<at::Tensor>& alibi_slopes, bool deterministic,
+                            const c10::optional<std::vector<at::Tensor>>& grads) {
   c10::cuda::CUDAGuard guard(q.device());
   tf::BwdParams p{};
   const int64_t b = fill_common(p, "flash_attn_bwd", q, k, v, cu_seqlens_q, cu_seqlens_k,
@@ -325,9 +328,25 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
   const tf::Device& dev = device_info(q.get_device());
   const tf::Arch family = bwd_family(dev);
 
-  at::Tensor dq = at::empty(q.sizes(), q.options());  // every row written (from dq_accum)
-  at::Tensor dk = k_thd ? at::zeros(k.sizes(), k.options()) : at::empty(k.sizes(), k.options());
-  at::Tensor dv = k_thd ? at::zeros(v.sizes(), v.options()) : at::empty(v.sizes(), v.options());
+  at::Tensor dq, dk, dv;
+  if (grads.has_value()) {
+    TORCH_CHECK(grads->size() == 3, "flash_attn_bwd: grads must be (dq, dk, dv)");
+    dq = (*grads)[0]; dk = (*grads)[1]; dv = (*grads)[2];
+    const char* names[3] = {"dq", "dk", "dv"};
+    const at::Tensor* likes[3] = {&q, &k, &v};
+    for (int i = 0; i < 3; ++i) {
+      const at::Tensor& g = (*grads)[i];
+      check_tensor(g, names[i], i == 0 ? q_format : kv_format);
+      TORCH_CHECK(g.sizes() == likes[i]->sizes() && g.scalar_type() == q.scalar_type() &&
+                      g.device() == q.device(),
+                  "flash_attn_bwd: ", names[i], " must have the shape and dtype of its input");
+    }
+    if (k_thd) { dk.zero_(); dv.zero_(); }
+  } else {
+    dq = at::empty(q.sizes(), q.options());  // every row written (from dq_accum)
+    dk = k_thd ? at::zeros(k.sizes(), k.options()) : at::empty(k.sizes(), k.options());
+    dv = k_thd ? at::zeros(v.sizes(), v.options()) : at::empty(v.sizes(), v.options());
+  }
   p.dq_rows = q.numel() / p.d;
   p.deterministic = deterministic;
   // The family plans its shared memory and workspace (the dq_accum layout, the splits).
@@ -513,7 +532,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("max_seqlen_q"), py::arg("max_seqlen_k"), py::arg("softmax_scale"),
         py::arg("window_left"), py::arg("window_right"), py::arg("bottom_right"),
         py::arg("dropout_p") = 0.0, py::arg("rng_state") = py::none(),
-        py::arg("alibi_slopes") = py::none(), py::arg("deterministic") = false);
+        py::arg("alibi_slopes") = py::none(), py::arg("deterministic") = false,
+        py::arg("grads") = py::none());
   std::vector<int> dims(std::begin(tf::kKernelHeadDims), std::end(tf::kKernelHeadDims));
   m.attr("HEAD_DIMS") = py::cast(dims);
   m.attr("INSTANTIATIONS") = tf::built_instantiations();

@@ -16,6 +16,7 @@ import torch
 
 from transformer_fa.attention.backends import flash, unfused
 from transformer_fa.attention.backends.support import aligned
+from transformer_fa.attention.multi_head_attention import split_views
 from transformer_fa.attention.params import AttentionInputs, AttentionParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
@@ -45,15 +46,22 @@ class TorchFlash:
 
     def bwd(self, dout, q, k, v, out, lse, cu_q, cu_k, q_format, kv_format, max_seqlen_q,
             max_seqlen_k, scale, left, right, bottom_right, dropout_p, rng_state, alibi_slopes,
-            deterministic):
+            deterministic, grads=None):
         for name, t in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out)):
             if not aligned(t):
                 raise RuntimeError(f"flash_attn_bwd: {name} is not kernel-ready")
         assert lse.numel() > 0, "the backward got no LSE"
-        self.calls.append(("bwd", dict(rng=_copy(rng_state), deterministic=deterministic)))
-        _, _, grads = _attend(q, k, v, dout, cu_q, cu_k, q_format, kv_format, scale, left,
-                              right, bottom_right, dropout_p, rng_state, alibi_slopes)
-        return [g.to(x.dtype) for g, x in zip(grads, (q, k, v))]
+        self.calls.append(("bwd", dict(
+            rng=_copy(rng_state), deterministic=deterministic,
+            grads_storage=None if grads is None else grads[0].untyped_storage().data_ptr())))
+        _, _, computed = _attend(q, k, v, dout, cu_q, cu_k, q_format, kv_format, scale, left,
+                                 right, bottom_right, dropout_p, rng_state, alibi_slopes)
+        if grads is None:  # the binding's own buffers
+            return [g.to(x.dtype) for g, x in zip(computed, (q, k, v))]
+        for given, g, x in zip(grads, computed, (q, k, v)):
+            assert given.shape == x.shape and given.dtype == x.dtype
+            given.copy_(g)
+        return grads
 
 
 def _copy(t):
@@ -268,6 +276,25 @@ def test_eager_matches_unfused(ext, name):
     assert ext.calls[0][1]["return_lse"]
 
 
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd", "thd"])
+def test_packed_qkv_gets_its_gradient_without_a_copy(ext, fmt):
+    """q, k, v split from one fused projection output get dq, dk, dv as views of one buffer
+    laid out as that output, which the split's backward then returns as it is (no cat)."""
+    c = Case(fmt=fmt, lens_q=[5, 9] if fmt == "thd" else None,
+             lens_kv=[5, 9] if fmt == "thd" else None,
+             mask="padding_causal" if fmt == "thd" else "causal", hq=4, hkv=2)
+    inputs, params, _ = build(c)
+    mixed = torch.cat([inputs.q, inputs.k, inputs.v], dim=-2).detach().requires_grad_()
+    q, k, v = split_views(mixed, [c.hq, c.hkv, c.hkv], -2)
+    packed = dataclasses.replace(inputs, q=q, k=k, v=v)
+    out = flash.run(packed, params)
+    (grad,) = grads_of(out, [mixed])
+    storage = ext.calls[-1][1]["grads_storage"]
+    assert storage is not None and grad.untyped_storage().data_ptr() == storage
+    (ref,) = grads_of(unfused.run(packed, params), [mixed])
+    torch.testing.assert_close(grad, ref, rtol=1e-4, atol=1e-5)
+
+
 def test_no_grad_asks_for_no_lse(ext):
     inputs, params, _ = build(CASES["bshd-causal-gqa"])
     with torch.no_grad():
@@ -331,7 +358,7 @@ def test_dropout_state_drawn_from_torch_and_saved(ext, fmt):
 def test_deterministic_reaches_the_backward(ext):
     inputs, params, leaves = build(CASES["bshd-causal-gqa"])
     grads_of(flash.run(inputs, dataclasses.replace(params, deterministic=True)), leaves)
-    assert ext.calls[-1] == ("bwd", dict(rng=None, deterministic=True))
+    assert ext.calls[-1] == ("bwd", dict(rng=None, deterministic=True, grads_storage=None))
 
 
 @pytest.mark.parametrize("name", ["thd-padding_causal_bottom_right-window", "alibi+dropout"])

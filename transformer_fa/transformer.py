@@ -197,7 +197,6 @@ class TransformerLayer(FollowsParamsDtype, torch.nn.Module):
             bottom_right_diagonal=bottom_right_diagonal,
             input_layernorm=not output_layernorm,
             attention_type="self",
-            return_bias=not parallel_attention_mlp,
         )
         self.kv_channels = self.self_attention.hidden_size_per_attention_head
         if layer_type == "decoder":
@@ -209,7 +208,6 @@ class TransformerLayer(FollowsParamsDtype, torch.nn.Module):
                 bottom_right_diagonal=enc_dec_bottom_right_diagonal,
                 input_layernorm=True,
                 attention_type="cross",
-                return_bias=True,
             )
         self.layernorm_mlp = LayerNormMLP(
             hidden_size,
@@ -218,7 +216,6 @@ class TransformerLayer(FollowsParamsDtype, torch.nn.Module):
             init_method=init_method,
             output_layer_init_method=output_layer_init_method,
             bias=bias,
-            return_bias=not parallel_attention_mlp,
             params_dtype=params_dtype,
             return_layernorm_output=apply_residual_connection_post_layernorm,
             zero_centered_gamma=zero_centered_gamma,
@@ -243,6 +240,10 @@ class TransformerLayer(FollowsParamsDtype, torch.nn.Module):
             )
 
     def _bias_dropout_add(self, out, bias, residual, drop_path=None):
+        """residual + drop_path(dropout(out + bias)), TE's bias-dropout-add. The projections
+        add their own biases in the GEMM's epilogue (cuBLAS), so ``bias`` is only the parallel
+        layout's attention output; TE returns the biases to fuse them into one kernel with
+        the dropout, which the GEMM epilogue makes unnecessary."""
         if bias is not None:
             out = out + bias
         forked = (self.sequence_parallel and self.get_rng_state_tracker is not None
@@ -341,17 +342,13 @@ class TransformerLayer(FollowsParamsDtype, torch.nn.Module):
             pad_between_seqs=pad_between_seqs,
         )
         if self.parallel_attention_mlp:
-            attention_out = self_attention_outputs  # bias already added
+            attention_out = self_attention_outputs
         elif self.apply_residual_connection_post_layernorm and not self.output_layernorm:
-            attention_out, attention_bias, residual = self_attention_outputs
-            hidden_states = self._bias_dropout_add(
-                attention_out, attention_bias, residual, self.drop_path
-            )
+            attention_out, residual = self_attention_outputs
+            hidden_states = self._bias_dropout_add(attention_out, None, residual, self.drop_path)
         else:
-            attention_out, attention_bias = self_attention_outputs
-            hidden_states = self._bias_dropout_add(
-                attention_out, attention_bias, hidden_states, self.drop_path
-            )
+            hidden_states = self._bias_dropout_add(self_attention_outputs, None, hidden_states,
+                                                   self.drop_path)
 
         if self.layer_type == "decoder":
             inter_outputs = self.inter_attention(
@@ -376,10 +373,10 @@ class TransformerLayer(FollowsParamsDtype, torch.nn.Module):
                 pad_between_seqs=pad_between_seqs,
             )
             if self.apply_residual_connection_post_layernorm:
-                inter_out, inter_bias, residual = inter_outputs
+                inter_out, residual = inter_outputs
             else:
-                (inter_out, inter_bias), residual = inter_outputs, hidden_states
-            hidden_states = self._bias_dropout_add(inter_out, inter_bias, residual)
+                inter_out, residual = inter_outputs, hidden_states
+            hidden_states = self._bias_dropout_add(inter_out, None, residual)
 
         mlp_outputs = self.layernorm_mlp(hidden_states)
         if self.parallel_attention_mlp:
@@ -388,11 +385,10 @@ class TransformerLayer(FollowsParamsDtype, torch.nn.Module):
                 mlp_outputs, attention_out, hidden_states, self.drop_path
             )
         elif self.apply_residual_connection_post_layernorm:
-            mlp_out, mlp_bias, residual = mlp_outputs
-            output = self._bias_dropout_add(mlp_out, mlp_bias, residual, self.drop_path)
+            mlp_out, residual = mlp_outputs
+            output = self._bias_dropout_add(mlp_out, None, residual, self.drop_path)
         else:
-            mlp_out, mlp_bias = mlp_outputs
-            output = self._bias_dropout_add(mlp_out, mlp_bias, hidden_states, self.drop_path)
+            output = self._bias_dropout_add(mlp_outputs, None, hidden_states, self.drop_path)
 
         if self.output_layernorm:
             output = self.layernorm(output)

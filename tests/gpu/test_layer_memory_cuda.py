@@ -65,3 +65,42 @@ def test_layer_saves_no_more_than_the_torch_block():
     if backend == "FlashAttention":
         assert ours["activation_bytes"] <= theirs["activation_bytes"], (ours["tensors"],
                                                                          theirs["tensors"])
+
+
+@pytest.mark.parametrize("backend", ["FlashAttention", "FusedAttention"])
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_fused_qkv_gradient_is_the_attention_backward_buffer(backend, interleaved, monkeypatch):
+    """The fused QKV projection's output gradient is the buffer the attention backward wrote
+    dq, dk, dv into (no concatenation of the three), and equals the unfused backend's."""
+    for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+        monkeypatch.setenv(name, "0")
+    monkeypatch.setenv({"FlashAttention": "NVTE_FLASH_ATTN",
+                        "FusedAttention": "NVTE_FUSED_ATTN"}[backend], "1")
+    torch.manual_seed(0)
+    mha = te.MultiheadAttention(512, 8, attn_mask_type="causal", params_dtype=torch.bfloat16,
+                                qkv_weight_interleaved=interleaved, device="cuda")
+    x = torch.randn(256, 2, 512, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    seen = {}
+    mixed_grads = []
+
+    def keep_q_grad(module, args, out):
+        q = args[0]
+        q.register_hook(lambda g: seen.setdefault("dq", g))
+
+    hook = mha.core_attention.register_forward_hook(keep_q_grad)
+    proj = mha.layernorm_qkv if hasattr(mha, "layernorm_qkv") else mha.qkv
+    out_hook = proj.register_forward_hook(
+        lambda m, a, out: (out[0] if isinstance(out, tuple) else out).register_hook(
+            mixed_grads.append))
+    mha(x).float().square().sum().backward()
+    hook.remove()
+    out_hook.remove()
+    assert mixed_grads[0].untyped_storage().data_ptr() == seen["dq"].untyped_storage().data_ptr()
+
+    monkeypatch.setenv("NVTE_UNFUSED_ATTN", "1")
+    monkeypatch.setenv("NVTE_FLASH_ATTN", "0")
+    monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
+    grad = x.grad.clone()
+    x.grad = None
+    mha(x).float().square().sum().backward()
+    torch.testing.assert_close(grad, x.grad, rtol=2e-2, atol=2e-2)

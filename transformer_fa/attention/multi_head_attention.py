@@ -37,6 +37,46 @@ from .rope import apply_rotary_pos_emb
 _QK_NORMS = {"RMSNorm": RMSNorm, "LayerNorm": LayerNorm}
 
 
+class _SplitViews(torch.autograd.Function):
+    """torch.split into views. Its backward takes the pieces' gradients as the input's
+    gradient without a copy where they are laid out as the pieces are in the input (views of
+    one buffer, as the attention backends write dq, dk, dv for a packed input); else it
+    concatenates them, as torch.split's backward does."""
+
+    @staticmethod
+    def forward(ctx, mixed, sizes, dim):
+        pieces = torch.split(mixed, sizes, dim)
+        ctx.sizes, ctx.dim = sizes, dim % mixed.dim()
+        ctx.shape, ctx.stride = mixed.shape, mixed.stride()
+        ctx.layout = [(p.stride(), p.storage_offset() - mixed.storage_offset()) for p in pieces]
+        return pieces
+
+    @staticmethod
+    def backward(ctx, *grads):
+        first = grads[0]
+        if all(g is not None for g in grads):
+            start = first.storage_offset() - ctx.layout[0][1]
+            storage = first.untyped_storage().data_ptr()
+            if start >= 0 and all(
+                    g.dtype == first.dtype and g.untyped_storage().data_ptr() == storage
+                    and g.stride() == stride and g.storage_offset() - start == offset
+                    for g, (stride, offset) in zip(grads, ctx.layout)):
+                return first.as_strided(ctx.shape, ctx.stride, start), None, None
+        like = next(g for g in grads if g is not None)
+        d = ctx.dim
+        grads = [g if g is not None else like.new_zeros((*ctx.shape[:d], n, *ctx.shape[d + 1:]))
+                 for g, n in zip(grads, ctx.sizes)]
+        return torch.cat(grads, ctx.dim), None, None
+
+
+def split_views(mixed: torch.Tensor, sizes: Sequence[int], dim: int) -> Tuple[torch.Tensor, ...]:
+    """torch.split(mixed, sizes, dim), whose backward needs no concatenation where the
+    gradients come back in one buffer (``_SplitViews``)."""
+    if torch.compiler.is_compiling() or not mixed.requires_grad:
+        return torch.split(mixed, list(sizes), dim)
+    return _SplitViews.apply(mixed, list(sizes), dim)
+
+
 def split_grouped_heads(
     mixed: torch.Tensor, parts: Sequence[int], num_groups: int, head_dim: int, interleaved: bool
 ) -> Tuple[torch.Tensor, ...]:
@@ -50,10 +90,10 @@ def split_grouped_heads(
     lead = mixed.shape[:-1]
     if interleaved:
         grouped = mixed.view(*lead, num_groups, sum(parts), head_dim)
-        pieces = torch.split(grouped, list(parts), dim=-2)
+        pieces = split_views(grouped, parts, -2)
     else:
         grouped = mixed.view(*lead, sum(parts), num_groups, head_dim)
-        pieces = torch.split(grouped, list(parts), dim=-3)
+        pieces = split_views(grouped, parts, -3)
     # Explicit head counts: a -1 would be ambiguous for an empty (s = 0) input.
     return tuple(p.reshape(*lead, n * num_groups, head_dim) for p, n in zip(pieces, parts))
 

@@ -34,8 +34,8 @@ from .. import masks
 from ..constants import (ENV_FLASH_FAMILY, ENV_FLASH_KERNELS, FLASH_FAMILIES, FLASH_FORMAT_CODES,
                          FLASH_MAX_HEAD_DIM, MAX_GRID_YZ)
 from ..params import AttentionInputs, AttentionParams
-from .support import (aligned, dropout_rng_state, fresh, never_raises, op_schema,
-                      reference_only_reasons)
+from .support import (aligned, dropout_rng_state, fresh, grads_like, never_raises, op_schema,
+                      packed_extent, reference_only_reasons)
 
 NAME = "FlashAttention"
 EXTENSION = "transformer_fa_flash"
@@ -239,14 +239,20 @@ def _fwd_impl(q, k, v, cu_q, cu_kv, rng, slopes, call: FlashCall):
     return _fwd_ext(_ready(q), _ready(k), _ready(v), cu_q, cu_kv, rng, slopes, call)
 
 
-def _bwd_ext(dout, q, k, v, out, lse, cu_q, cu_kv, rng, slopes, call: FlashCall):
+def _bwd_ext(dout, q, k, v, out, lse, cu_q, cu_kv, rng, slopes, call: FlashCall,
+             packed_grads: bool = False):
     """The binding's bwd on kernel-ready tensors: (dq, dk, dv), each contiguous with the
-    shape of q, k, v."""
+    shape of q, k, v; or, with packed_grads where q, k, v tile one buffer (a packed layout),
+    views of one buffer laid out as q, k, v are (the split before the attention then takes
+    them without a copy; not for the torch.library op, whose outputs must not alias)."""
     c = call
+    grads = None
+    if packed_grads and packed_extent((q, k, v)) is not None:
+        grads = list(grads_like((q, k, v)))
     dq, dk, dv = _ext.bwd(dout, q, k, v, out, lse, cu_q, cu_kv, FLASH_FORMAT_CODES[c.q_format],
                           FLASH_FORMAT_CODES[c.kv_format], c.max_seqlen_q, c.max_seqlen_kv,
                           c.softmax_scale, c.window_left, c.window_right, c.bottom_right,
-                          c.dropout_p, rng, slopes, c.deterministic)
+                          c.dropout_p, rng, slopes, c.deterministic, grads)
     return dq, dk, dv
 
 
@@ -278,7 +284,7 @@ class _FlashAttnFunction(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, cu_q, cu_kv, rng, slopes = ctx.saved_tensors
         dq, dk, dv = _bwd_ext(_ready(dout), q, k, v, out, lse, cu_q, cu_kv, rng, slopes,
-                              ctx.call)
+                              ctx.call, packed_grads=True)
         return dq, dk, dv, None, None, None, None, None
 
 

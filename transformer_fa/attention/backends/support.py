@@ -81,3 +81,63 @@ def reference_only_reasons(p: AttentionParams) -> List[str]:
     if p.softcap > 0.0:
         reasons.append(f"as it does not support softcap = {p.softcap}")
     return reasons
+
+
+def _dense(shape, stride) -> bool:
+    """Whether shape/stride is the contiguous layout (dims of size 1 may have any stride)."""
+    expected = 1
+    for size, st in zip(reversed(shape), reversed(stride)):
+        if size != 1 and st != expected:
+            return False
+        expected *= size
+    return True
+
+
+def packed_extent(tensors) -> typing.Optional[typing.Tuple[int, int]]:
+    """(first storage offset, numel) of the one dense block that ``tensors`` tile exactly, as
+    the pieces of a split do (TE's packed layouts: along a new dim as in 3hd/h3d, or along an
+    existing one, e.g. the heads of a fused GQA projection); None if they do not.
+
+    Gradients allocated as one buffer of that block, with each tensor's own strides and
+    offset, are then the pieces of one gradient: the split's backward takes the buffer as
+    it is instead of concatenating the pieces."""
+    first = tensors[0]
+    storage = first.untyped_storage().data_ptr()
+    if first.numel() == 0 or any(
+            t.dtype != first.dtype or t.device != first.device or t.dim() != first.dim()
+            or t.stride() != first.stride() or t.untyped_storage().data_ptr() != storage
+            for t in tensors):
+        return None
+    ts = sorted(tensors, key=lambda t: t.storage_offset())
+    offsets = [t.storage_offset() for t in ts]
+    shape, stride = list(first.shape), list(first.stride())
+    numel = sum(t.numel() for t in ts)
+    for j in range(first.dim()):  # along an existing dim: sizes may differ there only
+        if all(t.shape[:j] == first.shape[:j] and t.shape[j + 1:] == first.shape[j + 1:]
+               for t in ts) and all(
+                offsets[i + 1] - offsets[i] == ts[i].shape[j] * stride[j]
+                for i in range(len(ts) - 1)):
+            whole = shape[:j] + [sum(t.shape[j] for t in ts)] + shape[j + 1:]
+            if _dense(whole, stride):
+                return offsets[0], numel
+    step = offsets[1] - offsets[0] if len(ts) > 1 else 0
+    if step > 0 and all(t.shape == first.shape for t in ts) and all(
+            offsets[i + 1] - offsets[i] == step for i in range(len(ts) - 1)):
+        for j in range(first.dim() + 1):  # along a new dim of stride `step`
+            if _dense(shape[:j] + [len(ts)] + shape[j:], stride[:j] + [step] + stride[j:]):
+                return offsets[0], numel
+    return None
+
+
+def grads_like(tensors, alloc=torch.empty, packed: bool = True):
+    """Gradient buffers for ``tensors``: where they tile one dense block (``packed_extent``)
+    and ``packed``, views of one new buffer with the tensors' own strides; else each
+    contiguous on its own. alloc: torch.empty, or torch.zeros where rows stay unwritten."""
+    extent = packed_extent(tensors) if packed else None
+    if extent is None:
+        return tuple(alloc(t.shape, dtype=t.dtype, device=t.device) for t in tensors)
+    start, numel = extent
+    first = tensors[0]
+    buffer = alloc(numel, dtype=first.dtype, device=first.device)
+    return tuple(buffer.as_strided(t.shape, t.stride(), t.storage_offset() - start)
+                 for t in tensors)

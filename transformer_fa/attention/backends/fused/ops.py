@@ -7,12 +7,12 @@ from typing import Optional
 
 import torch
 
-from ..support import aligned, fresh, op_schema, strides_aligned
+from ..support import aligned, fresh, grads_like, op_schema, packed_extent, strides_aligned
 from . import graph
 from .plans import CACHE, CONTIGUOUS
 from .spec import FusedCall, bwd_spec, fwd_spec
 
-# Eager backward: dq, dk, dv of one shape from one allocation (fewer allocator calls).
+# Eager backward: dq, dk, dv of a packed q, k, v as views of one buffer.
 SHARED_GRADS = True
 
 
@@ -74,23 +74,12 @@ def fwd_core(q, k, v, bias, cu_q, cu_kv, rng, call: FusedCall):
     return out, stats, key
 
 
-def _grads_like(q, k, v, zero: bool, shared: bool):
-    """Gradient buffers for q, k, v, each contiguous in its own format. shared: tensors of
-    one shape come from one allocation (fewer allocator calls on the eager hot path)."""
-    alloc = torch.zeros if zero else torch.empty
-    if shared and k.shape == v.shape:
-        if q.shape == k.shape:
-            return alloc((3,) + tuple(q.shape), dtype=q.dtype, device=q.device).unbind(0)
-        dk, dv = alloc((2,) + tuple(k.shape), dtype=k.dtype, device=k.device).unbind(0)
-        return alloc(q.shape, dtype=q.dtype, device=q.device), dk, dv
-    return tuple(alloc(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-
-
 def bwd_impl(dout, q, k, v, out, stats, bias, cu_q, cu_kv, rng, call: FusedCall,
              need_dbias: bool, fwd_key=None, shared_grads=False):
     """(dq, dk, dv, dbias or None). fwd_key: the forward's key for these q, k, v, bias.
     shared_grads: dq, dk, dv may be views of one buffer (not for the torch.library op, whose
-    outputs must not alias)."""
+    outputs must not alias): laid out as q, k, v are where those tile one buffer (a packed
+    layout), so that the split before the attention takes them without a copy."""
     dout_stride = dout.stride()
     if (dout_stride != out.stride() and not strides_aligned(dout)) or dout.data_ptr() & 15:
         dout = fresh(dout)
@@ -102,14 +91,15 @@ def bwd_impl(dout, q, k, v, out, stats, bias, cu_q, cu_kv, rng, call: FusedCall,
         bias = _prepare_bias(bias, q.dtype)
     if fwd_key is None:
         fwd_key = _tensors_key(call, q, k, v, bias, cu_q)
-    plan = CACHE.plan(CACHE.backward, (fwd_key, dout_stride, need_dbias),
-                      lambda: bwd_spec(call, q, k, v, bias, cu_q, dout, need_dbias),
+    packed = shared_grads and packed_extent((q, k, v)) is not None
+    plan = CACHE.plan(CACHE.backward, (fwd_key, dout_stride, need_dbias, packed),
+                      lambda: bwd_spec(call, q, k, v, bias, cu_q, dout, need_dbias, packed),
                       (q, k, v, dout))
     if plan is CONTIGUOUS:
         return bwd_impl(fresh(dout), fresh(q), fresh(k), fresh(v), out, stats, bias,
                         cu_q, cu_kv, rng, call, need_dbias, None, shared_grads)
     spec = plan.spec
-    dq, dk, dv = _grads_like(q, k, v, plan.zero, shared_grads)
+    dq, dk, dv = grads_like((q, k, v), torch.zeros if plan.zero else torch.empty, packed)
     pack = {graph.Q: q.data_ptr(), graph.K: k.data_ptr(), graph.V: v.data_ptr(),
             graph.O: out.data_ptr(), graph.DO: dout.data_ptr(), graph.STATS: stats.data_ptr(),
             graph.DQ: dq.data_ptr(), graph.DK: dk.data_ptr(), graph.DV: dv.data_ptr()}

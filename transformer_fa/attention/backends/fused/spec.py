@@ -219,15 +219,20 @@ def fwd_spec(call: FusedCall, q, k, v, bias, cu_q) -> Spec:
                  backward=False)
 
 
-def bwd_spec(call: FusedCall, q, k, v, bias, cu_q, dout, need_dbias: bool) -> Spec:
-    """The backward graph of a call on these tensors (gradients contiguous in their formats)."""
+def bwd_spec(call: FusedCall, q, k, v, bias, cu_q, dout, need_dbias: bool,
+             packed_grads: bool = False) -> Spec:
+    """The backward graph of a call on these tensors: gradients with the strides of q, k, v
+    where packed_grads (``support.grads_like``), else contiguous in their formats."""
+    def grad_stride(t):
+        return t.stride() if packed_grads else contiguous_stride(t.shape)
+
     fmt_q, fmt_kv, sq, skv = call.q_format, call.kv_format, call.max_seqlen_q, call.max_seqlen_kv
     spec = fwd_spec(call, q, k, v, bias, cu_q)
     return spec._replace(
         backward=True,
         stats=stats_strides(fmt_q == "thd", spec.b, spec.hq, sq),
         do=bhsd_strides(fmt_q, dout.stride(), sq),
-        dq=bhsd_strides(fmt_q, contiguous_stride(q.shape), sq),
-        dk=bhsd_strides(fmt_kv, contiguous_stride(k.shape), skv),
-        dv_=bhsd_strides(fmt_kv, contiguous_stride(v.shape), skv),
+        dq=bhsd_strides(fmt_q, grad_stride(q), sq),
+        dk=bhsd_strides(fmt_kv, grad_stride(k), skv),
+        dv_=bhsd_strides(fmt_kv, grad_stride(v), skv),
         dbias=bool(need_dbias), deterministic=bool(call.deterministic))
