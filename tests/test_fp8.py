@@ -138,9 +138,9 @@ def test_weight_is_cast_once_per_version(monkeypatch):
     casts = []
     real = fp8._quantize
 
-    def spy(tensor, *args):
+    def spy(tensor, *args, **kwargs):
         casts.append(tensor.shape)
-        return real(tensor, *args)
+        return real(tensor, *args, **kwargs)
 
     monkeypatch.setattr(fp8, "_quantize", spy)
     lin = _linear()
