@@ -57,14 +57,17 @@ def _check_amax_slot(x: torch.Tensor, amax: torch.Tensor) -> None:
 
 def _launch(x, out, out_t, scale, amax, fp8_max, tile) -> None:
     block_r, block_c, num_warps = tile
+    rowwise = out is not None
     n_rows, n_cols = x.shape
     grid = (triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_c))
-    # pointers a variant does not read get a stand-in (x); the constexprs keep them unused
+    # pointers a variant does not use get a stand-in (the constexprs keep them unused); OUT
+    # is always an FP8 output where there is one, as the kernel converts to OUT's dtype
+    out = out_t if out is None else out
     _cast_kernel[grid](
         x, x if out is None else out, x if out_t is None else out_t,
         x if scale is None else scale, x if amax is None else amax.view(torch.int32),
         n_rows, n_cols, x.stride(0), x.stride(1), fp8_max,
-        ROWWISE=out is not None, COLUMNWISE=out_t is not None,
+        ROWWISE=rowwise, COLUMNWISE=out_t is not None,
         RECORD_AMAX=amax is not None,
         BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps)
 
