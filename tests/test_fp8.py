@@ -138,9 +138,9 @@ def test_weight_is_cast_once_per_version(monkeypatch):
     casts = []
     real = fp8._quantize
 
-    def spy(tensor, *args):
+    def spy(tensor, *args, **kwargs):
         casts.append(tensor.shape)
-        return real(tensor, *args)
+        return real(tensor, *args, **kwargs)
 
     monkeypatch.setattr(fp8, "_quantize", spy)
     lin = _linear()
@@ -251,3 +251,80 @@ def test_transformer_layer_trains_close_to_high_precision():
         assert low[-1] < low[0]
         for a, b in zip(low, high):
             assert abs(a - b) / b < 0.02
+
+
+def _fp8_gemm(x, weight, recipe):
+    """fp8_matmul under an autocast: its output, its backward node (for the tensors it saved)
+    and the weight's cached cast (a delayed recipe clears the cache at the autocast's exit)."""
+    meta = fp8.FP8Meta()
+    with te.autocast(recipe=recipe):
+        out = fp8.fp8_matmul(x, weight, meta)
+        cached = meta.weight_cache[0][1]
+    node = out.grad_fn.next_functions[0][0] if out.grad_fn is not None else None
+    return out, node, cached
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_gemm_operands_are_cast_in_the_orientations_the_gemms_need(recipe):
+    """The forward saves the input's FP8 transpose (for the wgrad) and the weight's (for the
+    dgrad), each the transpose of the forward's operand; a gradient nobody needs saves none,
+    and under no_grad the weight cache holds no transpose."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 32, requires_grad=True)
+    w = torch.randn(48, 32, requires_grad=True)
+    _, node, (w_fp8, cached_w_t, _) = _fp8_gemm(x, w, recipe)
+    x_t, _, w_t, _ = node.saved_tensors
+    assert x_t.shape == (32, 16) and x_t.is_contiguous() and x_t.dtype == torch.float8_e4m3fn
+    assert w_t is cached_w_t and w_t.is_contiguous()
+    assert torch.equal(w_t.view(torch.uint8), w_fp8.t().view(torch.uint8))
+    x_fp8, x_t_again, _ = fp8._quantize(x, Format.E4M3, E4M3_MAX, Float8CurrentScaling(),
+                                        torch.zeros(1, 1), torch.ones(1), 0, columnwise=True)
+    assert torch.equal(x_t_again.view(torch.uint8), x_fp8.t().view(torch.uint8))
+    if isinstance(recipe, Float8CurrentScaling):
+        assert torch.equal(x_t.view(torch.uint8), x_t_again.view(torch.uint8))
+
+    frozen_w = w.detach()
+    x_t, _, w_t, _ = _fp8_gemm(x, frozen_w, recipe)[1].saved_tensors
+    assert x_t is None and w_t is not None
+    x_t, _, w_t, _ = _fp8_gemm(x.detach(), w, recipe)[1].saved_tensors
+    assert x_t is not None and w_t is None
+    with torch.no_grad():
+        out, node, (_, w_t, _) = _fp8_gemm(x, w, recipe)
+    assert node is None and w_t is None
+
+
+def test_gradient_is_cast_once_in_the_orientations_needed(monkeypatch):
+    asked = []
+    real = fp8._quantize
+
+    def spy(tensor, *args, rowwise=True, columnwise=False):
+        asked.append((tuple(tensor.shape), rowwise, columnwise))
+        return real(tensor, *args, rowwise=rowwise, columnwise=columnwise)
+
+    monkeypatch.setattr(fp8, "_quantize", spy)
+    x = torch.randn(16, 32, requires_grad=True)
+    w = torch.randn(48, 32, requires_grad=True)
+    for inputs, dgrad, wgrad in (((x, w), True, True), ((x, w.detach()), True, False),
+                                 ((x.detach(), w), False, True)):
+        asked.clear()
+        out, _, _ = _fp8_gemm(*inputs, DelayedScaling())
+        out.backward(torch.randn_like(out))
+        assert asked[-1] == ((16, 48), dgrad, wgrad)  # the gradient's cast, in the backward
+
+
+def test_a_cached_weight_cast_gains_its_transpose_once_needed():
+    """A no_grad forward caches the weight without its transpose; the next forward that needs
+    the dgrad casts it again with the transpose, to the same FP8 bytes."""
+    torch.manual_seed(0)
+    lin = _linear()
+    x = torch.randn(16, 32, requires_grad=True)
+    with te.autocast(recipe=Float8CurrentScaling()):
+        with torch.no_grad():
+            lin(x)
+        w_fp8, w_t, _ = lin.fp8_meta.weight_cache[0][1]
+        assert w_t is None
+        lin(x).sum().backward()
+    w_fp8_again, w_t, _ = lin.fp8_meta.weight_cache[0][1]
+    assert torch.equal(w_fp8.view(torch.uint8), w_fp8_again.view(torch.uint8))
+    assert torch.equal(w_t.view(torch.uint8), w_fp8.t().view(torch.uint8))

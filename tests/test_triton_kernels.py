@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import transformer_fa as te
-from transformer_fa import kernels
+from transformer_fa import fp8, kernels
 from transformer_fa.attention.rope import apply_rotary_pos_emb
+from transformer_fa.common.recipe import DelayedScaling, Float8CurrentScaling, Format
 from transformer_fa.module.layernorm import apply_norm
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -237,3 +238,175 @@ def test_rope_unfused_when_freqs_need_grad(kernels_on_cpu, monkeypatch):
 def test_rope_odd_table_width_is_refused():
     with pytest.raises(ValueError, match="even number of channels"):
         apply_rotary_pos_emb(torch.randn(4, 1, 1, 8), torch.zeros(4, 1, 1, 5))
+
+
+# FP8 casts. Triton's interpreter converts float32 to FP8 with its own rounding (ties away
+# from zero, no NaN), unlike the GPU's cvt.rn (round to nearest even, as torch's .to()), so
+# the cases below model the GPU's conversion with torch's: they check the kernel's tiles,
+# masks, strides, scale, clamp, transposes and amax bit for bit, and the GPU tests
+# (tests/gpu/test_fp8_gpu.py) check the conversion itself.
+if INTERPRETED:
+    import triton.language as tl
+    from triton.runtime import interpreter as triton_interpreter
+
+    from transformer_fa.kernels import fp8_cast
+
+
+@pytest.fixture
+def fp8_kernels_on_cpu(kernels_on_cpu, monkeypatch):
+    real = triton_interpreter.InterpreterBuilder.create_fp_to_fp
+    to_torch = {tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2}
+
+    def round_to_nearest_even(self, src, dst_type, rounding_mode):
+        fp8_dtype = to_torch.get(dst_type.scalar)
+        if fp8_dtype is None or src.dtype.scalar != tl.float32:
+            return real(self, src, dst_type, rounding_mode)
+        data = torch.from_numpy(src.data.copy()).to(fp8_dtype).view(torch.uint8).numpy()
+        return triton_interpreter.TensorHandle(data, dst_type.scalar)
+
+    monkeypatch.setattr(triton_interpreter.InterpreterBuilder, "create_fp_to_fp",
+                        round_to_nearest_even)
+    monkeypatch.setenv("TRANSFORMER_FA_FP8_ON_CPU", "1")
+
+
+def _fp8_input(shape, dtype, seed=0):
+    """Values across FP8's range and past its max, zeros, -0, tiny values that round into
+    (and under) FP8's subnormals, and +-inf and NaN."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g) * torch.logspace(-6, 3, shape[-1])
+    flat = x.view(-1)
+    specials = [0.0, -0.0, 1e5, -1e5, float("inf"), float("-inf"), float("nan"), 3e-6]
+    positions = torch.randperm(flat.numel(), generator=g)[:len(specials)]
+    flat[positions] = torch.tensor(specials[:positions.numel()])
+    return x.to(dtype)
+
+
+def _same_bits(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape and a.is_contiguous()
+    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def _quantize_both(x, fmt, recipe, history, scales, slot=1, **orientations):
+    """fp8._quantize through the kernels and through the PyTorch path, each on its own copy
+    of the state: the casts and the histories."""
+    fp8_max = {Format.E4M3: 448.0, Format.E5M2: 57344.0}[fmt]
+    results = []
+    for enabled in (True, False):
+        state = history.clone(), scales.clone()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(kernels, "kernels_enabled", lambda *tensors: enabled)
+            results.append((fp8._quantize(x, fmt, fp8_max, recipe, *state, slot,
+                                          **orientations), state[0]))
+    return results
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt", [Format.E4M3, Format.E5M2])
+@pytest.mark.parametrize("shape", [(1, 3), (37, 45), (130, 257)])
+@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_fp8_cast_matches_pytorch(dtype, fmt, shape, recipe, fp8_kernels_on_cpu):
+    """Row-major cast, transpose, inverse scale and the recorded amax, bit for bit; ragged
+    shapes leave tiles partly masked (130 x 257 spans several 128-wide tiles)."""
+    x = _fp8_input(shape, dtype)
+    x.view(-1)[5:8] = 0  # keeps a finite amax in some cases below
+    history = torch.tensor([[2.0, 3.0, 4.0], [5.0, 6.0, 7.0]])
+    scales = torch.tensor([0.5, 0.375, 2.0])
+    for finite in (False, True):
+        if finite:
+            x = torch.nan_to_num(x.float(), nan=1.0, posinf=2e3, neginf=-7.0).to(dtype)
+        for rowwise, columnwise in ((True, True), (True, False), (False, True)):
+            (got, got_history), (want, want_history) = _quantize_both(
+                x, fmt, recipe, history, scales, rowwise=rowwise, columnwise=columnwise)
+            for a, b, asked in zip(got[:2], want[:2], (rowwise, columnwise)):
+                if asked:
+                    _same_bits(a, b)
+                else:
+                    assert a is None and b is None
+            assert torch.equal(got[2], want[2]) or (got[2].isnan() and want[2].isnan())
+            torch.testing.assert_close(got_history, want_history, rtol=0, atol=0,
+                                       equal_nan=True)
+        if isinstance(recipe, DelayedScaling) and finite:
+            assert got_history[0, 1] == x.float().abs().max() > 3  # recorded, with max
+            assert got_history[0, 0] == 2 and got_history[0, 2] == 4  # others untouched
+
+
+@interpreter_only
+def test_fp8_cast_keeps_the_larger_recorded_amax_and_nan(fp8_kernels_on_cpu):
+    x = torch.full((20, 33), -1.5)
+    history = torch.tensor([[0.0, 9.0]])
+    (_, got), (_, want) = _quantize_both(x, Format.E4M3, DelayedScaling(), history,
+                                         torch.ones(2))
+    assert got[0, 1] == want[0, 1] == 9.0
+    x[3, 7] = float("nan")
+    (_, got), _ = _quantize_both(x, Format.E4M3, DelayedScaling(), history, torch.ones(2))
+    assert got[0, 1].isnan()
+
+
+@interpreter_only
+def test_fp8_cast_reads_strided_inputs(fp8_kernels_on_cpu):
+    """A transposed view and a broadcast (stride-0) gradient are read in place."""
+    base = _fp8_input((40, 70), torch.bfloat16)
+    for x in (base.t(), base[:, 3:50:2], torch.ones(1, 48).expand(32, 48) * 3):
+        (got, _), (want, _) = _quantize_both(x, Format.E5M2, Float8CurrentScaling(),
+                                             torch.zeros(1, 2), torch.ones(2),
+                                             rowwise=True, columnwise=True)
+        _same_bits(got[0], want[0])
+        _same_bits(got[1], want[1])
+
+
+@interpreter_only
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=3), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+@pytest.mark.parametrize("fmt", [Format.HYBRID, Format.E4M3])
+def test_fp8_gemm_with_kernels_matches_pytorch(recipe, fmt, fp8_kernels_on_cpu):
+    """Linear's FP8 forward and backward, two steps, with the kernels and without: equal
+    outputs, gradients, amax histories and scales (bit for bit)."""
+    recipe = type(recipe)(fp8_format=fmt, **({"amax_history_len": 3}
+                                             if isinstance(recipe, DelayedScaling) else {}))
+    results = []
+    for enabled in (True, False):
+        torch.manual_seed(0)
+        lin = te.Linear(64, 48, device="cpu", params_dtype=torch.bfloat16)
+        got = []
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(kernels, "kernels_enabled", lambda *tensors: enabled)
+            for step in range(2):
+                x = (torch.randn(2, 16, 64) * 4).to(torch.bfloat16).requires_grad_()
+                with te.autocast(recipe=recipe):
+                    out = lin(x)
+                out.float().square().sum().backward()
+                got += [out, x.grad, lin.weight.grad.clone(), lin.bias.grad.clone()]
+                lin.zero_grad()
+            meta = lin.fp8_meta
+            got += [meta.amax_history_fwd, meta.scale_fwd, meta.amax_history_bwd,
+                    meta.scale_bwd]
+        results.append(got)
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+@interpreter_only
+def test_calibration_amax_through_the_kernel(fp8_kernels_on_cpu):
+    """Calibration records the amaxes of 3D inputs and the weight with the amax kernel."""
+    x = _fp8_input((3, 16, 40), torch.float32).nan_to_num(0.0, 0.0, 0.0)
+    results = []
+    for enabled in (True, False):
+        torch.manual_seed(0)
+        lin = te.Linear(40, 32, device="cpu")
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(kernels, "kernels_enabled", lambda *tensors: enabled)
+            with te.fp8_autocast(enabled=False, calibrating=True):
+                lin(x)
+        results.append(lin.fp8_meta.scale_fwd)
+    assert torch.equal(*results)
+
+
+@interpreter_only
+def test_fp8_cast_refuses_bad_arguments():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="rowwise and/or columnwise"):
+        fp8_cast.cast(x, torch.ones(()), torch.float8_e4m3fn, 448.0, rowwise=False)
+    with pytest.raises(ValueError, match="amax must be a one-element float32"):
+        fp8_cast.fold_amax(x, torch.zeros(2))

@@ -21,6 +21,7 @@ from typing import List, Optional, Tuple, Union
 
 import torch
 
+from . import kernels
 from .common.recipe import DelayedScaling, Float8CurrentScaling, Format, Recipe
 
 _FP8_DTYPES = {Format.E4M3: torch.float8_e4m3fn, Format.E5M2: torch.float8_e5m2}
@@ -283,24 +284,70 @@ class FP8Meta:
         self.weight_cache = {}
 
 
-def _record_amax(history: torch.Tensor, slot: int, tensor: torch.Tensor) -> torch.Tensor:
-    amax = tensor.detach().abs().amax().float()
-    history[0, slot] = torch.maximum(history[0, slot], amax)
+def _cast_kernels(tensor: torch.Tensor, *state: torch.Tensor):
+    """The Triton FP8 cast module where it serves this tensor (CUDA, kernels on), else None:
+    then the PyTorch code below runs, and it stays the reference."""
+    if not kernels.use_fp8_cast(tensor, *state):
+        return None
+    from .kernels import fp8_cast
+    return fp8_cast
+
+
+def _as_2d(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() > 2 else tensor
+
+
+def _amax(tensor: torch.Tensor) -> torch.Tensor:
+    """max|tensor| as a float32 scalar (NaN if the tensor has one, as torch.amax)."""
+    tensor = _as_2d(tensor.detach())
+    cast_kernels = _cast_kernels(tensor)
+    if cast_kernels is None:
+        return tensor.abs().amax().float()
+    amax = torch.zeros((), dtype=torch.float32, device=tensor.device)
+    cast_kernels.fold_amax(tensor, amax)
     return amax
 
 
-def _quantize(tensor: torch.Tensor, fmt: Format, fp8_max: float, recipe: Recipe,
-              history: torch.Tensor, scales: torch.Tensor, slot: int):
-    """(FP8 tensor, its inverse scale). Delayed scaling records the amax and casts with the
-    stored scale; current scaling casts with the scale from this tensor's amax."""
-    if isinstance(recipe, DelayedScaling):
-        _record_amax(history, slot, tensor)
-        scale = scales[slot]
+def _record_amax(history: torch.Tensor, slot: int, tensor: torch.Tensor) -> None:
+    """history[0, slot] = max(history[0, slot], max|tensor|)."""
+    tensor = _as_2d(tensor.detach())
+    cast_kernels = _cast_kernels(tensor, history)
+    if cast_kernels is None:
+        history[0, slot] = torch.maximum(history[0, slot], _amax(tensor))
     else:
-        amax = tensor.detach().abs().amax().float()
+        cast_kernels.fold_amax(tensor, history[0, slot:slot + 1])
+
+
+def _quantize(tensor: torch.Tensor, fmt: Format, fp8_max: float, recipe: Recipe,
+              history: torch.Tensor, scales: torch.Tensor, slot: int,
+              rowwise: bool = True, columnwise: bool = False):
+    """(FP8 tensor, its transpose, the inverse scale) of a 2D tensor: the FP8 tensor row-major
+    (None unless ``rowwise``) and its transpose contiguous (None unless ``columnwise``), the
+    orientations torch._scaled_mm's operands need. Delayed scaling records the amax and casts
+    with the stored scale; current scaling casts with the scale from this tensor's amax. On
+    CUDA the Triton kernels read the tensor once for the cast, the transpose and the delayed
+    amax (current scaling: one more read for the amax), with the PyTorch path's results."""
+    tensor = tensor.detach()
+    fp8_dtype = _FP8_DTYPES[fmt]
+    cast_kernels = _cast_kernels(tensor, history, scales)
+    amax_slot = None
+    if isinstance(recipe, DelayedScaling):
+        scale = scales[slot]
+        if cast_kernels is None:
+            _record_amax(history, slot, tensor)
+        else:
+            amax_slot = history[0, slot:slot + 1]  # the cast kernel records it
+    else:
+        amax = _amax(tensor)
         scale = compute_scale(amax, torch.ones_like(amax), fp8_max)
-    scaled = (tensor.detach().float() * scale).clamp(-fp8_max, fp8_max)
-    return scaled.to(_FP8_DTYPES[fmt]), scale.reciprocal().reshape(())
+    if cast_kernels is not None:
+        data, data_t = cast_kernels.cast(tensor, scale, fp8_dtype, fp8_max, rowwise,
+                                         columnwise, amax=amax_slot)
+    else:
+        data = (tensor.float() * scale).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+        data_t = data.t().contiguous() if columnwise else None
+        data = data.contiguous() if rowwise else None
+    return data, data_t, scale.reciprocal().reshape(())
 
 
 def check_fp8_gemm_shape(inp: torch.Tensor, features: Tuple[int, ...], owner: str) -> None:
@@ -321,55 +368,67 @@ def _scaled_mm(a, b, scale_a, scale_b, out_dtype):
 
 
 class _FP8Matmul(torch.autograd.Function):
-    """inp @ weight^T with FP8 operands; dgrad and wgrad GEMMs in FP8 as well."""
+    """inp @ weight^T with FP8 operands; dgrad and wgrad GEMMs in FP8 as well. Each operand is
+    cast once, in the orientations its GEMMs need (torch._scaled_mm: first operand row-major,
+    second column-major): the forward keeps the input's transpose for the wgrad and the
+    weight's for the dgrad, the backward casts the output gradient row-major for the dgrad and
+    transposed for the wgrad; a gradient nobody needs costs no transpose."""
 
     @staticmethod
-    def forward(ctx, inp, weight, meta, gemm, recipe):
+    def forward(ctx, inp, weight, meta, gemm, recipe, grad_enabled):
         fmt = recipe.fp8_format
-        fwd_fmt = Format.E4M3
         fp8_max = fmt.value.max_fwd
-        x_fp8, x_scale_inv = _quantize(inp, fwd_fmt, fp8_max, recipe, meta.amax_history_fwd,
-                                       meta.scale_fwd, 2 * gemm)
-        w_fp8, w_scale_inv = _weight_fp8(meta, weight, gemm, recipe, fp8_max)
+        # needs_input_grad says True under no_grad as well: grad_enabled comes from outside
+        need_dgrad = grad_enabled and ctx.needs_input_grad[0]
+        need_wgrad = grad_enabled and ctx.needs_input_grad[1]
+        x_fp8, x_t, x_scale_inv = _quantize(inp, Format.E4M3, fp8_max, recipe,
+                                            meta.amax_history_fwd, meta.scale_fwd, 2 * gemm,
+                                            columnwise=need_wgrad)
+        w_fp8, w_t, w_scale_inv = _weight_fp8(meta, weight, gemm, recipe, fp8_max,
+                                              transpose=need_dgrad)
         out = _scaled_mm(x_fp8, w_fp8.t(), x_scale_inv, w_scale_inv, inp.dtype)
-        ctx.save_for_backward(x_fp8, x_scale_inv, w_fp8, w_scale_inv)
+        ctx.save_for_backward(x_t, x_scale_inv, w_t, w_scale_inv)
         ctx.meta, ctx.gemm, ctx.recipe = meta, gemm, recipe
         ctx.dtypes = (inp.dtype, weight.dtype)
+        ctx.needs = (need_dgrad, need_wgrad)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x_fp8, x_scale_inv, w_fp8, w_scale_inv = ctx.saved_tensors
+        x_t, x_scale_inv, w_t, w_scale_inv = ctx.saved_tensors
         meta, gemm, recipe = ctx.meta, ctx.gemm, ctx.recipe
+        need_dgrad, need_wgrad = ctx.needs
         fmt = recipe.fp8_format
         grad_fmt = Format.E5M2 if fmt == Format.HYBRID else Format.E4M3
-        g_fp8, g_scale_inv = _quantize(grad_out.contiguous(), grad_fmt, fmt.value.max_bwd,
-                                       recipe, meta.amax_history_bwd, meta.scale_bwd, gemm)
+        g_fp8, g_t, g_scale_inv = _quantize(grad_out, grad_fmt, fmt.value.max_bwd, recipe,
+                                            meta.amax_history_bwd, meta.scale_bwd, gemm,
+                                            rowwise=need_dgrad, columnwise=need_wgrad)
         inp_dtype, weight_dtype = ctx.dtypes
         grad_inp = grad_weight = None
-        if ctx.needs_input_grad[0]:  # dgrad: g @ W, W column-major for _scaled_mm
-            grad_inp = _scaled_mm(g_fp8, w_fp8.t().contiguous().t(), g_scale_inv, w_scale_inv,
-                                  inp_dtype)
-        if ctx.needs_input_grad[1]:  # wgrad: g^T @ x
-            grad_weight = _scaled_mm(g_fp8.t().contiguous(), x_fp8.t().contiguous().t(),
-                                     g_scale_inv, x_scale_inv, weight_dtype)
+        if need_dgrad:  # g @ W: W column-major is W^T row-major
+            grad_inp = _scaled_mm(g_fp8, w_t.t(), g_scale_inv, w_scale_inv, inp_dtype)
+        if need_wgrad:  # g^T @ x: x column-major is x^T row-major
+            grad_weight = _scaled_mm(g_t, x_t.t(), g_scale_inv, x_scale_inv, weight_dtype)
         if isinstance(recipe, DelayedScaling):
             sub = meta.amax_history_bwd[:, gemm:gemm + 1]
             scale = meta.scale_bwd[gemm:gemm + 1]
             _reduce_amax(sub[0], meta.group, recipe)
             update_amax_history(sub, scale, fmt.value.max_bwd, recipe)
-        return grad_inp, grad_weight, None, None, None
+        return grad_inp, grad_weight, None, None, None, None
 
 
-def _weight_fp8(meta: FP8Meta, weight: torch.Tensor, gemm: int, recipe: Recipe, fp8_max):
-    """The weight cast once per step: cached by the weight's identity and version (an
-    optimizer step bumps the version; a delayed scale update clears the cache)."""
+def _weight_fp8(meta: FP8Meta, weight: torch.Tensor, gemm: int, recipe: Recipe, fp8_max,
+                transpose: bool):
+    """(FP8 weight, its transpose or None, inverse scale), cast once per step: cached by the
+    weight's identity and version (an optimizer step bumps the version; a delayed scale update
+    clears the cache). The transpose (for the dgrad) is cast with the weight where asked for;
+    a cached cast without it is redone once with it."""
     key = (gemm, id(weight), weight._version)
     cached = meta.weight_cache.get(gemm)
-    if cached is not None and cached[0] == key:
+    if cached is not None and cached[0] == key and (cached[1][1] is not None or not transpose):
         return cached[1]
     cast = _quantize(weight, Format.E4M3, fp8_max, recipe, meta.amax_history_fwd,
-                     meta.scale_fwd, 2 * gemm + 1)
+                     meta.scale_fwd, 2 * gemm + 1, columnwise=transpose)
     meta.weight_cache[gemm] = (key, cast)
     return cast
 
@@ -384,5 +443,6 @@ def fp8_matmul(inp: torch.Tensor, weight: torch.Tensor, meta: FP8Meta, gemm: int
             meta.record_forward(recipe, inp, weight, gemm)
         return torch.nn.functional.linear(inp, weight)
     meta._join(recipe, inp.device)
-    out = _FP8Matmul.apply(inp.reshape(-1, inp.shape[-1]), weight, meta, gemm, recipe)
+    out = _FP8Matmul.apply(inp.reshape(-1, inp.shape[-1]), weight, meta, gemm, recipe,
+                           torch.is_grad_enabled())
     return out.reshape(*inp.shape[:-1], weight.shape[0])

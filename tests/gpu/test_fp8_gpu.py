@@ -32,3 +32,175 @@ def test_fp8_close_to_bf16(recipe, module):
         if step > 0 or isinstance(recipe, Float8CurrentScaling):
             for g, w in zip(got, want):
                 assert ((g.float() - w.float()).norm() / w.float().norm()) < 0.15
+
+
+# The Triton FP8 casts (transformer_fa/kernels/fp8_cast.py) against the PyTorch path
+# (TRANSFORMER_FA_TRITON_KERNELS=0), bit for bit. NaNs compare by position: the GPU's cvt
+# may drop a NaN's sign, which torch's conversion keeps.
+from transformer_fa import fp8, kernels  # noqa: E402
+from transformer_fa.common.recipe import Format  # noqa: E402
+
+needs_cast_kernels = pytest.mark.skipif(
+    not (torch.cuda.is_available() and kernels.triton_available()),
+    reason="needs CUDA and triton")
+FP8_MAX = {Format.E4M3: 448.0, Format.E5M2: 57344.0}
+
+
+@pytest.fixture
+def cast_calls(monkeypatch):
+    """The cast kernel's calls, so that a test sees the kernel path ran."""
+    from transformer_fa.kernels import fp8_cast
+    calls = []
+    real = fp8_cast.cast
+    monkeypatch.setattr(fp8_cast, "cast", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def _fp8_input(shape, dtype, seed=0):
+    """Values across FP8's range (subnormals too) and past its max, zeros, -0, +-inf, NaN."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(*shape, generator=g, device="cuda")
+    x *= torch.logspace(-6, 3, shape[-1], device="cuda")
+    flat = x.view(-1)
+    specials = torch.tensor([0.0, -0.0, 1e5, -1e5, float("inf"), float("-inf"), float("nan")],
+                            device="cuda")
+    n = min(flat.numel(), specials.numel())
+    flat[torch.randperm(flat.numel(), generator=g, device="cuda")[:n]] = specials[:n]
+    return x.to(dtype)
+
+
+def _assert_same_fp8(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape and a.is_contiguous() and b.is_contiguous()
+    nan = a.float().isnan()
+    assert torch.equal(nan, b.float().isnan())
+    assert torch.equal(a.view(torch.uint8)[~nan], b.view(torch.uint8)[~nan])
+
+
+def _assert_same_floats(a, b):
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def _quantize_with_and_without_kernels(monkeypatch, x, fmt, recipe, **orientations):
+    history = torch.tensor([[2.0, 3.0, 4.0], [5.0, 6.0, 7.0]], device="cuda")
+    scales = torch.tensor([0.5, 0.375, 2.0], device="cuda")
+    results = []
+    for setting in ("1", "0"):
+        monkeypatch.setenv("TRANSFORMER_FA_TRITON_KERNELS", setting)
+        state = history.clone(), scales.clone()
+        results.append((*fp8._quantize(x, fmt, FP8_MAX[fmt], recipe, *state, 1,
+                                       **orientations), state[0]))
+    return results
+
+
+@needs_cast_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("fmt", [Format.E4M3, Format.E5M2])
+@pytest.mark.parametrize("shape", [(1, 16), (1000, 3000), (4096, 1024)])
+@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+@pytest.mark.parametrize("finite", [True, False], ids=["finite", "inf-nan"])
+def test_cast_kernel_matches_pytorch_bitwise(dtype, fmt, shape, recipe, finite, monkeypatch,
+                                             cast_calls):
+    """Row-major cast, transpose, inverse scale and the amax history, for each orientation
+    asked for; 1000 x 3000 leaves every tile edge ragged."""
+    x = _fp8_input(shape, dtype)
+    if finite:
+        x = torch.nan_to_num(x.float(), nan=1.0, posinf=2e3, neginf=-7.0).to(dtype)
+    for rowwise, columnwise in ((True, True), (True, False), (False, True)):
+        cast_calls.clear()
+        got, want = _quantize_with_and_without_kernels(monkeypatch, x, fmt, recipe,
+                                                       rowwise=rowwise, columnwise=columnwise)
+        assert len(cast_calls) == 1  # the kernels ran (once), the reference did not
+        for a, b, asked in zip(got[:2], want[:2], (rowwise, columnwise)):
+            if asked:
+                _assert_same_fp8(a, b)
+            else:
+                assert a is None and b is None
+        _assert_same_floats(got[2], want[2])  # inverse scale
+        _assert_same_floats(got[3], want[3])  # amax history
+    if finite and isinstance(recipe, DelayedScaling):
+        assert got[3][0, 1] == x.float().abs().max()
+
+
+@needs_cast_kernels
+def test_cast_kernel_reads_strided_inputs(monkeypatch, cast_calls):
+    """Transposed and sliced views and a broadcast (stride-0) gradient, read in place."""
+    base = _fp8_input((1024, 768), torch.bfloat16).nan_to_num(0.0, 0.0, 0.0)
+    views = (base.t(), base[:, 3:700:2], torch.full((1, 512), 3.0, device="cuda",
+                                                    dtype=torch.bfloat16).expand(256, 512))
+    for x in views:
+        got, want = _quantize_with_and_without_kernels(
+            monkeypatch, x, Format.E5M2, Float8CurrentScaling(), rowwise=True, columnwise=True)
+        _assert_same_fp8(got[0], want[0])
+        _assert_same_fp8(got[1], want[1])
+    assert len(cast_calls) == len(views)
+
+
+@needs_cast_kernels
+def test_cast_kernel_in_a_cuda_graph(monkeypatch):
+    """The kernels read the scale on the device: a captured cast follows new inputs and
+    scales on replay (delayed scaling: the amax history too)."""
+    x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    history = torch.zeros(1, 2, device="cuda")
+    scales = torch.full((2,), 4.0, device="cuda")
+
+    def cast():
+        return fp8._quantize(x, Format.E4M3, 448.0, DelayedScaling(), history, scales, 1,
+                             columnwise=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        cast()  # compiles the kernel outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = cast()
+    x.copy_(torch.randn_like(x) * 10)
+    scales.fill_(2.0)
+    history.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed_history = history.clone()
+    history.zero_()
+    monkeypatch.setenv("TRANSFORMER_FA_TRITON_KERNELS", "0")
+    want = cast()
+    _assert_same_fp8(captured[0], want[0])
+    _assert_same_fp8(captured[1], want[1])
+    _assert_same_floats(captured[2], want[2])
+    _assert_same_floats(replayed_history, history)
+    assert replayed_history[0, 1] == x.float().abs().max()
+
+
+@needs_cast_kernels
+@pytest.mark.skipif(not te.is_fp8_available(), reason="needs CUDA with FP8")
+@pytest.mark.parametrize("params_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4),
+                                    DelayedScaling(fp8_format=Format.E4M3),
+                                    Float8CurrentScaling()],
+                         ids=["delayed-hybrid", "delayed-e4m3", "current"])
+def test_fp8_gemm_kernels_match_pytorch(params_dtype, recipe, monkeypatch, cast_calls):
+    """Linear in FP8, three steps of forward and backward (and a frozen-weight and a
+    no-input-grad step), with the kernels and with TRANSFORMER_FA_TRITON_KERNELS=0: equal
+    outputs, gradients, amax histories and scales, bit for bit."""
+    results = []
+    for setting in ("1", "0"):
+        monkeypatch.setenv("TRANSFORMER_FA_TRITON_KERNELS", setting)
+        torch.manual_seed(0)
+        lin = te.Linear(1024, 768, params_dtype=params_dtype, device="cuda")
+        got = []
+        for step in range(5):
+            lin.weight.requires_grad_(step != 3)
+            x = (torch.randn(3, 256, 1024, device="cuda") * 4).to(params_dtype)
+            x.requires_grad_(step != 4)
+            with te.fp8_autocast(fp8_recipe=recipe):
+                out = lin(x)
+            out.backward(torch.randn_like(out))
+            got += [out, x.grad, lin.weight.grad, lin.bias.grad]
+            lin.zero_grad(set_to_none=True)
+        meta = lin.fp8_meta
+        got += [meta.amax_history_fwd, meta.scale_fwd, meta.amax_history_bwd, meta.scale_bwd]
+        results.append(got)
+    assert cast_calls  # the kernel path ran
+    for a, b in zip(*results, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)

@@ -1,11 +1,11 @@
-"""Triton kernels for the elementwise work of a transformer layer (norms, RoPE).
+"""Triton kernels for the elementwise work of a transformer layer (norms, RoPE, FP8 casts).
 
 They run on CUDA tensors when ``triton`` imports; everywhere else (CPUs, no triton, inside
 torch.compile, which fuses the PyTorch code itself) the PyTorch code of the modules runs, and
 it stays the reference the kernels are tested against. ``TRANSFORMER_FA_TRITON_KERNELS=0`` turns the
 kernels off (read on every call, like the NVTE_* switches).
 
-The kernel modules (``norm``, ``rope``) import triton at the top: import them only after
+The kernel modules (``norm``, ``rope``, ``fp8_cast``) import triton at the top: import them only after
 ``triton_available()``.
 """
 import functools
@@ -61,3 +61,10 @@ def use_fused_rope(t: torch.Tensor, freqs: torch.Tensor) -> bool:
     """The kernel gives no gradient for freqs (as TE's) and computes angles in float32."""
     return (t.dtype in KERNEL_DTYPES and freqs.dtype == torch.float32
             and not freqs.requires_grad and t.numel() > 0 and kernels_enabled(t, freqs))
+
+
+def use_fp8_cast(x: torch.Tensor, *state: torch.Tensor) -> bool:
+    """The FP8 cast kernels read 2D tensors of the kernel dtypes (fp8.py flattens the GEMM
+    operands); ``state``: the scale and amax tensors they read and write."""
+    return (x.dtype in KERNEL_DTYPES and x.dim() == 2 and x.numel() > 0
+            and kernels_enabled(x, *state))
