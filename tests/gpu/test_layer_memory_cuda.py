@@ -84,14 +84,14 @@ def test_fused_qkv_gradient_is_the_attention_backward_buffer(backend, interleave
     mixed_grads = []
 
     def keep_q_grad(module, args, out):
-        q = args[0]
-        q.register_hook(lambda g: seen.setdefault("dq", g))
+        args[0].register_hook(lambda g: seen.setdefault("dq", g))
+
+    def keep_mixed_grad(module, args, out):
+        (out[0] if isinstance(out, tuple) else out).register_hook(mixed_grads.append)
 
     hook = mha.core_attention.register_forward_hook(keep_q_grad)
     proj = mha.layernorm_qkv if hasattr(mha, "layernorm_qkv") else mha.qkv
-    out_hook = proj.register_forward_hook(
-        lambda m, a, out: (out[0] if isinstance(out, tuple) else out).register_hook(
-            mixed_grads.append))
+    out_hook = proj.register_forward_hook(keep_mixed_grad)
     mha(x).float().square().sum().backward()
     hook.remove()
     out_hook.remove()
