@@ -85,9 +85,14 @@ def test_block_backward_on_cuda_matches_autograd(window):
     ((-1, 0), 192, 64, 256),    # all_gather: a local chunk at its global offset (bottom-right)
     ((16, 0), 0, 128, 128),     # a sliding window (all_gather / a2a)
 ])
-def test_blocks_run_on_the_flash_kernels(window, q_offset, sq, skv, dtype):
-    """fp16/bf16 CUDA blocks go through the flash kernels (forward with the LSE; backward from
-    the final output and LSE), within the kernels' error rule of float64 math."""
+@pytest.mark.parametrize("fused_switch", ["0", "1"])
+def test_blocks_run_on_the_kernels(window, q_offset, sq, skv, dtype, fused_switch,
+                                   monkeypatch):
+    """fp16/bf16 CUDA blocks go through cuDNN where the selection picks FusedAttention (on
+    Hopper, unless NVTE_FUSED_ATTN=0; not for sliding windows), else the flash kernels
+    (forward with the LSE; backward from the final output and LSE), within the kernels'
+    error rule of float64 math."""
+    monkeypatch.setenv("NVTE_FUSED_ATTN", fused_switch)
     torch.manual_seed(0)
     q = torch.randn(BATCH, HEADS, sq, DIM, device="cuda", dtype=dtype)
     k = torch.randn(BATCH, GROUPS, skv, DIM, device="cuda", dtype=dtype)
@@ -95,6 +100,10 @@ def test_blocks_run_on_the_flash_kernels(window, q_offset, sq, skv, dtype):
     scale = DIM ** -0.5
     assert context_parallel._kernel_call(q, k, v, scale, q_offset, window) is not None
     out, lse = context_parallel.attend(q, k, v, scale, q_offset, window)
+    cudnn = (fused_switch == "1" and window in (None, (-1, 0))
+             and torch.cuda.get_device_capability() >= (9, 0))
+    assert context_parallel.last_block_backend == ("FusedAttention" if cudnn
+                                                   else "FlashAttention")
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
     ref, ref_lse = context_parallel.attend(*leaves, scale, q_offset, window)
     assert out.dtype == torch.float32 and lse.dtype == torch.float32

@@ -13,8 +13,11 @@ TE: the sequence is cut into ``2 * cp_size`` chunks and rank r holds chunks r an
   over the whole sequence for ``h / cp_size`` heads, then the output goes back.
 
 All three run one piece of math, ``attend`` (softmax attention with an LSE and a causal
-offset): on CUDA in fp16/bf16 through this repo's flash kernels (forward with the LSE, and the
-backward from the merged output and LSE), elsewhere the unfused backend's math in PyTorch;
+offset), each block on the backend DotProductAttention's own selection picks for a call of
+its shape (the preference per GPU, the NVTE_* switches, the support checks): cuDNN
+(FusedAttention) or this repo's flash kernels (forward with the LSE, and the backward from
+the merged output and LSE), else the unfused backend's math in PyTorch; sliding windows and
+explicit masks, which cuDNN's calls here do not take, go to the flash kernels or the math;
 ``all_gather`` and ``a2a`` differentiate it with autograd (their communication has autograd
 functions), ``p2p`` has its own backward.
 Supported: sbhd/bshd, ``no_mask`` and ``causal``, GQA/MQA, sliding windows with
@@ -32,8 +35,10 @@ import torch
 import torch.distributed as dist
 
 from ..parallel import gather_along_dim
-from . import layout, masks, padding
-from .backends import flash, unfused
+from . import layout, masks, padding, selection
+from .backends import flash, fused, unfused
+from .backends.fused import ops as fused_ops
+from .params import params_fields
 
 logger = logging.getLogger("DotProductAttention")
 
@@ -41,6 +46,7 @@ COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 _FORMATS = ("sbhd", "bshd")
 _MASK_TYPES = ("no_mask", "causal")
 _THD_MASK_TYPES = ("no_mask", "causal", "padding", "padding_causal")  # the same in thd
+last_block_backend = unfused.NAME  # the backend of the last block ``attend`` ran
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -133,6 +139,44 @@ def _kernel_call(q, k, v, scale: float, q_offset: int, window,
                            0.0, False, True)
 
 
+def _fused_call(q, k, v, scale: float, q_offset: int, window,
+                keep=None) -> Optional[fused.FusedCall]:
+    """cuDNN's call for one ``attend`` block (bhsd tensors) where DotProductAttention's
+    selection picks FusedAttention for a bshd call of the block's shape (on Hopper it is
+    faster than the flash kernels: CP at s = 128k on 2 H200s ran its blocks at 0.68 of one
+    GPU's cuDNN throughput on the flash kernels, 2026-11-24); None otherwise. Masks: none, or
+    causal aligned top-left (offset 0) or bottom-right (offset skv - sq)."""
+    if keep is not None or not q.is_cuda or q.dtype == torch.float64:
+        return None
+    b, h, sq, d = q.shape
+    skv = k.shape[2]
+    if window is None:
+        mask = "no_mask"
+    elif tuple(window) == (-1, 0) and q_offset in (0, skv - sq):
+        mask = "causal" if q_offset == 0 else "causal_bottom_right"
+    else:
+        return None
+    left, right = (-1, -1) if window is None else (-1, 0)
+    env = selection.read_env()
+    deterministic = selection.deterministic_requested(env)
+    fields = params_fields(
+        qkv_format="bshd", q_format="bshd", kv_format="bshd", qkv_layout="bshd_bshd_bshd",
+        batch_size=b, num_heads=h, num_gqa_groups=k.shape[1], max_seqlen_q=sq,
+        max_seqlen_kv=skv, head_dim_qk=d, head_dim_v=v.shape[-1], dtype=q.dtype,
+        device_type="cuda", compute_capability=torch.cuda.get_device_capability(q.device),
+        attn_mask_type=mask, window_size=(left, right), core_attention_bias_type="no_bias",
+        core_attention_bias_shape=None, core_attention_bias_requires_grad=False,
+        alibi_slopes_shape=None, attention_dropout=0.0, softmax_scale=float(scale),
+        deterministic=deterministic, requires_grad=torch.is_grad_enabled(),
+        is_compiling=torch.compiler.is_compiling(), softmax_type="vanilla",
+        return_max_logit=False, softcap=0.0, bottom_right_diagonal=True, kv_page_size=0)
+    backend, _ = selection.select(fields, env)
+    if backend is not fused:
+        return None
+    return fused.FusedCall("bshd", "bshd", sq, skv, mask, left, right, float(scale), 0.0,
+                           deterministic, True)
+
+
 def blocks_run_on_kernels(dtype, head_dim: int, device) -> bool:
     """Whether CP's (bshd/sbhd) blocks of this dtype and head dim run on the flash kernels on
     ``device`` (memory linear in s), not the PyTorch math (float32 scores of a whole block)."""
@@ -151,13 +195,22 @@ def attend(q, k, v, scale: float, q_offset: int = 0, window=None, keep=None):
     [b, h, sq])`` in the compute dtype (float32, or float64 for float64); differentiable
     (the LSE is not). ``keep`` (bool ``[sq, skv]``, True = attend) replaces offset and window
     (thd: sequences and positions); it always runs the PyTorch math."""
+    global last_block_backend
+    fused_call = _fused_call(q, k, v, scale, q_offset, window, keep)
+    if fused_call is not None:
+        last_block_backend = fused.NAME
+        out, stats = torch.ops.transformer_fa.fused_attn_fwd(_bshd(q), _bshd(k), _bshd(v), None,
+                                                             None, None, None, *fused_call)
+        return _bshd(out).float(), stats.squeeze(-1)
     call = _kernel_call(q, k, v, scale, q_offset, window, keep)
     if call is not None:
+        last_block_backend = flash.NAME
         out, lse = torch.ops.transformer_fa.flash_attn_fwd(_bshd(q), _bshd(k), _bshd(v), None,
                                                            None, None, None, *call)
         # the kernels give +inf for a row without keys; the merge wants -inf there
         lse = lse.masked_fill(lse == float("inf"), float("-inf"))
         return _bshd(out).float(), lse
+    last_block_backend = unfused.NAME
     b, h, sq, _ = q.shape
     logits = _logits(q, k, scale, q_offset, window, keep)
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
@@ -172,6 +225,12 @@ def attend_backward(q, k, v, dout, lse, delta, scale: float, q_offset: int = 0, 
     """Gradients (dq, dk, dv) of one ``attend`` block, given the final (merged) LSE and
     ``delta = rowsum(dout * out)`` of its rows: flash attention's backward. The kernels take
     the final output instead of delta (``out``: they form delta themselves)."""
+    fused_call = _fused_call(q, k, v, scale, q_offset, window, keep)
+    if fused_call is not None and out is not None:
+        grads = fused_ops.bwd_impl(_bshd(dout).to(q.dtype), _bshd(q), _bshd(k), _bshd(v),
+                                   _bshd(out).to(q.dtype), lse.float().unsqueeze(-1).contiguous(),
+                                   None, None, None, None, fused_call, False)[:3]
+        return tuple(_bshd(g) for g in grads)
     call = _kernel_call(q, k, v, scale, q_offset, window, keep)
     if call is not None and out is not None:
         grads = flash._bwd_impl(_bshd(dout).to(q.dtype), _bshd(q), _bshd(k), _bshd(v),

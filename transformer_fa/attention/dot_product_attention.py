@@ -14,7 +14,6 @@ from .. import parallel
 from ..utils import host_reads_allowed
 from ..module._common import check_te_only_kwargs
 from . import context_parallel, inference, layout, masks, padding, selection
-from .backends import unfused
 from .params import BIAS_TYPES, SOFTMAX_TYPES, AttentionInputs, params_fields
 
 logger = logging.getLogger("DotProductAttention")
@@ -202,8 +201,7 @@ class DotProductAttention(torch.nn.Module):
             raise ValueError("query_layer, key_layer and value_layer are required (or "
                              "qkv_layer, or query_layer with kv_layer)")
         if context_parallel.size_and_rank(self.cp_group)[0] > 1:
-            self.last_backend = unfused.NAME  # CP runs the unfused math, block by block
-            return context_parallel.attention(
+            out = context_parallel.attention(
                 self, query_layer, key_layer, value_layer,
                 self.qkv_format if qkv_format is None else qkv_format,
                 self.attn_mask_type if attn_mask_type is None else attn_mask_type,
@@ -212,6 +210,8 @@ class DotProductAttention(torch.nn.Module):
                                     alibi_slopes, self.softcap if softcap is None else softcap),
                 cu_seqlens=(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
                             cu_seqlens_kv_padded))
+            self.last_backend = context_parallel.last_block_backend  # CP: block by block
+            return out
         if cu_seqlens_q_padded is not None or cu_seqlens_kv_padded is not None:
             rows_q, rows_kv = _padded_sides(
                 self.qkv_format if qkv_format is None else qkv_format, query_layer, key_layer,
