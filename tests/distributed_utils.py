@@ -18,7 +18,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def close(actual, expected, what, atol=1e-10, rtol=1e-9):
+def close(actual, expected, what, tol=None):
+    """``actual`` (compared in ``expected``'s dtype) within ``tol`` (atol = rtol) of
+    ``expected``, or within float64 round-off without ``tol``."""
+    atol, rtol = (1e-10, 1e-9) if tol is None else (tol, tol)
+    actual = actual.to(expected.dtype)
     assert torch.allclose(actual, expected, atol=atol, rtol=rtol), (
         f"{what}: max abs error {(actual - expected).abs().max().item():.3g}")
 

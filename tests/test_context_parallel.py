@@ -52,6 +52,14 @@ def run_attention(dpa, tensors, dout, dtype=torch.float64, cu_args=None):
     return out, [t.grad for t in leaves]
 
 
+def close_outputs(got, expected, part, tol=None):
+    """(output, [dq, dk, dv]) against the full run's, cut to this rank's part by ``part``."""
+    (out, grads), (out_full, grads_full) = got, expected
+    close(out, part(out_full), "output", tol=tol)
+    for name, mine, ref in zip("qkv", grads, grads_full):
+        close(mine, part(ref), f"d{name}", tol=tol)
+
+
 def attention_case(comm, mask, fmt, window=None, kv_factor=1, seq_per_rank=4, sizes=SIZES,
                    device="cpu", dtype=torch.float64, tol=None, cp_context=nullcontext):
     """DotProductAttention under CP (in ``dtype``, inside ``cp_context()``) against the
@@ -63,18 +71,15 @@ def attention_case(comm, mask, fmt, window=None, kv_factor=1, seq_per_rank=4, si
                                            device=device, **sizes)
         heads, dim, groups = sizes["heads"], sizes["dim"], sizes["groups"]
         args = dict(qkv_format=fmt, attn_mask_type=mask, window_size=window)
-        out_full, grads_full = run_attention(
-            te.DotProductAttention(heads, dim, groups, **args), full, dout)
+        expected = run_attention(te.DotProductAttention(heads, dim, groups, **args), full, dout)
 
+        def part(t):
+            return shard(t, seq_dim, world, rank)
         dpa = te.DotProductAttention(heads, dim, groups, cp_group=group, cp_comm_type=comm,
                                      cp_global_ranks=list(range(world)), **args)
         with cp_context():
-            out, grads = run_attention(dpa, [shard(t, seq_dim, world, rank) for t in full],
-                                       shard(dout, seq_dim, world, rank), dtype)
-        tolerance = {} if tol is None else dict(atol=tol, rtol=tol)
-        close(out.double(), shard(out_full, seq_dim, world, rank), "output", **tolerance)
-        for name, mine, ref in zip("qkv", grads, grads_full):
-            close(mine.double(), shard(ref, seq_dim, world, rank), f"d{name}", **tolerance)
+            got = run_attention(dpa, [part(t) for t in full], part(dout), dtype)
+        close_outputs(got, expected, part, tol)
     return run
 
 
@@ -86,11 +91,11 @@ def shard_thd(x, cu_padded, world, rank):
 
 
 def thd_case(comm, mask, pad, window=None, sizes=SIZES, device="cpu", dtype=torch.float64,
-             tol=None):
+             tol=None, cp_context=nullcontext):
     """thd under CP (TE's convention: global cu_seqlens and cu_seqlens_*_padded, every padded
     length divisible by 2 * cp_size) against the full thd call in float64, forward and
     backward; with ``pad`` the sequences are ragged (padding tokens at each sequence's end),
-    without it cu_seqlens_*_padded is not given. The CP run in ``dtype``, tolerance ``tol``."""
+    without it cu_seqlens_*_padded is not given. The CP run as in attention_case."""
     def run(world, rank, group):
         chunk = 2 * world
         lengths = [3, 2 * chunk, chunk + 1, 0] if pad else [chunk, 2 * chunk]
@@ -111,18 +116,16 @@ def thd_case(comm, mask, pad, window=None, sizes=SIZES, device="cpu", dtype=torc
                 for _ in range(2))
         dout = torch.randn(total, heads * dim, dtype=torch.float64).to(device)
         args = dict(qkv_format="thd", attn_mask_type=mask, window_size=window)
-        out_full, grads_full = run_attention(te.DotProductAttention(heads, dim, groups, **args),
-                                             (q, k, v), dout, cu_args=cu_args)
+        expected = run_attention(te.DotProductAttention(heads, dim, groups, **args),
+                                 (q, k, v), dout, cu_args=cu_args)
 
+        def part(t):
+            return shard_thd(t, cu_padded, world, rank)
         dpa = te.DotProductAttention(heads, dim, groups, cp_group=group, cp_comm_type=comm,
                                      **args)
-        out, grads = run_attention(dpa, [shard_thd(t, cu_padded, world, rank) for t in (q, k, v)],
-                                   shard_thd(dout, cu_padded, world, rank), dtype, cu_args)
-        tolerance = {} if tol is None else dict(atol=tol, rtol=tol)
-        close(out.double(), shard_thd(out_full, cu_padded, world, rank), "output", **tolerance)
-        for name, mine, ref in zip("qkv", grads, grads_full):
-            close(mine.double(), shard_thd(ref, cu_padded, world, rank), f"d{name}",
-                  **tolerance)
+        with cp_context():
+            got = run_attention(dpa, [part(t) for t in (q, k, v)], part(dout), dtype, cu_args)
+        close_outputs(got, expected, part, tol)
     return run
 
 
