@@ -1,4 +1,4 @@
-"""Shared harness of the multi-process (gloo, CPU) tests.
+"""Shared harness of the multi-process tests: gloo on CPUs, or NCCL with one GPU per rank.
 
 Process start-up dominates the time, so one spawn per world size runs every case of a test
 module: each worker runs the module's ``CASES`` (name -> ``case(world, rank, group)``) and
@@ -18,7 +18,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def close(actual, expected, what, atol=1e-10, rtol=1e-9):
+def close(actual, expected, what, tol=None):
+    """``actual`` (compared in ``expected``'s dtype) within ``tol`` (atol = rtol) of
+    ``expected``, or within float64 round-off without ``tol``."""
+    atol, rtol = (1e-10, 1e-9) if tol is None else (tol, tol)
+    actual = actual.to(expected.dtype)
     assert torch.allclose(actual, expected, atol=atol, rtol=rtol), (
         f"{what}: max abs error {(actual - expected).abs().max().item():.3g}")
 
@@ -41,11 +45,16 @@ def no_communication():
             setattr(dist, name, fn)
 
 
-def _worker(rank, world, init_file, result_dir, module_name):
+def _worker(rank, world, init_file, result_dir, module_name, backend):
     torch.set_num_threads(1)
     cases = importlib.import_module(module_name).CASES
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    options = {}
+    if backend == "nccl":  # one GPU per rank
+        torch.cuda.set_device(rank)
+        options["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60),
+                            **options)
     group = dist.new_group(list(range(world)))
     results = {}
     for name, case in cases.items():
@@ -59,17 +68,38 @@ def _worker(rank, world, init_file, result_dir, module_name):
     dist.destroy_process_group()
 
 
-def run_cases(module_name: str, world: int) -> List[Dict[str, Optional[str]]]:
-    """Spawns ``world`` gloo processes that run ``module_name``'s CASES; per rank, case name
-    -> traceback (None when it passed)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), tmp, module_name),
+def run_cases(module_name: str, world: int,
+              backend: str = "gloo") -> List[Dict[str, Optional[str]]]:
+    """Spawns ``world`` processes that run ``module_name``'s CASES over ``backend`` ("gloo",
+    or "nccl": rank r on GPU r, NVLink multicast off); per rank, case name -> traceback
+    (None when it passed)."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    # NVLink multicast stays off (the children inherit the environment)
+    env = dict(NCCL_NVLS_ENABLE="0") if backend == "nccl" else {}
+    with scoped_env(**env), tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), tmp, module_name, backend),
                  nprocs=world)
         results = []
         for rank in range(world):
             with open(os.path.join(tmp, f"rank{rank}.json")) as f:
                 results.append(json.load(f))
     return results
+
+
+@contextmanager
+def scoped_env(**values: str):
+    """Sets environment variables for the duration of the block, then restores them."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def assert_case_passed(results, case: str) -> None:

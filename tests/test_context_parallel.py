@@ -3,6 +3,8 @@ single-process run on the full tensors (float64), for every cp_comm_type, mask a
 
 The distributed cases run in one spawn per world size (tests/distributed_utils.py).
 """
+from contextlib import nullcontext
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -25,32 +27,59 @@ def shard(x, dim, world, rank):
 
 # -------------------------------------------------------------------- distributed cases
 
-def attention_case(comm, mask, fmt, window=None, kv_factor=1):
-    """DotProductAttention under CP against the full-sequence module, forward and backward."""
+SIZES = dict(heads=HEADS, groups=GROUPS, dim=DIM, batch=BATCH)
+
+
+def draw_attention_inputs(seq, fmt, kv_factor=1, heads=HEADS, groups=GROUPS, dim=DIM,
+                          batch=BATCH, device="cpu"):
+    """The full q, k, v and output gradient (float64, the same on every rank)."""
+    torch.manual_seed(0)
+
+    def full(s, h):
+        shape = (s, batch, h, dim) if fmt == "sbhd" else (batch, s, h, dim)
+        return torch.randn(shape, dtype=torch.float64).to(device)
+    q, k, v = full(seq, heads), full(seq * kv_factor, groups), full(seq * kv_factor, groups)
+    dout = torch.randn(q.shape[:-2] + (heads * dim,), dtype=torch.float64).to(device)
+    return (q, k, v), dout
+
+
+def run_attention(dpa, tensors, dout, dtype=torch.float64, cu_args=None):
+    """Forward and backward of ``dpa`` on copies of ``tensors`` in ``dtype``: the output and
+    the q, k, v gradients."""
+    leaves = [t.detach().to(dtype, copy=True).requires_grad_() for t in tensors]
+    out = dpa(*leaves, **(cu_args or {}))
+    out.backward(dout.to(dtype))
+    return out, [t.grad for t in leaves]
+
+
+def close_outputs(got, expected, part, tol=None):
+    """(output, [dq, dk, dv]) against the full run's, cut to this rank's part by ``part``."""
+    (out, grads), (out_full, grads_full) = got, expected
+    close(out, part(out_full), "output", tol=tol)
+    for name, mine, ref in zip("qkv", grads, grads_full):
+        close(mine, part(ref), f"d{name}", tol=tol)
+
+
+def attention_case(comm, mask, fmt, window=None, kv_factor=1, seq_per_rank=4, sizes=SIZES,
+                   device="cpu", dtype=torch.float64, tol=None, cp_context=nullcontext):
+    """DotProductAttention under CP (in ``dtype``, inside ``cp_context()``) against the
+    full-sequence module in float64, forward and backward; tolerance ``tol`` (atol = rtol)
+    or close()'s default."""
     def run(world, rank, group):
-        seq = 4 * world
         seq_dim = 0 if fmt == "sbhd" else 1
-        torch.manual_seed(0)
-
-        def full(s, h):
-            shape = (s, BATCH, h, DIM) if fmt == "sbhd" else (BATCH, s, h, DIM)
-            return torch.randn(shape, dtype=torch.float64)
-        q, k, v = full(seq, HEADS), full(seq * kv_factor, GROUPS), full(seq * kv_factor, GROUPS)
-        dout = torch.randn(q.shape[:-2] + (HEADS * DIM,), dtype=torch.float64)
+        full, dout = draw_attention_inputs(seq_per_rank * world, fmt, kv_factor,
+                                           device=device, **sizes)
+        heads, dim, groups = sizes["heads"], sizes["dim"], sizes["groups"]
         args = dict(qkv_format=fmt, attn_mask_type=mask, window_size=window)
-        expected = [t.clone().requires_grad_() for t in (q, k, v)]
-        reference = te.DotProductAttention(HEADS, DIM, GROUPS, **args)
-        out_full = reference(*expected)
-        out_full.backward(dout)
+        expected = run_attention(te.DotProductAttention(heads, dim, groups, **args), full, dout)
 
-        local = [shard(t, seq_dim, world, rank).requires_grad_() for t in (q, k, v)]
-        dpa = te.DotProductAttention(HEADS, DIM, GROUPS, cp_group=group, cp_comm_type=comm,
+        def part(t):
+            return shard(t, seq_dim, world, rank)
+        dpa = te.DotProductAttention(heads, dim, groups, cp_group=group, cp_comm_type=comm,
                                      cp_global_ranks=list(range(world)), **args)
-        out = dpa(*local)
-        out.backward(shard(dout, seq_dim, world, rank))
-        close(out, shard(out_full, seq_dim, world, rank), "output")
-        for name, mine, ref in zip("qkv", local, expected):
-            close(mine.grad, shard(ref.grad, seq_dim, world, rank), f"d{name}")
+        with cp_context():
+            got = run_attention(dpa, [part(t) for t in full], part(dout), dtype)
+        close_outputs(got, expected, part, tol)
     return run
 
 
@@ -61,38 +90,42 @@ def shard_thd(x, cu_padded, world, rank):
                       for start, end in zip(bounds[:-1], bounds[1:])])
 
 
-def thd_case(comm, mask, pad, window=None):
+def thd_case(comm, mask, pad, window=None, sizes=SIZES, device="cpu", dtype=torch.float64,
+             tol=None, cp_context=nullcontext):
     """thd under CP (TE's convention: global cu_seqlens and cu_seqlens_*_padded, every padded
-    length divisible by 2 * cp_size) against the full thd call, forward and backward; with
-    ``pad`` the sequences are ragged (padding tokens at each sequence's end), without it
-    cu_seqlens_*_padded is not given."""
+    length divisible by 2 * cp_size) against the full thd call in float64, forward and
+    backward; with ``pad`` the sequences are ragged (padding tokens at each sequence's end),
+    without it cu_seqlens_*_padded is not given. The CP run as in attention_case."""
     def run(world, rank, group):
         chunk = 2 * world
         lengths = [3, 2 * chunk, chunk + 1, 0] if pad else [chunk, 2 * chunk]
         padded = [-(-n // chunk) * chunk for n in lengths]
-        cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        cu_padded = torch.tensor([0] + padded, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+        def cumulative(values):
+            return torch.tensor([0] + values, dtype=torch.int32, device=device).cumsum(
+                0, dtype=torch.int32)
+        cu, cu_padded = cumulative(lengths), cumulative(padded)
         cu_args = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu)
         if pad:
             cu_args.update(cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded)
+        heads, groups, dim = sizes["heads"], sizes["groups"], sizes["dim"]
         torch.manual_seed(0)
         total = int(cu_padded[-1])
-        q = torch.randn(total, HEADS, DIM, dtype=torch.float64)
-        k, v = (torch.randn(total, GROUPS, DIM, dtype=torch.float64) for _ in range(2))
-        dout = torch.randn(total, HEADS * DIM, dtype=torch.float64)
+        q = torch.randn(total, heads, dim, dtype=torch.float64).to(device)
+        k, v = (torch.randn(total, groups, dim, dtype=torch.float64).to(device)
+                for _ in range(2))
+        dout = torch.randn(total, heads * dim, dtype=torch.float64).to(device)
         args = dict(qkv_format="thd", attn_mask_type=mask, window_size=window)
-        expected = [t.clone().requires_grad_() for t in (q, k, v)]
-        out_full = te.DotProductAttention(HEADS, DIM, GROUPS, **args)(*expected, **cu_args)
-        out_full.backward(dout)
+        expected = run_attention(te.DotProductAttention(heads, dim, groups, **args),
+                                 (q, k, v), dout, cu_args=cu_args)
 
-        local = [shard_thd(t, cu_padded, world, rank).requires_grad_() for t in (q, k, v)]
-        dpa = te.DotProductAttention(HEADS, DIM, GROUPS, cp_group=group, cp_comm_type=comm,
+        def part(t):
+            return shard_thd(t, cu_padded, world, rank)
+        dpa = te.DotProductAttention(heads, dim, groups, cp_group=group, cp_comm_type=comm,
                                      **args)
-        out = dpa(*local, **cu_args)
-        out.backward(shard_thd(dout, cu_padded, world, rank))
-        close(out, shard_thd(out_full, cu_padded, world, rank), "output")
-        for name, mine, ref in zip("qkv", local, expected):
-            close(mine.grad, shard_thd(ref.grad, cu_padded, world, rank), f"d{name}")
+        with cp_context():
+            got = run_attention(dpa, [part(t) for t in (q, k, v)], part(dout), dtype, cu_args)
+        close_outputs(got, expected, part, tol)
     return run
 
 

@@ -58,11 +58,15 @@ def randomize_whole_and_bias(module, reference, maps):
                 param.copy_(sliced(ref[name], maps[name]))
 
 
-def compare(world, rank, group, make, split_in, split_out, inputs=1, sp=False, kwargs=None):
+def compare(world, rank, group, make, split_in, split_out, inputs=1, sp=False, kwargs=None,
+            shape=(SEQ, BATCH, HIDDEN), device="cpu", dtype=torch.float64, tol=None):
     """Runs ``make(tp_kwargs)`` with and without TP on the same full input and checks output,
     input gradients, and parameter gradients (against the reference's, sliced).
     split_in/split_out: how this rank's tensors relate to the full ones: "seq" (chunk of the
-    first dim), "features" (chunk of the last dim), "rows" (the weight's output rows), None."""
+    first dim), "features" (chunk of the last dim), "rows" (the weight's output rows), None.
+    ``make`` builds in float64 on the CPU (the slices are found by value); both modules then
+    run on ``device`` in ``dtype``, compared with tolerance ``tol`` (atol = rtol) or close()'s
+    default. ``shape``: the full input's."""
     reference = make({})
     module = make(dict(tp_group=group, sequence_parallel=sp))
     maps = slice_maps(module, reference)
@@ -74,6 +78,9 @@ def compare(world, rank, group, make, split_in, split_out, inputs=1, sp=False, k
             assert sorted(sum((c[name] for c in covered), [])) == list(
                 range(ref_param.numel())), f"{name} is not split over the ranks"
     randomize_whole_and_bias(module, reference, maps)
+    reference.to(device, dtype)
+    module.to(device, dtype)
+    maps = {name: None if index is None else index.to(device) for name, index in maps.items()}
 
     def local(full, how, rows=None):
         if how == "seq":
@@ -85,23 +92,23 @@ def compare(world, rank, group, make, split_in, split_out, inputs=1, sp=False, k
         return full
 
     torch.manual_seed(1)
-    xs = [torch.randn(SEQ, BATCH, HIDDEN, dtype=torch.float64, requires_grad=True)
+    xs = [torch.randn(shape, dtype=torch.float64).to(device, dtype).requires_grad_()
           for _ in range(inputs)]
     out_full = reference(*xs, **(kwargs or {}))
     rows = maps.get("weight", None)
     rows = None if rows is None else rows[:, 0] // reference.weight.shape[1]
-    dout = torch.randn_like(out_full)
+    dout = torch.randn(out_full.shape, dtype=torch.float64).to(device, dtype)
     (out_full * dout).sum().backward()
     xs_local = [local(x.detach(), split_in).requires_grad_() for x in xs]
     out = module(*xs_local, **(kwargs or {}))
     (out * local(dout, split_out, rows)).sum().backward()
-    close(out, local(out_full, split_out, rows), "output")
+    close(out, local(out_full, split_out, rows), "output", tol=tol)
     for i, (mine, x) in enumerate(zip(xs_local, xs)):
-        close(mine.grad, local(x.grad, split_in), f"grad of input {i}")
+        close(mine.grad, local(x.grad, split_in), f"grad of input {i}", tol=tol)
     parallel.allreduce_sequence_parallel_grads(module, group)
     ref = dict(reference.named_parameters())
     for name, param in module.named_parameters():
-        close(param.grad, sliced(ref[name].grad, maps[name]), f"grad of {name}")
+        close(param.grad, sliced(ref[name].grad, maps[name]), f"grad of {name}", tol=tol)
 
 
 def linear_case(mode, sp, bias):
@@ -219,17 +226,20 @@ def dropout_case(world, rank, group):
     close(outputs[0], outputs[1], "replayed output")
 
 
-def data_parallel_case(wrap):
+def data_parallel_case(wrap, device="cpu", dtype=torch.float64, tol=None):
     """Two TransformerLayers trained 3 SGD steps under DDP or FSDP2, each rank on its half of
-    the batch: the losses (averaged over the ranks) are one process's on the whole batch."""
+    the batch: the losses (averaged over the ranks) are one process's on the whole batch.
+    Built in float64 on the CPU, run on ``device`` in ``dtype`` (tolerance ``tol``)."""
     def run(world, rank, group):
         def make():
             torch.manual_seed(0)
             return torch.nn.Sequential(*(
                 te.TransformerLayer(HIDDEN, 2 * HIDDEN, HEADS, hidden_dropout=0.0,
-                                    attention_dropout=0.0, **F64) for _ in range(2)))
+                                    attention_dropout=0.0, **F64) for _ in range(2))).to(
+                device, dtype)
         reference, model = make(), wrap(make(), group)
-        batches = [torch.randn(SEQ, 2 * world, HIDDEN, dtype=torch.float64) for _ in range(3)]
+        batches = [torch.randn(SEQ, 2 * world, HIDDEN, dtype=torch.float64).to(device, dtype)
+                   for _ in range(3)]
         for model_, x_of in ((reference, lambda x: x),
                              (model, lambda x: x.chunk(world, 1)[rank])):
             opt = torch.optim.SGD(model_.parameters(), lr=0.5)
@@ -244,7 +254,7 @@ def data_parallel_case(wrap):
                 expected = torch.stack(losses)
         got = torch.stack(losses)
         dist.all_reduce(got, group=group)
-        close(got / world, expected, "losses")
+        close(got / world, expected, "losses", tol=tol)
     return run
 
 
@@ -255,7 +265,7 @@ def ddp(model, group):
 def fsdp2(model, group):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
-    mesh = DeviceMesh.from_group(group, "cpu")
+    mesh = DeviceMesh.from_group(group, next(model.parameters()).device.type)
     for layer in model:
         fully_shard(layer, mesh=mesh)
     return fully_shard(model, mesh=mesh)
