@@ -6,10 +6,10 @@ CPU modules' (tests/test_context_parallel.py, tests/test_tensor_parallel.py) run
 
 - CP (p2p, all_gather, a2a; causal and no_mask; bshd and sbhd; thd with p2p and all_gather;
   GQA 8 / 4 heads, d = 64 and 128) in bf16: each rank's output and q/k/v gradients against its
-  load-balanced part of one GPU's float64 run on the full tensors. CP does not go through the
-  backend selection: each case runs with only FlashAttention or only FusedAttention allowed by
-  the NVTE_* switches (which must change nothing) and checks that every bshd/sbhd block ran on
-  the flash kernels (thd blocks: the PyTorch math). Beside them, one GPU's bf16 attention on
+  load-balanced part of one GPU's float64 run on the full tensors. CP goes through the backend
+  selection block by block: each case runs with only FlashAttention or only
+  FusedAttention allowed by the NVTE_* switches and checks that the bshd/sbhd blocks ran on
+  that backend's kernels (thd blocks: the PyTorch math). Beside them, one GPU's bf16 attention on
   the same full tensors with each backend forced runs that backend and meets the same
   tolerance against the float64 run.
 - TP and TP + sequence parallelism: a stack of 2 TransformerLayers in float32, output and
@@ -29,7 +29,7 @@ from test_tensor_parallel import build, compare, data_parallel_case, ddp, fsdp2
 
 import transformer_fa as te
 from transformer_fa.attention import context_parallel
-from transformer_fa.attention.backends import flash, fused
+from transformer_fa.attention.backends import flash, fused, unfused
 from transformer_fa.attention.backends.fused import cudnn_lib
 from transformer_fa.attention.selection import SWITCHES
 
@@ -53,24 +53,15 @@ def only(backend=None):
 @contextmanager
 def cp_blocks(backend, on_kernels):
     """The CP call with only ``backend`` switched on, then a check of where its blocks ran:
-    all on the flash kernels (``on_kernels``) or all in the PyTorch math."""
-    ran = []
-    original = context_parallel._kernel_call
-
-    def recording(*args, **kwargs):
-        call = original(*args, **kwargs)
-        ran.append(call is not None)
-        return call
-    context_parallel._kernel_call = recording
-    try:
-        with scoped_env(**only(backend)):
-            yield
-    finally:
-        context_parallel._kernel_call = original
-    assert ran, "no CP block ran"
-    assert all(ran) if on_kernels else not any(ran), (
-        f"blocks on the flash kernels: {ran} (expected {'all' if on_kernels else 'none'}; "
-        f"flash extension: {flash._ext_error or 'loaded'})")
+    on that backend's kernels (``on_kernels``: cuDNN or the flash kernels, as the selection
+    picks for a block) or in the PyTorch math."""
+    context_parallel.last_block_backend = None
+    with scoped_env(**only(backend)):
+        yield
+    expected = backend if on_kernels else unfused.NAME
+    assert context_parallel.last_block_backend == expected, (
+        f"blocks ran on {context_parallel.last_block_backend}, expected {expected} (flash "
+        f"extension: {flash._ext_error or 'loaded'})")
 
 
 def with_all_backends_on(case):
