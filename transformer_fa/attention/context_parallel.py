@@ -227,9 +227,11 @@ def attend_backward(q, k, v, dout, lse, delta, scale: float, q_offset: int = 0, 
     the final output instead of delta (``out``: they form delta themselves)."""
     fused_call = _fused_call(q, k, v, scale, q_offset, window, keep)
     if fused_call is not None and out is not None:
-        grads = fused_ops.bwd_impl(_bshd(dout).to(q.dtype), _bshd(q), _bshd(k), _bshd(v),
-                                   _bshd(out).to(q.dtype), lse.float().unsqueeze(-1).contiguous(),
-                                   None, None, None, None, fused_call, False)[:3]
+        # cuDNN's backward graph reads O contiguous in its format (as its forward wrote it)
+        out = _bshd(out).to(q.dtype, memory_format=torch.contiguous_format)
+        grads = fused_ops.bwd_impl(_bshd(dout).to(q.dtype), _bshd(q), _bshd(k), _bshd(v), out,
+                                   lse.float().unsqueeze(-1).contiguous(), None, None, None,
+                                   None, fused_call, False)[:3]
         return tuple(_bshd(g) for g in grads)
     call = _kernel_call(q, k, v, scale, q_offset, window, keep)
     if call is not None and out is not None:
@@ -384,18 +386,22 @@ class _RingAttention(torch.autograd.Function):
             _merge(out, lse, rows, block_out, block_lse)
             if pending is not None:
                 kv = ring.finish_shift(pending)
+        # the output in the input dtype is what the backward reads (half the memory of the
+        # compute dtype's for fp16/bf16)
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale, ctx.plan, ctx.ring = scale, plan, ring
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring, scale = ctx.ring, ctx.scale
-        delta = (dout.to(out.dtype) * out).sum(-1)
-        dq = q.new_zeros(q.shape, dtype=out.dtype)
+        dtype = lse.dtype  # the compute dtype
+        delta = (dout.to(dtype) * out.to(dtype)).sum(-1)
+        dq = q.new_zeros(q.shape, dtype=dtype)
         kv = (k, v)
-        dkv = (k.new_zeros(k.shape, dtype=out.dtype), v.new_zeros(v.shape, dtype=out.dtype))
+        dkv = (k.new_zeros(k.shape, dtype=dtype), v.new_zeros(v.shape, dtype=dtype))
         for step in range(ring.size):
             pending = ring.start_shift(kv) if step + 1 < ring.size else None
             rows, cols, window, keep = ctx.plan((ring.rank - step) % ring.size)
