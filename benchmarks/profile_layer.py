@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import re
 import sys
@@ -35,14 +36,16 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import timing  # noqa: E402
 from benchmarks.bench_attention import PRESETS, TorchBlock, gpu_name, tfa_layer  # noqa: E402
+from transformer_fa.common.recipe import DelayedScaling, Float8CurrentScaling  # noqa: E402
 
 MODELS = {"transformer_fa.TransformerLayer": tfa_layer,
           "torch (F.scaled_dot_product_attention)": TorchBlock}
-CATEGORIES = ("GEMM", "attention fwd", "attention bwd", "norm", "elementwise/activation",
-              "copies/layout", "optimizer", "other")
+CATEGORIES = ("GEMM", "attention fwd", "attention bwd", "norm", "FP8 casts/amax",
+              "elementwise/activation", "copies/layout", "optimizer", "other")
 TOP_KERNELS = 5
 WARMUP_STEPS = {"full": 3, "tiny": 1}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+FP8_RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling}
 
 # Matched against names lower-cased and without underscores.
 _ATTENTION = re.compile(r"flash|fmha|sdpa|scaleddotproduct|dotproductattention")
@@ -56,6 +59,8 @@ _COPY_OPS = {"aten::copy", "aten::contiguous", "aten::clone", "aten::cat", "aten
              "aten::gather", "aten::scatter", "aten::stack", "aten::splitwithsizescopy",
              "aten::unsafeindex", "aten::reshape"}
 _NORM = re.compile(r"layernorm|rmsnorm|normfwdkernel|normbwdkernel|fusednorm")
+# FP8 GEMMs' operand casts (transformer_fa.fp8: the Triton cast kernel or the PyTorch path)
+_FP8_CAST = re.compile(r"castkernel|float8|fp8|amax|abs")
 # the label the profile puts on DotProductAttention's forward (its ops are no kernel names)
 ATTENTION_LABEL = "DotProductAttention"
 
@@ -87,6 +92,8 @@ def categorize(kernel: str, chain) -> str:
         return "copies/layout"
     if _NORM.search(joined) or _NORM.search(k):
         return "norm"
+    if _FP8_CAST.search(k) or "fp8matmul" in joined:
+        return "FP8 casts/amax"
     if ops:
         return "elementwise/activation"
     return "other"
@@ -251,7 +258,9 @@ class _AttentionLabels:
             handle.remove()
 
 
-def profile_model(name, block, shape, device, dtype, steps, warmup, trace_path=None) -> dict:
+def profile_model(name, block, shape, device, dtype, steps, warmup, trace_path=None,
+                  recipe=None) -> dict:
+    """recipe: the FP8 recipe the model's steps run under (transformer_fa.autocast), or None."""
     layers, b, s, hidden, heads, ffn = shape
     cuda = device == "cuda"
     model = torch.nn.Sequential(*[block(hidden, heads, ffn, dtype, device)
@@ -261,8 +270,16 @@ def profile_model(name, block, shape, device, dtype, steps, warmup, trace_path=N
 
     def step():
         opt.zero_grad(set_to_none=True)
-        model(x).float().square().mean().backward()
+        with precision():
+            out = model(x)
+        out.float().square().mean().backward()
         opt.step()
+
+    def precision():
+        if recipe is None:
+            return contextlib.nullcontext()
+        import transformer_fa
+        return transformer_fa.autocast(enabled=True, recipe=recipe)
 
     if cuda:
         torch.cuda.synchronize()
@@ -384,6 +401,8 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=tuple(DTYPES),
                     help="default: bf16 on CUDA, fp32 on CPU (as the benchmark)")
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--fp8", choices=tuple(FP8_RECIPES),
+                    help="also profile our layer under this FP8 recipe (a GPU with FP8)")
     ap.add_argument("--trace", action="store_true",
                     help="also write a Chrome trace per model (large for the full preset)")
     args = ap.parse_args(argv)
@@ -406,12 +425,19 @@ def main(argv=None):
             "command": "python benchmarks/profile_layer.py " + " ".join(
                 sys.argv[1:] if argv is None else argv),
             "models": []}
-    for name, block in MODELS.items():
+    models = [(name, block, None) for name, block in MODELS.items()]
+    if args.fp8:
+        recipe = FP8_RECIPES[args.fp8]()
+        models.insert(1, (f"transformer_fa.TransformerLayer, FP8 {type(recipe).__name__}",
+                          tfa_layer, recipe))
+        base = base.with_name(f"{base.name}-fp8-{args.fp8}")
+    for name, block, recipe in models:
         start = time.monotonic()
         trace = base.with_name(f"{base.name}-{re.sub(r'[^A-Za-z]+', '-', name)}trace.json")
         data["models"].append(profile_model(
             name, block, (layers, b, s, hidden, heads, ffn), args.device,
-            DTYPES[dtype_name], steps, data["warmup"], trace if args.trace else None))
+            DTYPES[dtype_name], steps, data["warmup"], trace if args.trace else None,
+            recipe))
         m = data["models"][-1]
         print(f"{name}: {m['step_ms']} ms/step, peak {m['peak_mem_gb']} GB, saved per layer "
               f"{_mb(m['saved_per_layer']['activation_bytes'])} MiB "
