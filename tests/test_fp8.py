@@ -120,9 +120,9 @@ def test_gradient_format_follows_the_recipe(monkeypatch, fmt, grad_dtype):
     seen = []
     real = fp8._scaled_mm
 
-    def spy(a, b, scale_a, scale_b, out_dtype):
+    def spy(a, b, scale_a, scale_b, out_dtype, bias=None):
         seen.append((a.dtype, b.dtype))
-        return real(a, b, scale_a, scale_b, out_dtype)
+        return real(a, b, scale_a, scale_b, out_dtype, bias)
 
     monkeypatch.setattr(fp8, "_scaled_mm", spy)
     lin = _linear()
@@ -328,3 +328,98 @@ def test_a_cached_weight_cast_gains_its_transpose_once_needed():
     w_fp8_again, w_t, _ = lin.fp8_meta.weight_cache[0][1]
     assert torch.equal(w_fp8.view(torch.uint8), w_fp8_again.view(torch.uint8))
     assert torch.equal(w_t.view(torch.uint8), w_fp8.t().view(torch.uint8))
+
+
+def _gemm_biases(monkeypatch):
+    """The bias each FP8 GEMM got in its epilogue (None: none)."""
+    biases = []
+    real = fp8._scaled_mm
+
+    def spy(a, b, scale_a, scale_b, out_dtype, bias=None):
+        biases.append(bias)
+        return real(a, b, scale_a, scale_b, out_dtype, bias)
+
+    monkeypatch.setattr(fp8, "_scaled_mm", spy)
+    return biases
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_bias_is_added_in_the_fp8_gemms_epilogue(monkeypatch, dtype, recipe):
+    """A 16-bit Linear's bias goes into the forward GEMM (one rounding instead of two): the
+    output within one rounding of the separate add's, the gradients (the bias's from the
+    backward's sum over the tokens) equal to the separate add's."""
+    biases = _gemm_biases(monkeypatch)
+    torch.manual_seed(1)
+    x = (torch.randn(2, 16, 32) * 3).to(dtype)
+    dy = torch.randn(2, 16, 48).to(dtype)
+    results = []
+    for epilogue in (True, False):
+        monkeypatch.setattr(fp8, "_bias_fits_epilogue",
+                            (lambda bias, out_dtype: True) if epilogue else (lambda *a: False))
+        lin = _linear(params_dtype=dtype)
+        with torch.no_grad():
+            lin.bias.copy_(torch.randn(48) * 5)
+        biases.clear()
+        for _ in range(2):  # the delayed recipe's second step runs on the recorded scales
+            inp = x.clone().requires_grad_()
+            with te.autocast(recipe=recipe):
+                out = lin(inp)
+            out.backward(dy)
+        assert [b is lin.bias for b in biases] == [epilogue, False, False] * 2
+        results.append((out, inp.grad, lin.weight.grad, lin.bias.grad))
+    (out, *grads), (want, *want_grads) = results
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(out.float(), want.float(), rtol=eps, atol=eps)
+    assert not torch.equal(out, want)  # the epilogue rounds once, the add twice
+    for got, expected in zip(grads, want_grads, strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_bias_outside_the_epilogue_where_scaled_mm_takes_none(monkeypatch):
+    """A float32 output (torch._scaled_mm takes no bias there) and a bias of another dtype get
+    the add after the GEMM; a frozen bias gets no gradient."""
+    biases = _gemm_biases(monkeypatch)
+    x = torch.randn(16, 32, requires_grad=True)
+    for params_dtype, bias_dtype in ((torch.float32, torch.float32),
+                                     (torch.bfloat16, torch.float32)):
+        lin = _linear(params_dtype=params_dtype)
+        bias = lin.bias.detach().to(bias_dtype).requires_grad_()
+        biases.clear()
+        with te.autocast(recipe=Float8CurrentScaling()):
+            out = fp8.fp8_matmul(x.to(params_dtype), lin.weight, lin.fp8_meta, bias=bias)
+            ref = fp8.fp8_matmul(x.to(params_dtype), lin.weight, lin.fp8_meta)
+        assert biases == [None, None]
+        assert torch.equal(out, ref + bias)
+        out.sum().backward()
+        torch.testing.assert_close(bias.grad, torch.full_like(bias, 16.0))
+    lin = _linear(params_dtype=torch.bfloat16)
+    lin.bias.requires_grad_(False)
+    with te.autocast(recipe=Float8CurrentScaling()):
+        out = lin(x.to(torch.bfloat16))
+    out.sum().backward()
+    assert lin.bias.grad is None and lin.weight.grad is not None
+
+
+def test_returned_and_row_parallel_biases_stay_out_of_the_gemm(monkeypatch):
+    """parallel_linear hands the bias to the FP8 GEMM only where it is added right there: a
+    returned bias is not added, a row-parallel one is added after the sum over the ranks."""
+    from transformer_fa import parallel
+    from transformer_fa.module.linear import parallel_linear
+
+    biases = _gemm_biases(monkeypatch)
+    monkeypatch.setattr(parallel, "row_parallel_output", lambda out, group, sp: out * 2)
+    lin = _linear(params_dtype=torch.bfloat16)
+    x = torch.randn(16, 32).to(torch.bfloat16)
+    with te.autocast(recipe=Float8CurrentScaling()):
+        gemm = fp8.fp8_matmul(x, lin.weight, lin.fp8_meta)
+        out, bias = parallel_linear(x, lin.weight, lin.bias, return_bias=True,
+                                    fp8_meta=lin.fp8_meta)
+        assert torch.equal(out, gemm) and torch.equal(bias, lin.bias)
+        out, _ = parallel_linear(x, lin.weight, lin.bias, row_group=object(),
+                                 fp8_meta=lin.fp8_meta)
+        assert torch.equal(out, gemm * 2 + lin.bias)
+        assert all(b is None for b in biases)
+        parallel_linear(x, lin.weight, lin.bias, fp8_meta=lin.fp8_meta)
+        assert biases[-1] is lin.bias

@@ -363,8 +363,20 @@ def check_fp8_gemm_shape(inp: torch.Tensor, features: Tuple[int, ...], owner: st
                              f"outside fp8_autocast")
 
 
-def _scaled_mm(a, b, scale_a, scale_b, out_dtype):
-    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+def _scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None):
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias,
+                            out_dtype=out_dtype)
+
+
+# torch._scaled_mm adds a bias in the GEMM's epilogue (in float32, one rounding) where the bias
+# and the output are both bfloat16 or both float16 (its CUDA checks); a float32 output takes no
+# bias there.
+_EPILOGUE_BIAS_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _bias_fits_epilogue(bias: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    return (bias.dtype == out_dtype and out_dtype in _EPILOGUE_BIAS_DTYPES
+            and bias.dim() == 1 and bias.is_contiguous())
 
 
 class _FP8Matmul(torch.autograd.Function):
@@ -375,7 +387,7 @@ class _FP8Matmul(torch.autograd.Function):
     transposed for the wgrad; a gradient nobody needs costs no transpose."""
 
     @staticmethod
-    def forward(ctx, inp, weight, meta, gemm, recipe, grad_enabled):
+    def forward(ctx, inp, weight, bias, meta, gemm, recipe, grad_enabled):
         fmt = recipe.fp8_format
         fp8_max = fmt.value.max_fwd
         # needs_input_grad says True under no_grad as well: grad_enabled comes from outside
@@ -386,18 +398,19 @@ class _FP8Matmul(torch.autograd.Function):
                                             columnwise=need_wgrad)
         w_fp8, w_t, w_scale_inv = _weight_fp8(meta, weight, gemm, recipe, fp8_max,
                                               transpose=need_dgrad)
-        out = _scaled_mm(x_fp8, w_fp8.t(), x_scale_inv, w_scale_inv, inp.dtype)
+        out = _scaled_mm(x_fp8, w_fp8.t(), x_scale_inv, w_scale_inv, inp.dtype, bias)
         ctx.save_for_backward(x_t, x_scale_inv, w_t, w_scale_inv)
         ctx.meta, ctx.gemm, ctx.recipe = meta, gemm, recipe
         ctx.dtypes = (inp.dtype, weight.dtype)
-        ctx.needs = (need_dgrad, need_wgrad)
+        ctx.needs = (need_dgrad, need_wgrad,
+                     bias is not None and grad_enabled and ctx.needs_input_grad[2])
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         x_t, x_scale_inv, w_t, w_scale_inv = ctx.saved_tensors
         meta, gemm, recipe = ctx.meta, ctx.gemm, ctx.recipe
-        need_dgrad, need_wgrad = ctx.needs
+        need_dgrad, need_wgrad, need_bgrad = ctx.needs
         fmt = recipe.fp8_format
         grad_fmt = Format.E5M2 if fmt == Format.HYBRID else Format.E4M3
         g_fp8, g_t, g_scale_inv = _quantize(grad_out, grad_fmt, fmt.value.max_bwd, recipe,
@@ -405,6 +418,7 @@ class _FP8Matmul(torch.autograd.Function):
                                             rowwise=need_dgrad, columnwise=need_wgrad)
         inp_dtype, weight_dtype = ctx.dtypes
         grad_inp = grad_weight = None
+        grad_bias = grad_out.sum(0) if need_bgrad else None
         if need_dgrad:  # g @ W: W column-major is W^T row-major
             grad_inp = _scaled_mm(g_fp8, w_t.t(), g_scale_inv, w_scale_inv, inp_dtype)
         if need_wgrad:  # g^T @ x: x column-major is x^T row-major
@@ -414,7 +428,7 @@ class _FP8Matmul(torch.autograd.Function):
             scale = meta.scale_bwd[gemm:gemm + 1]
             _reduce_amax(sub[0], meta.group, recipe)
             update_amax_history(sub, scale, fmt.value.max_bwd, recipe)
-        return grad_inp, grad_weight, None, None, None, None
+        return grad_inp, grad_weight, grad_bias, None, None, None, None
 
 
 def _weight_fp8(meta: FP8Meta, weight: torch.Tensor, gemm: int, recipe: Recipe, fp8_max,
@@ -433,16 +447,22 @@ def _weight_fp8(meta: FP8Meta, weight: torch.Tensor, gemm: int, recipe: Recipe, 
     return cast
 
 
-def fp8_matmul(inp: torch.Tensor, weight: torch.Tensor, meta: FP8Meta, gemm: int = 0):
-    """inp @ weight^T under the current autocast's recipe: FP8 with enabled=True (the input
-    flattened to 2D for the GEMM), high precision otherwise (amaxes recorded when
-    calibrating)."""
+def fp8_matmul(inp: torch.Tensor, weight: torch.Tensor, meta: FP8Meta, gemm: int = 0,
+               bias: Optional[torch.Tensor] = None):
+    """inp @ weight^T [+ bias] under the current autocast's recipe: FP8 with enabled=True (the
+    input flattened to 2D for the GEMM; the bias added in the GEMM's epilogue where
+    torch._scaled_mm takes it, else after the GEMM), high precision otherwise (amaxes recorded
+    when calibrating)."""
     recipe = _STATE.recipe
     if not _STATE.enabled:
         if _STATE.calibrating:
             meta.record_forward(recipe, inp, weight, gemm)
-        return torch.nn.functional.linear(inp, weight)
+        return torch.nn.functional.linear(inp, weight, bias)
     meta._join(recipe, inp.device)
-    out = _FP8Matmul.apply(inp.reshape(-1, inp.shape[-1]), weight, meta, gemm, recipe,
-                           torch.is_grad_enabled())
-    return out.reshape(*inp.shape[:-1], weight.shape[0])
+    fused_bias = bias if bias is not None and _bias_fits_epilogue(bias, inp.dtype) else None
+    out = _FP8Matmul.apply(inp.reshape(-1, inp.shape[-1]), weight, fused_bias, meta, gemm,
+                           recipe, torch.is_grad_enabled())
+    out = out.reshape(*inp.shape[:-1], weight.shape[0])
+    if bias is not None and fused_bias is None:
+        out = out + bias
+    return out
