@@ -77,6 +77,15 @@ def test_scale_keeps_the_old_value_for_zero_or_inf_amax():
     assert new[2] == torch.finfo(torch.float32).max and new[3] == E4M3_MAX / 4
 
 
+def test_scale_is_the_ieee_quotient():
+    """(fp8_max / amax) / 2**margin with one rounding per division (TE's kernel's), not the
+    reciprocal times fp8_max that a Python float over a tensor computes."""
+    amax = torch.rand(10000) * 100 + 1e-3
+    new = fp8.compute_scale(amax, torch.ones_like(amax), E4M3_MAX, margin=2)
+    assert torch.equal(new, torch.full_like(amax, E4M3_MAX) / amax / 4)
+    assert not torch.equal(new, amax.reciprocal() * E4M3_MAX / 4)
+
+
 @pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()],
                          ids=["delayed", "current"])
 def test_linear_forward_backward_close_to_high_precision(recipe):

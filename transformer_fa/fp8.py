@@ -172,8 +172,9 @@ quantized_model_init = fp8_model_init  # TE 2.x's name
 def compute_scale(amax: torch.Tensor, scale: torch.Tensor, fp8_max: float,
                   margin: int = 0) -> torch.Tensor:
     """TE's scaling factor: (fp8_max / amax) / 2**margin; the old scale where amax is 0 or
-    not finite, fp32's max where the quotient overflows."""
-    new = (fp8_max / amax) / (2 ** margin)
+    not finite, fp32's max where the quotient overflows. IEEE divisions (TE's kernel's):
+    a Python float over a tensor would be the reciprocal times the float, rounded twice."""
+    new = torch.full_like(amax, fp8_max).div_(amax).div_(2 ** margin)
     new = torch.where((amax > 0) & torch.isfinite(amax), new, scale)
     return torch.where(torch.isinf(new), torch.full_like(new, _FP32_MAX), new)
 
@@ -181,8 +182,14 @@ def compute_scale(amax: torch.Tensor, scale: torch.Tensor, fp8_max: float,
 def update_amax_history(amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: float,
                         recipe: DelayedScaling) -> None:
     """TE's delayed update, in place: amax from the history, new scale, history rolled by one
-    with row 0 cleared for the next step's amaxes."""
+    with row 0 cleared for the next step's amaxes. On CUDA the built-in algorithms run as one
+    Triton kernel (kernels/fp8_scale.py) with this code's results, bit for bit."""
     algo = recipe.amax_compute_algo
+    if (not callable(algo) and recipe.scaling_factor_compute_algo is None
+            and kernels.use_fp8_scale_update(amax_history, scale)):
+        _scale_kernels().update_delayed_scaling(amax_history, scale, fp8_max, recipe.margin,
+                                                most_recent=algo == "most_recent")
+        return
     if callable(algo):
         amax = algo(amax_history)
     elif algo == "max":
@@ -291,6 +298,11 @@ def _cast_kernels(tensor: torch.Tensor, *state: torch.Tensor):
         return None
     from .kernels import fp8_cast
     return fp8_cast
+
+
+def _scale_kernels():
+    from .kernels import fp8_scale
+    return fp8_scale
 
 
 def _as_2d(tensor: torch.Tensor) -> torch.Tensor:
