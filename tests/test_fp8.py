@@ -269,8 +269,8 @@ def _fp8_gemm(x, weight, recipe):
     with te.autocast(recipe=recipe):
         out = fp8.fp8_matmul(x, weight, meta)
         cached = meta.weight_cache[0][1]
-    node = out.grad_fn.next_functions[0][0] if out.grad_fn is not None else None
-    return out, node, cached
+    assert out.grad_fn is None or type(out.grad_fn).__name__ == "_FP8MatmulBackward"
+    return out, out.grad_fn, cached
 
 
 @pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()],
@@ -320,6 +320,39 @@ def test_gradient_is_cast_once_in_the_orientations_needed(monkeypatch):
         out, _, _ = _fp8_gemm(*inputs, DelayedScaling())
         out.backward(torch.randn_like(out))
         assert asked[-1] == ((16, 48), dgrad, wgrad)  # the gradient's cast, in the backward
+
+
+def test_2d_inputs_skip_the_reshapes():
+    x = torch.randn(16, 32, requires_grad=True)
+    out, node, _ = _fp8_gemm(x, torch.randn(48, 32), DelayedScaling())
+    assert out.shape == (16, 48) and node is out.grad_fn
+    with te.autocast(recipe=DelayedScaling()):
+        out = fp8.fp8_matmul(x.reshape(2, 8, 32), torch.randn(48, 32), fp8.FP8Meta())
+    assert out.shape == (2, 8, 48) and "View" in type(out.grad_fn).__name__
+
+
+def test_a_meta_joins_the_update_queue_once_per_autocast():
+    lin = _linear()
+    x = torch.randn(16, 32)
+    with te.autocast(recipe=DelayedScaling()):
+        lin(x)
+        lin(x)
+        assert list(fp8._STATE.metas_to_update) == [lin.fp8_meta]
+    assert not fp8._STATE.metas_to_update
+
+
+def test_gradient_state_views_follow_loaded_state():
+    """The backward's per-GEMM views are of the current state: remade after a state load."""
+    lin = _linear()
+    x = torch.randn(16, 32, requires_grad=True)
+    with te.autocast(recipe=DelayedScaling()):
+        lin(x).sum().backward()
+    history, scale = lin.fp8_meta.gradient_state(0)
+    assert history.data_ptr() == lin.fp8_meta.amax_history_bwd.data_ptr()
+    lin.fp8_meta.set_extra_state(lin.fp8_meta.get_extra_state(), torch.device("cpu"))
+    history, scale = lin.fp8_meta.gradient_state(0)
+    assert history.data_ptr() == lin.fp8_meta.amax_history_bwd.data_ptr()
+    assert scale.data_ptr() == lin.fp8_meta.scale_bwd.data_ptr()
 
 
 def test_a_cached_weight_cast_gains_its_transpose_once_needed():

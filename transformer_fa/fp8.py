@@ -15,9 +15,11 @@ Scales follow the recipe:
 FP8 needs a GPU of compute capability 8.9+ (TE's rule). ``torch._scaled_mm`` also runs FP8 on
 CPU (slowly); ``TRANSFORMER_FA_FP8_ON_CPU=1`` allows that, for tests and numerics checks.
 """
+import functools
+import importlib
 import io
 import os
-from typing import List, Optional, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 
@@ -67,7 +69,8 @@ class _AutocastState:
         self.recipe: Optional[Recipe] = None
         self.group = None
         self.depth = 0
-        self.metas_to_update: List["FP8Meta"] = []
+        # insertion-ordered, an O(1) membership test per GEMM
+        self.metas_to_update: Dict["FP8Meta", None] = {}
 
 
 _STATE = _AutocastState()
@@ -133,7 +136,7 @@ class autocast:  # noqa: N801 (TE's name)
         self._saved = None
         state.depth -= 1
         if state.depth == 0:
-            metas, state.metas_to_update = state.metas_to_update, []
+            metas, state.metas_to_update = state.metas_to_update, {}
             if torch.is_grad_enabled():
                 for meta in metas:
                     meta.update_delayed_scales(forward=True)
@@ -205,10 +208,12 @@ def update_amax_history(amax_history: torch.Tensor, scale: torch.Tensor, fp8_max
     amax_history[0].zero_()
 
 
-def _reduce_amax(amax: torch.Tensor, group, recipe: Recipe) -> None:
+def _reduce_amax(history: torch.Tensor, group, recipe: Recipe) -> None:
+    """The newest amaxes (row 0 of the history) reduced over the group."""
     if (group is not None and getattr(recipe, "reduce_amax", False)
             and torch.distributed.is_initialized()):
-        torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
+        torch.distributed.all_reduce(history[0], op=torch.distributed.ReduceOp.MAX,
+                                     group=group)
 
 
 class FP8Meta:
@@ -223,6 +228,7 @@ class FP8Meta:
         self.scale_fwd = self.amax_history_fwd = None
         self.scale_bwd = self.amax_history_bwd = None
         self.weight_cache = {}
+        self._gradient_views = {}
 
     def _prepare(self, recipe: Recipe, device: torch.device) -> None:
         """(Re)make the state where the recipe's kind or history length changed."""
@@ -237,6 +243,7 @@ class FP8Meta:
             self.scale_bwd = torch.ones(n, device=device)
             self.amax_history_bwd = torch.zeros(history_len, n, device=device)
             self.weight_cache = {}
+            self._gradient_views = {}
 
     def update_delayed_scales(self, forward: bool) -> None:
         if not isinstance(self.recipe, DelayedScaling):
@@ -244,7 +251,7 @@ class FP8Meta:
         fmt = self.recipe.fp8_format.value
         history = self.amax_history_fwd if forward else self.amax_history_bwd
         scale = self.scale_fwd if forward else self.scale_bwd
-        _reduce_amax(history[0], self.group, self.recipe)
+        _reduce_amax(history, self.group, self.recipe)
         update_amax_history(history, scale, fmt.max_fwd if forward else fmt.max_bwd,
                             self.recipe)
         if forward:
@@ -259,10 +266,12 @@ class FP8Meta:
                 _record_amax(self.amax_history_fwd, slot, tensor)
 
     def _join(self, recipe: Recipe, device: torch.device) -> None:
-        self._prepare(recipe, device)
+        if recipe is not self.recipe:  # the same recipe object: the state fits it
+            self._prepare(recipe, device)
         self.group = _STATE.group
-        if not any(meta is self for meta in _STATE.metas_to_update):
-            _STATE.metas_to_update.append(self)
+        queue = _STATE.metas_to_update
+        if self not in queue:
+            queue[self] = None
 
     # TE keeps the FP8 state in the module's extra state: a pickled dict in a uint8 tensor.
     def get_extra_state(self) -> torch.Tensor:
@@ -289,6 +298,16 @@ class FP8Meta:
         for key in ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd"):
             setattr(self, key, loaded[key].to(device))
         self.weight_cache = {}
+        self._gradient_views = {}
+
+    def gradient_state(self, gemm: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(amax history column, scale) of one GEMM's output gradient: views of the backward
+        state, made once, that its delayed update updates in place."""
+        views = self._gradient_views.get(gemm)
+        if views is None:
+            views = (self.amax_history_bwd[:, gemm:gemm + 1], self.scale_bwd[gemm:gemm + 1])
+            self._gradient_views[gemm] = views
+        return views
 
 
 def _cast_kernels(tensor: torch.Tensor, *state: torch.Tensor):
@@ -296,13 +315,17 @@ def _cast_kernels(tensor: torch.Tensor, *state: torch.Tensor):
     then the PyTorch code below runs, and it stays the reference."""
     if not kernels.use_fp8_cast(tensor, *state):
         return None
-    from .kernels import fp8_cast
-    return fp8_cast
+    return _kernel_module("fp8_cast")
 
 
 def _scale_kernels():
-    from .kernels import fp8_scale
-    return fp8_scale
+    return _kernel_module("fp8_scale")
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_module(name: str):
+    """kernels.<name>, imported once (they import triton: only after the kernels' checks)."""
+    return importlib.import_module(f".kernels.{name}", __package__)
 
 
 def _as_2d(tensor: torch.Tensor) -> torch.Tensor:
@@ -436,10 +459,9 @@ class _FP8Matmul(torch.autograd.Function):
         if need_wgrad:  # g^T @ x: x column-major is x^T row-major
             grad_weight = _scaled_mm(g_t, x_t.t(), g_scale_inv, x_scale_inv, weight_dtype)
         if isinstance(recipe, DelayedScaling):
-            sub = meta.amax_history_bwd[:, gemm:gemm + 1]
-            scale = meta.scale_bwd[gemm:gemm + 1]
-            _reduce_amax(sub[0], meta.group, recipe)
-            update_amax_history(sub, scale, fmt.value.max_bwd, recipe)
+            history, scale = meta.gradient_state(gemm)
+            _reduce_amax(history, meta.group, recipe)
+            update_amax_history(history, scale, fmt.value.max_bwd, recipe)
         return grad_inp, grad_weight, grad_bias, None, None, None, None
 
 
@@ -472,9 +494,11 @@ def fp8_matmul(inp: torch.Tensor, weight: torch.Tensor, meta: FP8Meta, gemm: int
         return torch.nn.functional.linear(inp, weight, bias)
     meta._join(recipe, inp.device)
     fused_bias = bias if bias is not None and _bias_fits_epilogue(bias, inp.dtype) else None
-    out = _FP8Matmul.apply(inp.reshape(-1, inp.shape[-1]), weight, fused_bias, meta, gemm,
-                           recipe, torch.is_grad_enabled())
-    out = out.reshape(*inp.shape[:-1], weight.shape[0])
+    flat = inp.dim() == 2
+    out = _FP8Matmul.apply(inp if flat else inp.reshape(-1, inp.shape[-1]), weight, fused_bias,
+                           meta, gemm, recipe, torch.is_grad_enabled())
+    if not flat:
+        out = out.reshape(*inp.shape[:-1], weight.shape[0])
     if bias is not None and fused_bias is None:
         out = out + bias
     return out
