@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-_FP32_MAX = tl.constexpr(torch.finfo(torch.float32).max)  # a jit global must be constexpr
+_FP32_MAX = torch.finfo(torch.float32).max
 
 
 @triton.jit
@@ -37,8 +37,7 @@ def _update_kernel(HISTORY, SCALE, n_rows, n_cols, stride_r, stride_c, stride_s,
             nans += tl.sum((h != h).to(tl.int32), axis=0)
         amax = tl.where(nans > 0, float("nan"), amax)
     zeros = tl.zeros([BLOCK_C], tl.float32)
-    new = tl.fdiv(tl.fdiv(zeros + fp8_max, amax, ieee_rounding=True), zeros + margin_divisor,
-                  ieee_rounding=True)
+    new = tl.math.div_rn(tl.math.div_rn(zeros + fp8_max, amax), zeros + margin_divisor)
     old = tl.load(SCALE + cols * stride_s, mask=col_mask, other=1.0)
     new = tl.where((amax > 0) & (amax < float("inf")), new, old)
     new = tl.where(tl.abs(new) == float("inf"), _FP32_MAX, new)
