@@ -77,6 +77,15 @@ def test_scale_keeps_the_old_value_for_zero_or_inf_amax():
     assert new[2] == torch.finfo(torch.float32).max and new[3] == E4M3_MAX / 4
 
 
+def test_scale_is_the_ieee_quotient():
+    """(fp8_max / amax) / 2**margin with one rounding per division (TE's kernel's), not the
+    reciprocal times fp8_max that a Python float over a tensor computes."""
+    amax = torch.rand(10000) * 100 + 1e-3
+    new = fp8.compute_scale(amax, torch.ones_like(amax), E4M3_MAX, margin=2)
+    assert torch.equal(new, torch.full_like(amax, E4M3_MAX) / amax / 4)
+    assert not torch.equal(new, amax.reciprocal() * E4M3_MAX / 4)
+
+
 @pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()],
                          ids=["delayed", "current"])
 def test_linear_forward_backward_close_to_high_precision(recipe):
@@ -120,9 +129,9 @@ def test_gradient_format_follows_the_recipe(monkeypatch, fmt, grad_dtype):
     seen = []
     real = fp8._scaled_mm
 
-    def spy(a, b, scale_a, scale_b, out_dtype):
+    def spy(a, b, scale_a, scale_b, out_dtype, bias=None):
         seen.append((a.dtype, b.dtype))
-        return real(a, b, scale_a, scale_b, out_dtype)
+        return real(a, b, scale_a, scale_b, out_dtype, bias)
 
     monkeypatch.setattr(fp8, "_scaled_mm", spy)
     lin = _linear()
@@ -260,8 +269,8 @@ def _fp8_gemm(x, weight, recipe):
     with te.autocast(recipe=recipe):
         out = fp8.fp8_matmul(x, weight, meta)
         cached = meta.weight_cache[0][1]
-    node = out.grad_fn.next_functions[0][0] if out.grad_fn is not None else None
-    return out, node, cached
+    assert out.grad_fn is None or type(out.grad_fn).__name__ == "_FP8MatmulBackward"
+    return out, out.grad_fn, cached
 
 
 @pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()],
@@ -313,6 +322,39 @@ def test_gradient_is_cast_once_in_the_orientations_needed(monkeypatch):
         assert asked[-1] == ((16, 48), dgrad, wgrad)  # the gradient's cast, in the backward
 
 
+def test_2d_inputs_skip_the_reshapes():
+    x = torch.randn(16, 32, requires_grad=True)
+    out, node, _ = _fp8_gemm(x, torch.randn(48, 32), DelayedScaling())
+    assert out.shape == (16, 48) and node is out.grad_fn
+    with te.autocast(recipe=DelayedScaling()):
+        out = fp8.fp8_matmul(x.reshape(2, 8, 32), torch.randn(48, 32), fp8.FP8Meta())
+    assert out.shape == (2, 8, 48) and "View" in type(out.grad_fn).__name__
+
+
+def test_a_meta_joins_the_update_queue_once_per_autocast():
+    lin = _linear()
+    x = torch.randn(16, 32)
+    with te.autocast(recipe=DelayedScaling()):
+        lin(x)
+        lin(x)
+        assert list(fp8._STATE.metas_to_update) == [lin.fp8_meta]
+    assert not fp8._STATE.metas_to_update
+
+
+def test_gradient_state_views_follow_loaded_state():
+    """The backward's per-GEMM views are of the current state: remade after a state load."""
+    lin = _linear()
+    x = torch.randn(16, 32, requires_grad=True)
+    with te.autocast(recipe=DelayedScaling()):
+        lin(x).sum().backward()
+    history, scale = lin.fp8_meta.gradient_state(0)
+    assert history.data_ptr() == lin.fp8_meta.amax_history_bwd.data_ptr()
+    lin.fp8_meta.set_extra_state(lin.fp8_meta.get_extra_state(), torch.device("cpu"))
+    history, scale = lin.fp8_meta.gradient_state(0)
+    assert history.data_ptr() == lin.fp8_meta.amax_history_bwd.data_ptr()
+    assert scale.data_ptr() == lin.fp8_meta.scale_bwd.data_ptr()
+
+
 def test_a_cached_weight_cast_gains_its_transpose_once_needed():
     """A no_grad forward caches the weight without its transpose; the next forward that needs
     the dgrad casts it again with the transpose, to the same FP8 bytes."""
@@ -328,3 +370,98 @@ def test_a_cached_weight_cast_gains_its_transpose_once_needed():
     w_fp8_again, w_t, _ = lin.fp8_meta.weight_cache[0][1]
     assert torch.equal(w_fp8.view(torch.uint8), w_fp8_again.view(torch.uint8))
     assert torch.equal(w_t.view(torch.uint8), w_fp8.t().view(torch.uint8))
+
+
+def _gemm_biases(monkeypatch):
+    """The bias each FP8 GEMM got in its epilogue (None: none)."""
+    biases = []
+    real = fp8._scaled_mm
+
+    def spy(a, b, scale_a, scale_b, out_dtype, bias=None):
+        biases.append(bias)
+        return real(a, b, scale_a, scale_b, out_dtype, bias)
+
+    monkeypatch.setattr(fp8, "_scaled_mm", spy)
+    return biases
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_bias_is_added_in_the_fp8_gemms_epilogue(monkeypatch, dtype, recipe):
+    """A 16-bit Linear's bias goes into the forward GEMM (one rounding instead of two): the
+    output within one rounding of the separate add's, the gradients (the bias's from the
+    backward's sum over the tokens) equal to the separate add's."""
+    biases = _gemm_biases(monkeypatch)
+    torch.manual_seed(1)
+    x = (torch.randn(2, 16, 32) * 3).to(dtype)
+    dy = torch.randn(2, 16, 48).to(dtype)
+    results = []
+    for epilogue in (True, False):
+        monkeypatch.setattr(fp8, "_bias_fits_epilogue",
+                            (lambda bias, out_dtype: True) if epilogue else (lambda *a: False))
+        lin = _linear(params_dtype=dtype)
+        with torch.no_grad():
+            lin.bias.copy_(torch.randn(48) * 5)
+        biases.clear()
+        for _ in range(2):  # the delayed recipe's second step runs on the recorded scales
+            inp = x.clone().requires_grad_()
+            with te.autocast(recipe=recipe):
+                out = lin(inp)
+            out.backward(dy)
+        assert [b is lin.bias for b in biases] == [epilogue, False, False] * 2
+        results.append((out, inp.grad, lin.weight.grad, lin.bias.grad))
+    (out, *grads), (want, *want_grads) = results
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(out.float(), want.float(), rtol=eps, atol=eps)
+    assert not torch.equal(out, want)  # the epilogue rounds once, the add twice
+    for got, expected in zip(grads, want_grads, strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_bias_outside_the_epilogue_where_scaled_mm_takes_none(monkeypatch):
+    """A float32 output (torch._scaled_mm takes no bias there) and a bias of another dtype get
+    the add after the GEMM; a frozen bias gets no gradient."""
+    biases = _gemm_biases(monkeypatch)
+    x = torch.randn(16, 32, requires_grad=True)
+    for params_dtype, bias_dtype in ((torch.float32, torch.float32),
+                                     (torch.bfloat16, torch.float32)):
+        lin = _linear(params_dtype=params_dtype)
+        bias = lin.bias.detach().to(bias_dtype).requires_grad_()
+        biases.clear()
+        with te.autocast(recipe=Float8CurrentScaling()):
+            out = fp8.fp8_matmul(x.to(params_dtype), lin.weight, lin.fp8_meta, bias=bias)
+            ref = fp8.fp8_matmul(x.to(params_dtype), lin.weight, lin.fp8_meta)
+        assert biases == [None, None]
+        assert torch.equal(out, ref + bias)
+        out.sum().backward()
+        torch.testing.assert_close(bias.grad, torch.full_like(bias, 16.0))
+    lin = _linear(params_dtype=torch.bfloat16)
+    lin.bias.requires_grad_(False)
+    with te.autocast(recipe=Float8CurrentScaling()):
+        out = lin(x.to(torch.bfloat16))
+    out.sum().backward()
+    assert lin.bias.grad is None and lin.weight.grad is not None
+
+
+def test_returned_and_row_parallel_biases_stay_out_of_the_gemm(monkeypatch):
+    """parallel_linear hands the bias to the FP8 GEMM only where it is added right there: a
+    returned bias is not added, a row-parallel one is added after the sum over the ranks."""
+    from transformer_fa import parallel
+    from transformer_fa.module.linear import parallel_linear
+
+    biases = _gemm_biases(monkeypatch)
+    monkeypatch.setattr(parallel, "row_parallel_output", lambda out, group, sp: out * 2)
+    lin = _linear(params_dtype=torch.bfloat16)
+    x = torch.randn(16, 32).to(torch.bfloat16)
+    with te.autocast(recipe=Float8CurrentScaling()):
+        gemm = fp8.fp8_matmul(x, lin.weight, lin.fp8_meta)
+        out, bias = parallel_linear(x, lin.weight, lin.bias, return_bias=True,
+                                    fp8_meta=lin.fp8_meta)
+        assert torch.equal(out, gemm) and torch.equal(bias, lin.bias)
+        out, _ = parallel_linear(x, lin.weight, lin.bias, row_group=object(),
+                                 fp8_meta=lin.fp8_meta)
+        assert torch.equal(out, gemm * 2 + lin.bias)
+        assert all(b is None for b in biases)
+        parallel_linear(x, lin.weight, lin.bias, fp8_meta=lin.fp8_meta)
+        assert biases[-1] is lin.bias

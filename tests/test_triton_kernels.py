@@ -249,7 +249,7 @@ if INTERPRETED:
     import triton.language as tl
     from triton.runtime import interpreter as triton_interpreter
 
-    from transformer_fa.kernels import fp8_cast
+    from transformer_fa.kernels import fp8_cast, fp8_scale
 
 
 @pytest.fixture
@@ -410,3 +410,104 @@ def test_fp8_cast_refuses_bad_arguments():
         fp8_cast.cast(x, torch.ones(()), torch.float8_e4m3fn, 448.0, rowwise=False)
     with pytest.raises(ValueError, match="amax must be a one-element float32"):
         fp8_cast.fold_amax(x, torch.zeros(2))
+
+
+# The delayed-scaling update (kernels/fp8_scale.py) against fp8.update_amax_history's PyTorch
+# code, bit for bit: scales and rolled histories.
+def _amax_history(history_len, n_cols, seed=0):
+    """Amaxes across float32's range, with columns that hold a NaN (in row 0 or later), an
+    inf, only zeros, a subnormal amax (its quotient overflows), and old scales with an inf
+    and a NaN."""
+    g = torch.Generator().manual_seed(seed)
+    history = torch.rand(history_len, n_cols, generator=g) * torch.logspace(-30, 30, n_cols)
+    specials = {0: float("nan"), 1: float("inf"), 3: 1e-45}
+    for col, value in specials.items():
+        if col < n_cols:
+            history[min(history_len - 1, 2 + col), col] = value
+    if n_cols > 2:
+        history[:, 2] = 0.0
+    if n_cols > 4:
+        history[0, 4] = float("nan")
+    scale = torch.rand(n_cols, generator=g) + 0.5
+    scale[-2:] = torch.tensor([float("inf"), float("nan")])[-n_cols:]
+    return history, scale
+
+
+def _same_words(a, b):
+    assert a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def _update_both(history, scale, recipe, fp8_max, views=lambda h, s: (h, s)):
+    """update_amax_history with the kernel and with the PyTorch code, each on its own copy:
+    the kernel's call count, and both (history, scale)."""
+    calls = []
+    results = []
+    for enabled in (True, False):
+        h, s = history.clone(), scale.clone()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(kernels, "kernels_enabled", lambda *tensors: enabled)
+            real = fp8_scale.update_delayed_scaling
+            patch.setattr(fp8_scale, "update_delayed_scaling",
+                          lambda *a, **k: calls.append(1) or real(*a, **k))
+            fp8.update_amax_history(*views(h, s), fp8_max, recipe)
+        results.append((h, s))
+    return len(calls), results
+
+
+@interpreter_only
+@pytest.mark.parametrize("history_len, n_cols", [(1, 3), (5, 7), (1024, 4), (1031, 37)])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("margin", [0, 3])
+@pytest.mark.parametrize("fp8_max", [448.0, 57344.0])
+def test_delayed_scale_update_matches_pytorch(history_len, n_cols, algo, margin, fp8_max):
+    """1031 x 37 spans several blocks of rows and of columns, ragged."""
+    history, scale = _amax_history(history_len, n_cols)
+    recipe = DelayedScaling(amax_history_len=history_len, amax_compute_algo=algo,
+                            margin=margin)
+    calls, ((got_h, got_s), (want_h, want_s)) = _update_both(history, scale, recipe, fp8_max)
+    assert calls == 1
+    _same_words(got_s, want_s)
+    _same_words(got_h, want_h)
+    assert n_cols == 3 or not torch.equal(got_s.view(torch.int32), scale.view(torch.int32))
+
+
+@interpreter_only
+def test_delayed_scale_update_of_strided_views():
+    """A column of a history and a slice of the scales (the backward's per-GEMM update),
+    and a transposed history, in place; the rest untouched."""
+    history, scale = _amax_history(16, 6)
+    recipe = DelayedScaling(amax_history_len=16)
+    for gemm in (0, 4, 5):
+        calls, ((got_h, got_s), (want_h, want_s)) = _update_both(
+            history, scale, recipe, 57344.0,
+            lambda h, s: (h[:, gemm:gemm + 1], s[gemm:gemm + 1]))
+        assert calls == 1
+        _same_words(got_h, want_h)
+        _same_words(got_s, want_s)
+        others = [col for col in range(6) if col != gemm]
+        _same_words(got_h[:, others], history[:, others])
+    stored_t = history.t().contiguous()
+    calls, ((got_h, _), (want_h, _)) = _update_both(stored_t, scale, recipe, 448.0,
+                                                    lambda h, s: (h.t(), s))
+    assert calls == 1
+    _same_words(got_h, want_h)
+
+
+@interpreter_only
+def test_custom_delayed_algorithms_keep_the_pytorch_path():
+    history, scale = _amax_history(4, 3)
+    for recipe in (DelayedScaling(amax_compute_algo=lambda h: h.mean(0)),
+                   DelayedScaling(scaling_factor_compute_algo=lambda a, s, m, r: s * 2)):
+        calls, ((got_h, got_s), (want_h, want_s)) = _update_both(history, scale, recipe, 448.0)
+        assert calls == 0
+        _same_words(got_s, want_s)
+        _same_words(got_h, want_h)
+
+
+@interpreter_only
+def test_delayed_scale_update_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="float32 \\[history_len, n\\]"):
+        fp8_scale.update_delayed_scaling(torch.zeros(4, 3), torch.ones(2), 448.0, 0, False)
+    with pytest.raises(ValueError, match="history must be a float32"):
+        fp8_scale.update_delayed_scaling(torch.zeros(4, 3, dtype=torch.float64), torch.ones(3),
+                                         448.0, 0, False)

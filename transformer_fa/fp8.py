@@ -15,9 +15,11 @@ Scales follow the recipe:
 FP8 needs a GPU of compute capability 8.9+ (TE's rule). ``torch._scaled_mm`` also runs FP8 on
 CPU (slowly); ``TRANSFORMER_FA_FP8_ON_CPU=1`` allows that, for tests and numerics checks.
 """
+import functools
+import importlib
 import io
 import os
-from typing import List, Optional, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 
@@ -67,7 +69,8 @@ class _AutocastState:
         self.recipe: Optional[Recipe] = None
         self.group = None
         self.depth = 0
-        self.metas_to_update: List["FP8Meta"] = []
+        # insertion-ordered, an O(1) membership test per GEMM
+        self.metas_to_update: Dict["FP8Meta", None] = {}
 
 
 _STATE = _AutocastState()
@@ -133,7 +136,7 @@ class autocast:  # noqa: N801 (TE's name)
         self._saved = None
         state.depth -= 1
         if state.depth == 0:
-            metas, state.metas_to_update = state.metas_to_update, []
+            metas, state.metas_to_update = state.metas_to_update, {}
             if torch.is_grad_enabled():
                 for meta in metas:
                     meta.update_delayed_scales(forward=True)
@@ -172,8 +175,9 @@ quantized_model_init = fp8_model_init  # TE 2.x's name
 def compute_scale(amax: torch.Tensor, scale: torch.Tensor, fp8_max: float,
                   margin: int = 0) -> torch.Tensor:
     """TE's scaling factor: (fp8_max / amax) / 2**margin; the old scale where amax is 0 or
-    not finite, fp32's max where the quotient overflows."""
-    new = (fp8_max / amax) / (2 ** margin)
+    not finite, fp32's max where the quotient overflows. IEEE divisions (TE's kernel's):
+    a Python float over a tensor would be the reciprocal times the float, rounded twice."""
+    new = torch.full_like(amax, fp8_max).div_(amax).div_(2 ** margin)
     new = torch.where((amax > 0) & torch.isfinite(amax), new, scale)
     return torch.where(torch.isinf(new), torch.full_like(new, _FP32_MAX), new)
 
@@ -181,8 +185,14 @@ def compute_scale(amax: torch.Tensor, scale: torch.Tensor, fp8_max: float,
 def update_amax_history(amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: float,
                         recipe: DelayedScaling) -> None:
     """TE's delayed update, in place: amax from the history, new scale, history rolled by one
-    with row 0 cleared for the next step's amaxes."""
+    with row 0 cleared for the next step's amaxes. On CUDA the built-in algorithms run as one
+    Triton kernel (kernels/fp8_scale.py) with this code's results, bit for bit."""
     algo = recipe.amax_compute_algo
+    if (not callable(algo) and recipe.scaling_factor_compute_algo is None
+            and kernels.use_fp8_scale_update(amax_history, scale)):
+        _scale_kernels().update_delayed_scaling(amax_history, scale, fp8_max, recipe.margin,
+                                                most_recent=algo == "most_recent")
+        return
     if callable(algo):
         amax = algo(amax_history)
     elif algo == "max":
@@ -198,10 +208,12 @@ def update_amax_history(amax_history: torch.Tensor, scale: torch.Tensor, fp8_max
     amax_history[0].zero_()
 
 
-def _reduce_amax(amax: torch.Tensor, group, recipe: Recipe) -> None:
+def _reduce_amax(history: torch.Tensor, group, recipe: Recipe) -> None:
+    """The newest amaxes (row 0 of the history) reduced over the group."""
     if (group is not None and getattr(recipe, "reduce_amax", False)
             and torch.distributed.is_initialized()):
-        torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
+        torch.distributed.all_reduce(history[0], op=torch.distributed.ReduceOp.MAX,
+                                     group=group)
 
 
 class FP8Meta:
@@ -216,6 +228,7 @@ class FP8Meta:
         self.scale_fwd = self.amax_history_fwd = None
         self.scale_bwd = self.amax_history_bwd = None
         self.weight_cache = {}
+        self._gradient_views = {}
 
     def _prepare(self, recipe: Recipe, device: torch.device) -> None:
         """(Re)make the state where the recipe's kind or history length changed."""
@@ -230,6 +243,7 @@ class FP8Meta:
             self.scale_bwd = torch.ones(n, device=device)
             self.amax_history_bwd = torch.zeros(history_len, n, device=device)
             self.weight_cache = {}
+            self._gradient_views = {}
 
     def update_delayed_scales(self, forward: bool) -> None:
         if not isinstance(self.recipe, DelayedScaling):
@@ -237,7 +251,7 @@ class FP8Meta:
         fmt = self.recipe.fp8_format.value
         history = self.amax_history_fwd if forward else self.amax_history_bwd
         scale = self.scale_fwd if forward else self.scale_bwd
-        _reduce_amax(history[0], self.group, self.recipe)
+        _reduce_amax(history, self.group, self.recipe)
         update_amax_history(history, scale, fmt.max_fwd if forward else fmt.max_bwd,
                             self.recipe)
         if forward:
@@ -252,10 +266,12 @@ class FP8Meta:
                 _record_amax(self.amax_history_fwd, slot, tensor)
 
     def _join(self, recipe: Recipe, device: torch.device) -> None:
-        self._prepare(recipe, device)
+        if recipe is not self.recipe:  # the same recipe object: the state fits it
+            self._prepare(recipe, device)
         self.group = _STATE.group
-        if not any(meta is self for meta in _STATE.metas_to_update):
-            _STATE.metas_to_update.append(self)
+        queue = _STATE.metas_to_update
+        if self not in queue:
+            queue[self] = None
 
     # TE keeps the FP8 state in the module's extra state: a pickled dict in a uint8 tensor.
     def get_extra_state(self) -> torch.Tensor:
@@ -282,6 +298,16 @@ class FP8Meta:
         for key in ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd"):
             setattr(self, key, loaded[key].to(device))
         self.weight_cache = {}
+        self._gradient_views = {}
+
+    def gradient_state(self, gemm: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(amax history column, scale) of one GEMM's output gradient: views of the backward
+        state, made once, that its delayed update updates in place."""
+        views = self._gradient_views.get(gemm)
+        if views is None:
+            views = (self.amax_history_bwd[:, gemm:gemm + 1], self.scale_bwd[gemm:gemm + 1])
+            self._gradient_views[gemm] = views
+        return views
 
 
 def _cast_kernels(tensor: torch.Tensor, *state: torch.Tensor):
@@ -289,8 +315,17 @@ def _cast_kernels(tensor: torch.Tensor, *state: torch.Tensor):
     then the PyTorch code below runs, and it stays the reference."""
     if not kernels.use_fp8_cast(tensor, *state):
         return None
-    from .kernels import fp8_cast
-    return fp8_cast
+    return _kernel_module("fp8_cast")
+
+
+def _scale_kernels():
+    return _kernel_module("fp8_scale")
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_module(name: str):
+    """kernels.<name>, imported once (they import triton: only after the kernels' checks)."""
+    return importlib.import_module(f".kernels.{name}", __package__)
 
 
 def _as_2d(tensor: torch.Tensor) -> torch.Tensor:
@@ -363,8 +398,20 @@ def check_fp8_gemm_shape(inp: torch.Tensor, features: Tuple[int, ...], owner: st
                              f"outside fp8_autocast")
 
 
-def _scaled_mm(a, b, scale_a, scale_b, out_dtype):
-    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+def _scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None):
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias,
+                            out_dtype=out_dtype)
+
+
+# torch._scaled_mm adds a bias in the GEMM's epilogue (in float32, one rounding) where the bias
+# and the output are both bfloat16 or both float16 (its CUDA checks); a float32 output takes no
+# bias there.
+_EPILOGUE_BIAS_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _bias_fits_epilogue(bias: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    return (bias.dtype == out_dtype and out_dtype in _EPILOGUE_BIAS_DTYPES
+            and bias.dim() == 1 and bias.is_contiguous())
 
 
 class _FP8Matmul(torch.autograd.Function):
@@ -375,7 +422,7 @@ class _FP8Matmul(torch.autograd.Function):
     transposed for the wgrad; a gradient nobody needs costs no transpose."""
 
     @staticmethod
-    def forward(ctx, inp, weight, meta, gemm, recipe, grad_enabled):
+    def forward(ctx, inp, weight, bias, meta, gemm, recipe, grad_enabled):
         fmt = recipe.fp8_format
         fp8_max = fmt.value.max_fwd
         # needs_input_grad says True under no_grad as well: grad_enabled comes from outside
@@ -386,18 +433,19 @@ class _FP8Matmul(torch.autograd.Function):
                                             columnwise=need_wgrad)
         w_fp8, w_t, w_scale_inv = _weight_fp8(meta, weight, gemm, recipe, fp8_max,
                                               transpose=need_dgrad)
-        out = _scaled_mm(x_fp8, w_fp8.t(), x_scale_inv, w_scale_inv, inp.dtype)
+        out = _scaled_mm(x_fp8, w_fp8.t(), x_scale_inv, w_scale_inv, inp.dtype, bias)
         ctx.save_for_backward(x_t, x_scale_inv, w_t, w_scale_inv)
         ctx.meta, ctx.gemm, ctx.recipe = meta, gemm, recipe
         ctx.dtypes = (inp.dtype, weight.dtype)
-        ctx.needs = (need_dgrad, need_wgrad)
+        ctx.needs = (need_dgrad, need_wgrad,
+                     bias is not None and grad_enabled and ctx.needs_input_grad[2])
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         x_t, x_scale_inv, w_t, w_scale_inv = ctx.saved_tensors
         meta, gemm, recipe = ctx.meta, ctx.gemm, ctx.recipe
-        need_dgrad, need_wgrad = ctx.needs
+        need_dgrad, need_wgrad, need_bgrad = ctx.needs
         fmt = recipe.fp8_format
         grad_fmt = Format.E5M2 if fmt == Format.HYBRID else Format.E4M3
         g_fp8, g_t, g_scale_inv = _quantize(grad_out, grad_fmt, fmt.value.max_bwd, recipe,
@@ -405,16 +453,16 @@ class _FP8Matmul(torch.autograd.Function):
                                             rowwise=need_dgrad, columnwise=need_wgrad)
         inp_dtype, weight_dtype = ctx.dtypes
         grad_inp = grad_weight = None
+        grad_bias = grad_out.sum(0) if need_bgrad else None
         if need_dgrad:  # g @ W: W column-major is W^T row-major
             grad_inp = _scaled_mm(g_fp8, w_t.t(), g_scale_inv, w_scale_inv, inp_dtype)
         if need_wgrad:  # g^T @ x: x column-major is x^T row-major
             grad_weight = _scaled_mm(g_t, x_t.t(), g_scale_inv, x_scale_inv, weight_dtype)
         if isinstance(recipe, DelayedScaling):
-            sub = meta.amax_history_bwd[:, gemm:gemm + 1]
-            scale = meta.scale_bwd[gemm:gemm + 1]
-            _reduce_amax(sub[0], meta.group, recipe)
-            update_amax_history(sub, scale, fmt.value.max_bwd, recipe)
-        return grad_inp, grad_weight, None, None, None, None
+            history, scale = meta.gradient_state(gemm)
+            _reduce_amax(history, meta.group, recipe)
+            update_amax_history(history, scale, fmt.value.max_bwd, recipe)
+        return grad_inp, grad_weight, grad_bias, None, None, None, None
 
 
 def _weight_fp8(meta: FP8Meta, weight: torch.Tensor, gemm: int, recipe: Recipe, fp8_max,
@@ -433,16 +481,24 @@ def _weight_fp8(meta: FP8Meta, weight: torch.Tensor, gemm: int, recipe: Recipe, 
     return cast
 
 
-def fp8_matmul(inp: torch.Tensor, weight: torch.Tensor, meta: FP8Meta, gemm: int = 0):
-    """inp @ weight^T under the current autocast's recipe: FP8 with enabled=True (the input
-    flattened to 2D for the GEMM), high precision otherwise (amaxes recorded when
-    calibrating)."""
+def fp8_matmul(inp: torch.Tensor, weight: torch.Tensor, meta: FP8Meta, gemm: int = 0,
+               bias: Optional[torch.Tensor] = None):
+    """inp @ weight^T [+ bias] under the current autocast's recipe: FP8 with enabled=True (the
+    input flattened to 2D for the GEMM; the bias added in the GEMM's epilogue where
+    torch._scaled_mm takes it, else after the GEMM), high precision otherwise (amaxes recorded
+    when calibrating)."""
     recipe = _STATE.recipe
     if not _STATE.enabled:
         if _STATE.calibrating:
             meta.record_forward(recipe, inp, weight, gemm)
-        return torch.nn.functional.linear(inp, weight)
+        return torch.nn.functional.linear(inp, weight, bias)
     meta._join(recipe, inp.device)
-    out = _FP8Matmul.apply(inp.reshape(-1, inp.shape[-1]), weight, meta, gemm, recipe,
-                           torch.is_grad_enabled())
-    return out.reshape(*inp.shape[:-1], weight.shape[0])
+    fused_bias = bias if bias is not None and _bias_fits_epilogue(bias, inp.dtype) else None
+    flat = inp.dim() == 2
+    out = _FP8Matmul.apply(inp if flat else inp.reshape(-1, inp.shape[-1]), weight, fused_bias,
+                           meta, gemm, recipe, torch.is_grad_enabled())
+    if not flat:
+        out = out.reshape(*inp.shape[:-1], weight.shape[0])
+    if bias is not None and fused_bias is None:
+        out = out + bias
+    return out

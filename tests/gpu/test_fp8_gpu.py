@@ -204,3 +204,100 @@ def test_fp8_gemm_kernels_match_pytorch(params_dtype, recipe, monkeypatch, cast_
     assert cast_calls  # the kernel path ran
     for a, b in zip(*results, strict=True):
         assert (a is None and b is None) or torch.equal(a, b)
+
+
+# The delayed-scaling update kernel (transformer_fa/kernels/fp8_scale.py) against the PyTorch
+# code, bit for bit (IEEE divisions, NaN-propagating max, in-place roll of strided views).
+def _amax_history_cuda(history_len, n_cols, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    history = (torch.rand(history_len, n_cols, generator=g, device="cuda")
+               * torch.logspace(-30, 30, n_cols, device="cuda"))
+    for col, value in {0: float("nan"), 1: float("inf"), 3: 1e-45}.items():
+        if col < n_cols:
+            history[min(history_len - 1, 2 + col), col] = value
+    if n_cols > 2:
+        history[:, 2] = 0.0
+    if n_cols > 4:
+        history[0, 4] = float("nan")
+    scale = torch.rand(n_cols, generator=g, device="cuda") + 0.5
+    scale[-2:] = torch.tensor([float("inf"), float("nan")], device="cuda")[-n_cols:]
+    return history, scale
+
+
+def _update_with_and_without_kernel(monkeypatch, history, scale, recipe, fp8_max,
+                                    views=lambda h, s: (h, s)):
+    from transformer_fa.kernels import fp8_scale
+    calls = []
+    real = fp8_scale.update_delayed_scaling
+    monkeypatch.setattr(fp8_scale, "update_delayed_scaling",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    results = []
+    for setting in ("1", "0"):
+        monkeypatch.setenv("TRANSFORMER_FA_TRITON_KERNELS", setting)
+        h, s = history.clone(), scale.clone()
+        fp8.update_amax_history(*views(h, s), fp8_max, recipe)
+        results.append((h, s))
+    assert len(calls) == 1  # the kernel ran once, the reference without it
+    return results
+
+
+def _assert_same_words(a, b):
+    assert a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@needs_cast_kernels
+@pytest.mark.parametrize("history_len, n_cols", [(1, 3), (5, 7), (1024, 4), (1024, 2),
+                                                 (1031, 37), (5000, 3)])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("margin", [0, 3])
+@pytest.mark.parametrize("fp8_max", [448.0, 57344.0])
+def test_delayed_scale_update_kernel_matches_pytorch(history_len, n_cols, algo, margin,
+                                                     fp8_max, monkeypatch):
+    history, scale = _amax_history_cuda(history_len, n_cols)
+    recipe = DelayedScaling(amax_history_len=history_len, amax_compute_algo=algo,
+                            margin=margin)
+    (got_h, got_s), (want_h, want_s) = _update_with_and_without_kernel(
+        monkeypatch, history, scale, recipe, fp8_max)
+    _assert_same_words(got_s, want_s)
+    _assert_same_words(got_h, want_h)
+
+
+@needs_cast_kernels
+def test_delayed_scale_update_kernel_of_strided_views(monkeypatch):
+    """The backward's per-GEMM column of a history and slice of the scales, in place."""
+    history, scale = _amax_history_cuda(1024, 6)
+    recipe = DelayedScaling()
+    for gemm in (0, 4, 5):
+        (got_h, got_s), (want_h, want_s) = _update_with_and_without_kernel(
+            monkeypatch, history, scale, recipe, 57344.0,
+            lambda h, s: (h[:, gemm:gemm + 1], s[gemm:gemm + 1]))
+        _assert_same_words(got_h, want_h)
+        _assert_same_words(got_s, want_s)
+
+
+@pytest.mark.parametrize("params_dtype", [torch.bfloat16, torch.float16])
+def test_bias_in_the_fp8_gemm_epilogue_on_cuda(params_dtype, monkeypatch):
+    """torch._scaled_mm adds the 16-bit bias in its epilogue: the output within one rounding
+    of the separate add, the input and weight gradients equal, the bias's (a sum over the
+    tokens either way) within one rounding."""
+    x = torch.randn(4, 64, 256, device="cuda").to(params_dtype)
+    dy = torch.randn(4, 64, 512, device="cuda").to(params_dtype)
+    results = []
+    for epilogue in (True, False):
+        if not epilogue:
+            monkeypatch.setattr(fp8, "_bias_fits_epilogue", lambda *a: False)
+        torch.manual_seed(0)
+        lin = te.Linear(256, 512, params_dtype=params_dtype, device="cuda")
+        with torch.no_grad():
+            lin.bias.normal_(0, 3)
+        for _ in range(2):
+            inp = x.clone().requires_grad_()
+            with te.fp8_autocast(fp8_recipe=DelayedScaling()):
+                out = lin(inp)
+            out.backward(dy)
+        results.append((out, inp.grad, lin.weight.grad, lin.bias.grad))
+    (out, *grads), (want, *want_grads) = results
+    eps = torch.finfo(params_dtype).eps
+    torch.testing.assert_close(out.float(), want.float(), rtol=eps, atol=eps)
+    assert torch.equal(grads[0], want_grads[0]) and torch.equal(grads[1], want_grads[1])
+    torch.testing.assert_close(grads[2], want_grads[2], rtol=eps, atol=0)

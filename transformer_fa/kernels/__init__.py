@@ -5,7 +5,7 @@ torch.compile, which fuses the PyTorch code itself) the PyTorch code of the modu
 it stays the reference the kernels are tested against. ``TRANSFORMER_FA_TRITON_KERNELS=0`` turns the
 kernels off (read on every call, like the NVTE_* switches).
 
-The kernel modules (``norm``, ``rope``, ``fp8_cast``) import triton at the top: import them only after
+The kernel modules (``norm``, ``rope``, ``fp8_cast``, ``fp8_scale``) import triton at the top: import them only after
 ``triton_available()``.
 """
 import functools
@@ -68,3 +68,9 @@ def use_fp8_cast(x: torch.Tensor, *state: torch.Tensor) -> bool:
     operands); ``state``: the scale and amax tensors they read and write."""
     return (x.dtype in KERNEL_DTYPES and x.dim() == 2 and x.numel() > 0
             and kernels_enabled(x, *state))
+
+
+def use_fp8_scale_update(history: torch.Tensor, scale: torch.Tensor) -> bool:
+    """The delayed-scaling update kernel: float32 amax histories and scales."""
+    return (history.dtype == torch.float32 and scale.dtype == torch.float32
+            and kernels_enabled(history, scale))

@@ -32,18 +32,21 @@ def parallel_linear(inp, weight, bias, return_bias=False, row_group=None,
     With a ``row_group`` (row-parallel) the partial outputs are summed over the group first
     (reduce-scattered along the first dim with ``sequence_parallel``), then the bias added.
     Inside an FP8 (or calibrating) autocast, x W^T is ``fp8.fp8_matmul`` with the module's
-    ``fp8_meta``; the bias is added in high precision."""
+    ``fp8_meta``, which adds the bias (in its GEMM's epilogue where it can) unless the bias
+    is returned or must wait for the reduction."""
     quantized = fp8_meta is not None and fp8.fp8_active()
-    if return_bias or row_group is not None or quantized:
-        out = fp8.fp8_matmul(inp, weight, fp8_meta, gemm) if quantized else F.linear(inp, weight)
-        if row_group is not None:
-            out = parallel.row_parallel_output(out, row_group, sequence_parallel)
-        if bias is None:
-            return out, None
-        if return_bias:
-            return out, bias.to(out.dtype)
-        return out + bias, None
-    return F.linear(inp, weight, bias), None
+    if not return_bias and row_group is None:  # the bias goes into the GEMM
+        if quantized:
+            return fp8.fp8_matmul(inp, weight, fp8_meta, gemm, bias=bias), None
+        return F.linear(inp, weight, bias), None
+    out = fp8.fp8_matmul(inp, weight, fp8_meta, gemm) if quantized else F.linear(inp, weight)
+    if row_group is not None:
+        out = parallel.row_parallel_output(out, row_group, sequence_parallel)
+    if bias is None:
+        return out, None
+    if return_bias:
+        return out, bias.to(out.dtype)
+    return out + bias, None
 
 
 class _JoinRows(torch.autograd.Function):
