@@ -357,13 +357,15 @@ def _ring_block(src: int, rank: int, causal: bool, len_q: int, len_kv: int):
 
 
 def _merge(out, lse, rows, block_out, block_lse) -> None:
-    """Adds a block's partial result to the running (out, lse) of ``rows``, in place."""
+    """Adds a block's partial result to the running (out, lse) of ``rows`` (a slice: views),
+    in place, with one temporary of the block's size (the same products and sum as
+    ``old * a + block * b``)."""
     old_out, old_lse = out[:, :, rows], lse[:, :, rows]
     new_lse = torch.logaddexp(old_lse, block_lse)
     finite = new_lse.masked_fill(torch.isinf(new_lse), 0.0)
-    out[:, :, rows] = (old_out * torch.exp(old_lse - finite).unsqueeze(-1)
-                       + block_out * torch.exp(block_lse - finite).unsqueeze(-1))
-    lse[:, :, rows] = new_lse
+    old_out.mul_(torch.exp(old_lse - finite).unsqueeze(-1))
+    old_out.add_(block_out * torch.exp(block_lse - finite).unsqueeze(-1))
+    old_lse.copy_(new_lse)
 
 
 class _RingAttention(torch.autograd.Function):
