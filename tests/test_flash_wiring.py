@@ -408,3 +408,25 @@ def test_philox_known_answers():
     keep = philox.keep_mask((2 ** 40 + 5, 3), 0.25, 2, 3, 100, 90)
     assert abs(keep.float().mean().item() - 0.75) < 0.01
     assert philox.threshold(0.0) == 2 ** 32 - 1
+
+
+def test_packed_extent_only_for_exact_tilings():
+    """Gradients share one buffer only where q, k, v tile one dense block exactly: TE's
+    packed layouts and a fused GQA projection's head split; never overlapping or gapped
+    views (the kernels would write one gradient over another, or past the buffer)."""
+    from transformer_fa.attention.backends.support import packed_extent
+
+    s, b, h, d = 5, 2, 4, 8
+    mixed = torch.randn(s, b, 3 * h * d)
+    assert packed_extent(mixed.view(s, b, 3, h, d).unbind(2)) == (0, mixed.numel())  # sb3hd
+    assert packed_extent(mixed.view(s, b, h, 3, d).unbind(3)) == (0, mixed.numel())  # sbh3d
+    gqa = mixed.view(s, b, 6, 2, d).split([4, 1, 1], dim=2)  # 8 query, 2 KV heads
+    assert packed_extent([t.reshape(s, b, -1, d) for t in gqa]) == (0, mixed.numel())
+    x = torch.randn(s, b, h, d)
+    assert packed_extent((x, x, x)) is None  # one tensor three times
+    wide = torch.randn(s, b, 4 * h * d).view(s, b, 4, h, d)
+    assert packed_extent(wide[:, :, :3].unbind(2)) is None  # a gap after v
+    halves = torch.randn(s, b, 2 * h, d)
+    assert packed_extent((halves[:, :, :h], halves[:, :, 1:h + 1])) is None  # overlapping
+    q, k, v = mixed.view(s, b, 3, h, d).unbind(2)
+    assert packed_extent((q, k.double(), v)) is None

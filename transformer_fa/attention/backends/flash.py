@@ -246,9 +246,8 @@ def _bwd_ext(dout, q, k, v, out, lse, cu_q, cu_kv, rng, slopes, call: FlashCall,
     views of one buffer laid out as q, k, v are (the split before the attention then takes
     them without a copy; not for the torch.library op, whose outputs must not alias)."""
     c = call
-    grads = None
-    if packed_grads and packed_extent((q, k, v)) is not None:
-        grads = list(grads_like((q, k, v)))
+    extent = packed_extent((q, k, v)) if packed_grads else None
+    grads = None if extent is None else list(grads_like((q, k, v), torch.empty, extent))
     dq, dk, dv = _ext.bwd(dout, q, k, v, out, lse, cu_q, cu_kv, FLASH_FORMAT_CODES[c.q_format],
                           FLASH_FORMAT_CODES[c.kv_format], c.max_seqlen_q, c.max_seqlen_kv,
                           c.softmax_scale, c.window_left, c.window_right, c.bottom_right,

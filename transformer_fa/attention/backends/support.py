@@ -129,11 +129,10 @@ def packed_extent(tensors) -> typing.Optional[typing.Tuple[int, int]]:
     return None
 
 
-def grads_like(tensors, alloc=torch.empty, packed: bool = True):
-    """Gradient buffers for ``tensors``: where they tile one dense block (``packed_extent``)
-    and ``packed``, views of one new buffer with the tensors' own strides; else each
-    contiguous on its own. alloc: torch.empty, or torch.zeros where rows stay unwritten."""
-    extent = packed_extent(tensors) if packed else None
+def grads_like(tensors, alloc=torch.empty, extent=None):
+    """Gradient buffers for ``tensors``: with their ``packed_extent`` (not None), views of one
+    new buffer with the tensors' own strides; else each contiguous on its own. alloc:
+    torch.empty, or torch.zeros where rows stay unwritten."""
     if extent is None:
         return tuple(alloc(t.shape, dtype=t.dtype, device=t.device) for t in tensors)
     start, numel = extent

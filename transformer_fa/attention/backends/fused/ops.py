@@ -91,7 +91,8 @@ def bwd_impl(dout, q, k, v, out, stats, bias, cu_q, cu_kv, rng, call: FusedCall,
         bias = _prepare_bias(bias, q.dtype)
     if fwd_key is None:
         fwd_key = _tensors_key(call, q, k, v, bias, cu_q)
-    packed = shared_grads and packed_extent((q, k, v)) is not None
+    extent = packed_extent((q, k, v)) if shared_grads else None
+    packed = extent is not None
     plan = CACHE.plan(CACHE.backward, (fwd_key, dout_stride, need_dbias, packed),
                       lambda: bwd_spec(call, q, k, v, bias, cu_q, dout, need_dbias, packed),
                       (q, k, v, dout))
@@ -99,7 +100,7 @@ def bwd_impl(dout, q, k, v, out, stats, bias, cu_q, cu_kv, rng, call: FusedCall,
         return bwd_impl(fresh(dout), fresh(q), fresh(k), fresh(v), out, stats, bias,
                         cu_q, cu_kv, rng, call, need_dbias, None, shared_grads)
     spec = plan.spec
-    dq, dk, dv = grads_like((q, k, v), torch.zeros if plan.zero else torch.empty, packed)
+    dq, dk, dv = grads_like((q, k, v), torch.zeros if plan.zero else torch.empty, extent)
     pack = {graph.Q: q.data_ptr(), graph.K: k.data_ptr(), graph.V: v.data_ptr(),
             graph.O: out.data_ptr(), graph.DO: dout.data_ptr(), graph.STATS: stats.data_ptr(),
             graph.DQ: dq.data_ptr(), graph.DK: dk.data_ptr(), graph.DV: dv.data_ptr()}
