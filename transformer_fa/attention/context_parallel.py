@@ -139,14 +139,15 @@ def _kernel_call(q, k, v, scale: float, q_offset: int, window,
                            0.0, False, True)
 
 
-def _fused_call(q, k, v, scale: float, q_offset: int, window,
-                keep=None) -> Optional[fused.FusedCall]:
+def _fused_call(q, k, v, scale: float, q_offset: int, window, keep=None,
+                backward: bool = False) -> Optional[fused.FusedCall]:
     """cuDNN's call for one ``attend`` block (bhsd tensors) where DotProductAttention's
     selection picks FusedAttention for a bshd call of the block's shape (on Hopper it is
     faster than the flash kernels: CP at s = 128k on 2 H200s ran its blocks at 0.68 of one
     GPU's cuDNN throughput on the flash kernels, 2026-11-24); None otherwise. Masks: none, or
-    causal aligned top-left (offset 0) or bottom-right (offset skv - sq)."""
-    if keep is not None or not q.is_cuda or q.dtype == torch.float64:
+    causal aligned top-left (offset 0) or bottom-right (offset skv - sq). backward: asked for
+    a block's backward (grad mode is off there; cuDNN's support check must cover it)."""
+    if keep is not None or not q.is_cuda:
         return None
     b, h, sq, d = q.shape
     skv = k.shape[2]
@@ -167,7 +168,7 @@ def _fused_call(q, k, v, scale: float, q_offset: int, window,
         attn_mask_type=mask, window_size=(left, right), core_attention_bias_type="no_bias",
         core_attention_bias_shape=None, core_attention_bias_requires_grad=False,
         alibi_slopes_shape=None, attention_dropout=0.0, softmax_scale=float(scale),
-        deterministic=deterministic, requires_grad=torch.is_grad_enabled(),
+        deterministic=deterministic, requires_grad=backward or torch.is_grad_enabled(),
         is_compiling=torch.compiler.is_compiling(), softmax_type="vanilla",
         return_max_logit=False, softcap=0.0, bottom_right_diagonal=True, kv_page_size=0)
     backend, _ = selection.select(fields, env)
@@ -225,7 +226,7 @@ def attend_backward(q, k, v, dout, lse, delta, scale: float, q_offset: int = 0, 
     """Gradients (dq, dk, dv) of one ``attend`` block, given the final (merged) LSE and
     ``delta = rowsum(dout * out)`` of its rows: flash attention's backward. The kernels take
     the final output instead of delta (``out``: they form delta themselves)."""
-    fused_call = _fused_call(q, k, v, scale, q_offset, window, keep)
+    fused_call = _fused_call(q, k, v, scale, q_offset, window, keep, backward=True)
     if fused_call is not None and out is not None:
         # cuDNN's backward graph reads O contiguous in its format (as its forward wrote it)
         out = _bshd(out).to(q.dtype, memory_format=torch.contiguous_format)
