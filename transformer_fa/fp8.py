@@ -175,8 +175,9 @@ quantized_model_init = fp8_model_init  # TE 2.x's name
 def compute_scale(amax: torch.Tensor, scale: torch.Tensor, fp8_max: float,
                   margin: int = 0) -> torch.Tensor:
     """TE's scaling factor: (fp8_max / amax) / 2**margin; the old scale where amax is 0 or
-    not finite, fp32's max where the quotient overflows. IEEE divisions (TE's kernel's):
-    a Python float over a tensor would be the reciprocal times the float, rounded twice."""
+    not finite, fp32's max where the quotient overflows. Correctly rounded divisions (a
+    Python float over a tensor would be the reciprocal times the float, rounded twice), as
+    the Triton update kernel computes them."""
     new = torch.full_like(amax, fp8_max).div_(amax).div_(2 ** margin)
     new = torch.where((amax > 0) & torch.isfinite(amax), new, scale)
     return torch.where(torch.isinf(new), torch.full_like(new, _FP32_MAX), new)
