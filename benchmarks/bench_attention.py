@@ -23,6 +23,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -129,16 +130,9 @@ def only_backend(name):
         with sdpa_kernel(getattr(SDPBackend, name.split(":", 1)[1])):
             yield
         return
-    saved = {var: os.environ.get(var) for var in OURS.values()}
-    os.environ.update({var: "1" if other == name else "0" for other, var in OURS.items()})
-    try:
+    with mock.patch.dict(os.environ,
+                         {var: "1" if other == name else "0" for other, var in OURS.items()}):
         yield
-    finally:
-        for var, value in saved.items():
-            if value is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = value
 
 
 def ours_fn(name, q, k, v, mask_type, qkv_format="bshd", **call_kwargs):

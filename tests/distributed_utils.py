@@ -10,6 +10,7 @@ import json
 import os
 import tempfile
 import traceback
+from unittest import mock
 from contextlib import contextmanager
 from typing import Dict, List, Optional
 
@@ -87,19 +88,9 @@ def run_cases(module_name: str, world: int,
     return results
 
 
-@contextmanager
 def scoped_env(**values: str):
     """Sets environment variables for the duration of the block, then restores them."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    return mock.patch.dict(os.environ, values)
 
 
 def assert_case_passed(results, case: str) -> None:
