@@ -10,9 +10,9 @@ import json
 import os
 import tempfile
 import traceback
-from unittest import mock
 from contextlib import contextmanager
 from typing import Dict, List, Optional
+from unittest import mock
 
 import torch
 import torch.distributed as dist
