@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_scale_math import div_rn, scale_from_amax
+from .fp8_scale_math import NO_FLUSH_TO_ZERO, div_rn, scale_from_amax
 
 
 @triton.jit
@@ -85,7 +85,7 @@ def _launch(x, out, out_t, scale, scale_from_amax, scale_inv, amax, fp8_max, til
         n_rows, n_cols, x.stride(0), x.stride(1), fp8_max,
         ROWWISE=rowwise, COLUMNWISE=out_t is not None, SCALE_FROM_AMAX=scale_from_amax,
         WRITE_SCALE_INV=scale_inv is not None, RECORD_AMAX=amax is not None,
-        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps)
+        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps, **NO_FLUSH_TO_ZERO)
 
 
 def cast(x: torch.Tensor, scale: Optional[torch.Tensor], fp8_dtype: torch.dtype,

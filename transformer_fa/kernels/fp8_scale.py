@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_scale_math import scale_from_amax
+from .fp8_scale_math import NO_FLUSH_TO_ZERO, scale_from_amax
 
 
 @triton.jit
@@ -78,4 +78,4 @@ def update_delayed_scaling(history: torch.Tensor, scale: torch.Tensor, fp8_max: 
     _update_kernel[(triton.cdiv(n_cols, block_c),)](
         history, scale, n_rows, n_cols, history.stride(0), history.stride(1), scale.stride(0),
         fp8_max, 2.0 ** margin, MOST_RECENT=most_recent, BLOCK_R=block_r, BLOCK_C=block_c,
-        num_warps=4)
+        num_warps=4, **NO_FLUSH_TO_ZERO)

@@ -11,7 +11,11 @@ FP32_MAX = tl.constexpr(torch.finfo(torch.float32).max)
 
 # Triton's interpreter (the CPU tests) has tl.math.div_rn but no libdevice; compiled for
 # CUDA, libdevice's div_rn is the correctly rounded division (`/` and tl.fdiv, even with
-# ieee_rounding=True, gave 1-ulp differences from torch's on an H100, Triton 3.6).
+# ieee_rounding=True, gave 1-ulp differences from torch's on an H100, Triton 3.6). Triton
+# compiles libdevice flushing subnormals by default, torch does not (1 / float32's max, the
+# inverse of an overflowed scale, is subnormal): kernels that use these launch with
+# NO_FLUSH_TO_ZERO.
+NO_FLUSH_TO_ZERO = {"enable_reflect_ftz": False}
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
