@@ -136,8 +136,8 @@ def _amaxes_across_float32():
     those around fp8_max / float32's max (where the scale's quotient starts to overflow), 0
     and NaN."""
     g = torch.Generator(device="cuda").manual_seed(0)
-    spread = torch.logspace(-45, 38.6, 600, device="cuda")
-    spread *= 1 + torch.rand(600, generator=g, device="cuda")
+    spread = torch.logspace(-45, 38.6, 400, device="cuda")
+    spread *= 1 + torch.rand(400, generator=g, device="cuda")
     fp32 = torch.finfo(torch.float32)
     edges = torch.tensor([fp8_max / fp32.max for fp8_max in FP8_MAX.values()], device="cuda")
     edges = (edges[:, None] * (1 + fp32.eps * torch.arange(-3.0, 4.0, device="cuda"))).flatten()
@@ -184,8 +184,9 @@ def test_delayed_inverse_scale_over_float32s_range(columnwise, monkeypatch, cast
 
 
 @needs_cast_kernels
-@pytest.mark.parametrize("recipe, launches", [(DelayedScaling(), 1),
-                                              (Float8CurrentScaling(), 3)],
+@pytest.mark.parametrize("recipe, launches", [(DelayedScaling(), ["_cast_kernel"]),
+                                              (Float8CurrentScaling(),
+                                               ["fill", "_cast_kernel", "_cast_kernel"])],
                          ids=["delayed", "current"])
 def test_quantize_kernel_launches(recipe, launches, monkeypatch):
     """GPU kernels per quantization (bfloat16, with the transpose): delayed scaling the cast
@@ -207,8 +208,10 @@ def test_quantize_kernel_launches(recipe, launches, monkeypatch):
         torch.cuda.synchronize()
     on_gpu = [e.name for e in prof.events()
               if e.device_type == torch.autograd.DeviceType.CUDA]
-    assert len(on_gpu) == launches, on_gpu
-    assert sum("_cast_kernel" in name for name in on_gpu) == launches - (launches > 1), on_gpu
+    # the amax's zero fill: torch's FillFunctor kernel
+    kinds = ["_cast_kernel" if "_cast_kernel" in name else "fill" if "fill" in name.lower()
+             else name for name in on_gpu]
+    assert sorted(kinds) == sorted(launches), on_gpu
 
 
 @needs_cast_kernels

@@ -11,9 +11,10 @@ cast, so the casts can be captured in CUDA graphs.
 
 The results are the PyTorch path's (fp8.py's ``_quantize``) bit for bit: the same float32
 product and clamp, and a round-to-nearest-even conversion (the GPU's ``cvt.rn``); NaNs stay
-NaN; the scale from an amax and the inverse scale with correctly rounded divisions. The amax is taken on the float bits: for non-negative floats the integer order is the
-float order, with NaN above inf, so a NaN propagates into the amax as in ``torch.amax``, and
-the integer atomic max is exact.
+NaN; the scale from an amax and the inverse scale with correctly rounded divisions. The amax
+is taken on the float bits: for non-negative floats the integer order is the float order,
+with NaN above inf, so a NaN propagates into the amax as in ``torch.amax``, and the integer
+atomic max is exact.
 """
 from typing import Optional, Tuple
 
