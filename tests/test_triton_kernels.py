@@ -356,6 +356,115 @@ def test_fp8_cast_reads_strided_inputs(fp8_kernels_on_cpu):
         _same_bits(got[1], want[1])
 
 
+def _same_scalar(a, b):
+    """0-dim float32 tensors with equal bits (NaNs: both NaN)."""
+    assert a.shape == b.shape == () and a.dtype == b.dtype == torch.float32
+    assert torch.equal(a.view(torch.int32), b.view(torch.int32)) or (a.isnan() and b.isnan())
+
+
+_ORIENTATIONS = ((True, True), (True, False), (False, True))
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt", [Format.E4M3, Format.E5M2])
+def test_fp8_current_scale_from_special_amaxes(dtype, fmt, fp8_kernels_on_cpu):
+    """The cast kernel's scale from the amax and its inverse scale, bit for bit with
+    compute_scale: amax 0 (scale 1), inf and NaN (scale 1), a tiny amax whose quotient
+    overflows (float32's max; float16 has no value that small), and ordinary ones."""
+    finfo = torch.finfo(dtype)
+    cases = {"zeros": 0.0, "inf": float("inf"), "nan": float("nan"),
+             "tiny": finfo.smallest_normal, "small": 3e-5, "large": 7e3}
+    if dtype != torch.bfloat16:  # the interpreter flushes bfloat16 subnormals (the GPU not)
+        cases["subnormal"] = finfo.smallest_normal * finfo.eps
+    for name, value in cases.items():
+        x = torch.zeros(9, 21)
+        x[4, 17] = -value
+        x[2, 3] = value / 3
+        x = x.to(dtype)
+        for rowwise, columnwise in _ORIENTATIONS:
+            (got, _), (want, _) = _quantize_both(x, fmt, Float8CurrentScaling(), torch.zeros(1, 2),
+                                                 torch.ones(2), rowwise=rowwise,
+                                                 columnwise=columnwise)
+            _same_scalar(got[2], want[2])
+            for a, b in zip(got[:2], want[:2]):
+                assert (a is None and b is None) or _same_bits(a, b) is None
+        if name in ("zeros", "inf", "nan"):
+            assert want[2] == 1.0  # compute_scale kept the old scale, 1
+        if name in ("tiny", "subnormal") and dtype != torch.float16:
+            assert want[2] == torch.tensor(_FP32_MAX).reciprocal()  # the quotient overflowed
+
+
+@interpreter_only
+def test_fp8_current_scale_over_many_amaxes(fp8_kernels_on_cpu):
+    """Amaxes across float32's range (subnormals to near its max): every quotient and inverse
+    as compute_scale and reciprocal round them."""
+    amaxes = torch.logspace(-45, 38, 97) * (1 + torch.rand(97, generator=torch.Generator()
+                                                            .manual_seed(0)))
+    for amax in amaxes[amaxes.isfinite()]:
+        x = torch.full((3, 5), amax.item() / 2)
+        x[1, 2] = amax
+        for fmt in (Format.E4M3, Format.E5M2):
+            (got, _), (want, _) = _quantize_both(x, fmt, Float8CurrentScaling(),
+                                                 torch.zeros(1, 2), torch.ones(2))
+            _same_scalar(got[2], want[2])
+            _same_bits(got[0], want[0])
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_delayed_inverse_scale_of_special_scales(dtype, fp8_kernels_on_cpu):
+    """The inverse of a stored scale as torch's reciprocal: 0 (inf), -0, inf (0), NaN, a
+    subnormal (its inverse overflows to inf) and ordinary scales."""
+    x = _fp8_input((6, 40), dtype).nan_to_num(0.0, 0.0, 0.0)
+    for value in (0.0, -0.0, float("inf"), float("nan"), 1e-45, 3e-39, 0.1, 448.0, 1e30):
+        scales = torch.tensor([1.0, value])
+        for rowwise, columnwise in _ORIENTATIONS:
+            (got, _), (want, _) = _quantize_both(x, Format.E4M3, DelayedScaling(),
+                                                 torch.zeros(1, 2), scales, rowwise=rowwise,
+                                                 columnwise=columnwise)
+            _same_scalar(got[2], want[2])
+            for a, b in zip(got[:2], want[:2]):
+                assert (a is None and b is None) or _same_bits(a, b) is None
+
+
+@interpreter_only
+@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_fp8_kernel_path_leaves_no_scalar_math_to_torch(recipe, fp8_kernels_on_cpu):
+    """The cast kernel gives the inverse scale and computes the current scale: around the
+    kernels, torch only allocates (no reciprocal, no compute_scale's ops, no amax)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    scalar_math = {"reciprocal", "div", "div_", "where", "isinf", "isfinite", "gt", "lt",
+                   "bitwise_and", "logical_and", "full_like", "ones_like", "abs", "amax",
+                   "max", "maximum", "mul", "clamp"}
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    x = _fp8_input((24, 40), torch.bfloat16)
+    history, scales = torch.zeros(1, 2), torch.ones(2)
+    cast_results = []
+    real = fp8_cast.cast
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fp8_cast, "cast", lambda *a, **k: cast_results.append(real(*a, **k))
+                      or cast_results[-1])
+        with Ops() as ops:
+            data, data_t, scale_inv = fp8._quantize(x, Format.E4M3, 448.0, recipe, history,
+                                                    scales, 1, columnwise=True)
+    assert len(cast_results) == 1 and scale_inv is cast_results[0][2]
+    assert "empty" in ops.names  # the mode saw the allocations
+    assert not scalar_math.intersection(ops.names), ops.names
+
+
 @interpreter_only
 @pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=3), Float8CurrentScaling()],
                          ids=["delayed", "current"])
@@ -410,6 +519,16 @@ def test_fp8_cast_refuses_bad_arguments():
         fp8_cast.cast(x, torch.ones(()), torch.float8_e4m3fn, 448.0, rowwise=False)
     with pytest.raises(ValueError, match="amax must be a one-element float32"):
         fp8_cast.fold_amax(x, torch.zeros(2))
+    with pytest.raises(ValueError, match="either scale or scale_from_amax"):
+        fp8_cast.cast(x, torch.ones(()), torch.float8_e4m3fn, 448.0,
+                      scale_from_amax=torch.ones(()))
+    with pytest.raises(ValueError, match="either scale or scale_from_amax"):
+        fp8_cast.cast(x, None, torch.float8_e4m3fn, 448.0)
+    with pytest.raises(ValueError, match="scale_from_amax must be a one-element float32"):
+        fp8_cast.cast(x, None, torch.float8_e4m3fn, 448.0,
+                      scale_from_amax=torch.ones((), dtype=torch.float64))
+    with pytest.raises(ValueError, match="scale must be a one-element float32"):
+        fp8_cast.cast(x, torch.ones(3), torch.float8_e4m3fn, 448.0)
 
 
 # The delayed-scaling update (kernels/fp8_scale.py) against fp8.update_amax_history's PyTorch

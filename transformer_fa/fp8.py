@@ -362,27 +362,29 @@ def _quantize(tensor: torch.Tensor, fmt: Format, fp8_max: float, recipe: Recipe,
     orientations torch._scaled_mm's operands need. Delayed scaling records the amax and casts
     with the stored scale; current scaling casts with the scale from this tensor's amax. On
     CUDA the Triton kernels read the tensor once for the cast, the transpose and the delayed
-    amax (current scaling: one more read for the amax), with the PyTorch path's results."""
+    amax (current scaling: one more read for the amax; the cast kernel computes the scale),
+    with the PyTorch path's results."""
     tensor = tensor.detach()
     fp8_dtype = _FP8_DTYPES[fmt]
+    delayed = isinstance(recipe, DelayedScaling)
     cast_kernels = _cast_kernels(tensor, history, scales)
-    amax_slot = None
-    if isinstance(recipe, DelayedScaling):
+    if cast_kernels is not None:
+        # one launch records the delayed amax or computes the current scale from the amax,
+        # casts, and writes the inverse scale
+        if delayed:
+            return cast_kernels.cast(tensor, scales[slot], fp8_dtype, fp8_max, rowwise,
+                                     columnwise, amax=history[0, slot:slot + 1])
+        return cast_kernels.cast(tensor, None, fp8_dtype, fp8_max, rowwise, columnwise,
+                                 scale_from_amax=_amax(tensor))
+    if delayed:
         scale = scales[slot]
-        if cast_kernels is None:
-            _record_amax(history, slot, tensor)
-        else:
-            amax_slot = history[0, slot:slot + 1]  # the cast kernel records it
+        _record_amax(history, slot, tensor)
     else:
         amax = _amax(tensor)
         scale = compute_scale(amax, torch.ones_like(amax), fp8_max)
-    if cast_kernels is not None:
-        data, data_t = cast_kernels.cast(tensor, scale, fp8_dtype, fp8_max, rowwise,
-                                         columnwise, amax=amax_slot)
-    else:
-        data = (tensor.float() * scale).clamp(-fp8_max, fp8_max).to(fp8_dtype)
-        data_t = data.t().contiguous() if columnwise else None
-        data = data.contiguous() if rowwise else None
+    data = (tensor.float() * scale).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+    data_t = data.t().contiguous() if columnwise else None
+    data = data.contiguous() if rowwise else None
     return data, data_t, scale.reciprocal().reshape(())
 
 

@@ -80,9 +80,12 @@ def _assert_same_floats(a, b):
     torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
 
-def _quantize_with_and_without_kernels(monkeypatch, x, fmt, recipe, **orientations):
+def _quantize_with_and_without_kernels(monkeypatch, x, fmt, recipe, scales=None,
+                                       **orientations):
+    """(FP8, transpose, inverse scale, history) of slot 1, with the kernels and without."""
     history = torch.tensor([[2.0, 3.0, 4.0], [5.0, 6.0, 7.0]], device="cuda")
-    scales = torch.tensor([0.5, 0.375, 2.0], device="cuda")
+    if scales is None:
+        scales = torch.tensor([0.5, 0.375, 2.0], device="cuda")
     results = []
     for setting in ("1", "0"):
         monkeypatch.setenv("TRANSFORMER_FA_TRITON_KERNELS", setting)
@@ -120,6 +123,95 @@ def test_cast_kernel_matches_pytorch_bitwise(dtype, fmt, shape, recipe, finite, 
         _assert_same_floats(got[3], want[3])  # amax history
     if finite and isinstance(recipe, DelayedScaling):
         assert got[3][0, 1] == x.float().abs().max()
+
+
+def _assert_same_scalar(a, b):
+    """0-dim float32 tensors with equal bits (NaNs: both NaN)."""
+    assert a.shape == b.shape == () and a.dtype == b.dtype == torch.float32
+    assert torch.equal(a.view(torch.int32), b.view(torch.int32)) or (a.isnan() and b.isnan())
+
+
+def _amaxes_across_float32():
+    """Amaxes from float32's least subnormal past its max (inf), each with a random mantissa,
+    those around fp8_max / float32's max (where the scale's quotient starts to overflow), 0
+    and NaN."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    spread = torch.logspace(-45, 38.6, 400, device="cuda")
+    spread *= 1 + torch.rand(400, generator=g, device="cuda")
+    fp32 = torch.finfo(torch.float32)
+    edges = torch.tensor([fp8_max / fp32.max for fp8_max in FP8_MAX.values()], device="cuda")
+    edges = (edges[:, None] * (1 + fp32.eps * torch.arange(-3.0, 4.0, device="cuda"))).flatten()
+    specials = torch.tensor([0.0, float("nan"), fp32.smallest_normal], device="cuda")
+    return torch.cat([spread, edges, specials])
+
+
+@needs_cast_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", [Format.E4M3, Format.E5M2])
+def test_current_scale_and_inverse_scale_over_float32s_range(dtype, fmt, monkeypatch,
+                                                            cast_calls):
+    """The cast kernel's scale from the amax (libdevice's div_rn) and its inverse scale, bit
+    for bit with compute_scale and reciprocal, for amaxes across float32's range: any
+    1-ulp difference in a division shows in the inverse scale."""
+    amaxes = _amaxes_across_float32()
+    for amax in amaxes:
+        x = torch.full((16, 48), 0.5, device="cuda") * amax
+        x[3, 5] = -amax
+        x = x.to(dtype)
+        got, want = _quantize_with_and_without_kernels(monkeypatch, x, fmt,
+                                                       Float8CurrentScaling())
+        _assert_same_scalar(got[2], want[2])
+        _assert_same_fp8(got[0], want[0])
+    assert len(cast_calls) == len(amaxes)
+
+
+@needs_cast_kernels
+@pytest.mark.parametrize("columnwise", [False, True])
+def test_delayed_inverse_scale_over_float32s_range(columnwise, monkeypatch, cast_calls):
+    """The inverse of the stored scale, written by the cast kernel, bit for bit with
+    reciprocal: scales across float32's range (subnormals: inverse inf), 0, -0, inf, NaN."""
+    x = _fp8_input((64, 96), torch.bfloat16)
+    scales = torch.cat([_amaxes_across_float32(),
+                        torch.tensor([-0.0, float("inf"), 1.0], device="cuda")])
+    for scale in scales:
+        got, want = _quantize_with_and_without_kernels(
+            monkeypatch, x, Format.E4M3, DelayedScaling(), torch.stack([scale, scale, scale]),
+            columnwise=columnwise)
+        _assert_same_scalar(got[2], want[2])
+        _assert_same_fp8(got[0], want[0])
+        _assert_same_floats(got[3], want[3])
+    assert len(cast_calls) == len(scales)
+
+
+@needs_cast_kernels
+@pytest.mark.parametrize("recipe, launches", [(DelayedScaling(), ["_cast_kernel"]),
+                                              (Float8CurrentScaling(),
+                                               ["fill", "_cast_kernel", "_cast_kernel"])],
+                         ids=["delayed", "current"])
+def test_quantize_kernel_launches(recipe, launches, monkeypatch):
+    """GPU kernels per quantization (bfloat16, with the transpose): delayed scaling the cast
+    alone (it writes the inverse scale); current scaling the amax's zero fill, the amax pass
+    and the cast (which computes the scale from the amax)."""
+    monkeypatch.setenv("TRANSFORMER_FA_TRITON_KERNELS", "1")
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    history, scales = torch.zeros(1, 2, device="cuda"), torch.ones(2, device="cuda")
+
+    def quantize():
+        return fp8._quantize(x, Format.E4M3, 448.0, recipe, history, scales, 1,
+                             columnwise=True)
+
+    quantize()  # compiles the kernels
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        quantize()
+        torch.cuda.synchronize()
+    on_gpu = [e.name for e in prof.events()
+              if e.device_type == torch.autograd.DeviceType.CUDA]
+    # the amax's zero fill: torch's FillFunctor kernel
+    kinds = ["_cast_kernel" if "_cast_kernel" in name else "fill" if "fill" in name.lower()
+             else name for name in on_gpu]
+    assert sorted(kinds) == sorted(launches), on_gpu
 
 
 @needs_cast_kernels
@@ -260,6 +352,20 @@ def test_delayed_scale_update_kernel_matches_pytorch(history_len, n_cols, algo, 
         monkeypatch, history, scale, recipe, fp8_max)
     _assert_same_words(got_s, want_s)
     _assert_same_words(got_h, want_h)
+
+
+@needs_cast_kernels
+@pytest.mark.parametrize("margin", [8, 20])
+def test_delayed_scale_update_kernel_subnormal_scales(margin, monkeypatch):
+    """Amaxes near float32's max with a margin: scales in float32's subnormals (Triton's
+    libdevice flushes them to 0 unless launched with enable_reflect_ftz=False)."""
+    fp32_max = torch.finfo(torch.float32).max
+    history = torch.tensor([[1e37, 1e38, 3e38, fp32_max]], device="cuda")
+    scale = torch.ones(4, device="cuda")
+    (_, got_s), (_, want_s) = _update_with_and_without_kernel(
+        monkeypatch, history, scale, DelayedScaling(amax_history_len=1, margin=margin), 448.0)
+    assert (want_s < torch.finfo(torch.float32).smallest_normal).any()
+    _assert_same_words(got_s, want_s)
 
 
 @needs_cast_kernels

@@ -4,14 +4,17 @@ One kernel reads a 2D tensor once, tile by tile, and writes ``fp8(clamp(x * scal
 orientations the GEMMs ask for: row-major and/or transposed (``torch._scaled_mm`` wants its
 first operand row-major and its second column-major, so the backward's GEMMs need the
 transposes). It can fold ``max|x|`` into a float32 amax slot on the way (delayed scaling);
-with no output asked it is the amax pass of current scaling. The scale is read on the device:
-no host sync, so the casts can be captured in CUDA graphs.
+with no output asked it is the amax pass of current scaling. The scale is read on the device
+(current scaling: computed from the amax pass's result in each program), and program (0, 0)
+writes the inverse scale torch._scaled_mm takes: no host sync and no scalar ops around the
+cast, so the casts can be captured in CUDA graphs.
 
 The results are the PyTorch path's (fp8.py's ``_quantize``) bit for bit: the same float32
 product and clamp, and a round-to-nearest-even conversion (the GPU's ``cvt.rn``); NaNs stay
-NaN. The amax is taken on the float bits: for non-negative floats the integer order is the
-float order, with NaN above inf, so a NaN propagates into the amax as in ``torch.amax``, and
-the integer atomic max is exact.
+NaN; the scale from an amax and the inverse scale with correctly rounded divisions. The amax
+is taken on the float bits: for non-negative floats the integer order is the float order,
+with NaN above inf, so a NaN propagates into the amax as in ``torch.amax``, and the integer
+atomic max is exact.
 """
 from typing import Optional, Tuple
 
@@ -19,10 +22,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8_scale_math import NO_FLUSH_TO_ZERO, div_rn, scale_from_amax
+
 
 @triton.jit
-def _cast_kernel(X, OUT, OUT_T, SCALE, AMAX_BITS, n_rows, n_cols, stride_r, stride_c,
-                 fp8_max, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
+def _cast_kernel(X, OUT, OUT_T, SCALE, SCALE_INV, AMAX_BITS, n_rows, n_cols, stride_r,
+                 stride_c, fp8_max, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
+                 SCALE_FROM_AMAX: tl.constexpr, WRITE_SCALE_INV: tl.constexpr,
                  RECORD_AMAX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     # 64-bit offsets: rows * cols may pass 2**31
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -34,8 +40,18 @@ def _cast_kernel(X, OUT, OUT_T, SCALE, AMAX_BITS, n_rows, n_cols, stride_r, stri
         bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |x|, masked lanes are 0
         tl.atomic_max(AMAX_BITS, tl.max(tl.max(bits, axis=1), axis=0))
     if ROWWISE or COLUMNWISE:
-        scale = tl.load(SCALE)
-        scaled = tl.clamp(x * scale, -fp8_max, fp8_max, propagate_nan=tl.PropagateNan.ALL)
+        # the scalars as one-element blocks (the division helper takes blocks)
+        one = tl.arange(0, 1)
+        scale = tl.load(SCALE + one)
+        if SCALE_FROM_AMAX:
+            # SCALE holds x's amax: every program computes the same scale from it
+            # (compute_scale(amax, 1, fp8_max), no margin)
+            scale = scale_from_amax(scale, 1.0, fp8_max, 1.0)
+        if WRITE_SCALE_INV:
+            if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+                tl.store(SCALE_INV + one, div_rn(tl.full([1], 1.0, tl.float32), scale))
+        scaled = tl.clamp(x * scale[:, None], -fp8_max, fp8_max,
+                          propagate_nan=tl.PropagateNan.ALL)
         q = scaled.to(OUT.dtype.element_ty, fp_downcast_rounding="rtne")
         if ROWWISE:
             tl.store(OUT + rows[:, None] * n_cols + cols[None, :], q, mask=mask)
@@ -49,13 +65,13 @@ _TRANSPOSE_TILE = (128, 128, 8)
 _ROW_TILE = (16, 512, 8)
 
 
-def _check_amax_slot(x: torch.Tensor, amax: torch.Tensor) -> None:
-    if amax.dtype != torch.float32 or amax.numel() != 1 or amax.device != x.device:
-        raise ValueError(f"amax must be a one-element float32 tensor on {x.device}, got "
-                         f"{amax.dtype} {list(amax.shape)} on {amax.device}")
+def _check_scalar(x: torch.Tensor, scalar: torch.Tensor, name: str) -> None:
+    if scalar.dtype != torch.float32 or scalar.numel() != 1 or scalar.device != x.device:
+        raise ValueError(f"{name} must be a one-element float32 tensor on {x.device}, got "
+                         f"{scalar.dtype} {list(scalar.shape)} on {scalar.device}")
 
 
-def _launch(x, out, out_t, scale, amax, fp8_max, tile) -> None:
+def _launch(x, out, out_t, scale, scale_from_amax, scale_inv, amax, fp8_max, tile) -> None:
     block_r, block_c, num_warps = tile
     rowwise = out is not None
     n_rows, n_cols = x.shape
@@ -65,44 +81,55 @@ def _launch(x, out, out_t, scale, amax, fp8_max, tile) -> None:
     out = out_t if out is None else out
     _cast_kernel[grid](
         x, x if out is None else out, x if out_t is None else out_t,
-        x if scale is None else scale, x if amax is None else amax.view(torch.int32),
+        x if scale is None else scale, x if scale_inv is None else scale_inv,
+        x if amax is None else amax.view(torch.int32),
         n_rows, n_cols, x.stride(0), x.stride(1), fp8_max,
-        ROWWISE=rowwise, COLUMNWISE=out_t is not None,
-        RECORD_AMAX=amax is not None,
-        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps)
+        ROWWISE=rowwise, COLUMNWISE=out_t is not None, SCALE_FROM_AMAX=scale_from_amax,
+        WRITE_SCALE_INV=scale_inv is not None, RECORD_AMAX=amax is not None,
+        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps, **NO_FLUSH_TO_ZERO)
 
 
-def cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: float,
-         rowwise: bool = True, columnwise: bool = False,
-         amax: Optional[torch.Tensor] = None
-         ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """(row-major [M, N] or None, transposed [N, M] or None): ``fp8(clamp(x * scale))`` of the
-    2D ``x``, in one read. ``scale``: a float32 device scalar. ``amax``: a one-element float32
-    slot (e.g. ``history[0, i:i + 1]``) that gets ``max(amax, max|x|)`` in place."""
+def cast(x: torch.Tensor, scale: Optional[torch.Tensor], fp8_dtype: torch.dtype,
+         fp8_max: float, rowwise: bool = True, columnwise: bool = False,
+         amax: Optional[torch.Tensor] = None, scale_from_amax: Optional[torch.Tensor] = None
+         ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor]:
+    """(row-major [M, N] or None, transposed [N, M] or None, inverse scale): ``fp8(clamp(x *
+    scale))`` of the 2D ``x``, in one read, and ``1 / scale`` as a 0-dim float32 tensor.
+    ``scale``: a float32 device scalar; or None and ``scale_from_amax``, x's amax (current
+    scaling; fold_amax's): the kernel casts with ``fp8.compute_scale(amax, 1, fp8_max)``.
+    ``amax``: a one-element float32 slot (e.g. ``history[0, i:i + 1]``) that gets
+    ``max(amax, max|x|)`` in place."""
     if not (rowwise or columnwise):
         raise ValueError("cast: ask for rowwise and/or columnwise output (fold_amax gives "
                          "the amax alone)")
+    if (scale is None) == (scale_from_amax is None):
+        raise ValueError("cast: give either scale or scale_from_amax (the amax of x), "
+                         "not both or neither")
+    source = scale if scale_from_amax is None else scale_from_amax
+    _check_scalar(x, source, "scale" if scale_from_amax is None else "scale_from_amax")
     if amax is not None:
-        _check_amax_slot(x, amax)
+        _check_scalar(x, amax, "amax")
+    from_amax = scale_from_amax is not None
     n_rows, n_cols = x.shape
     out = out_t = None
     if rowwise:
         out = torch.empty((n_rows, n_cols), dtype=fp8_dtype, device=x.device)
     if columnwise:
         out_t = torch.empty((n_cols, n_rows), dtype=fp8_dtype, device=x.device)
+    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     if x.dtype == torch.float32 and rowwise and columnwise:
         # Both stores in one kernel gave wrong bytes from float32 inputs (Triton 3.6, sm90;
         # bfloat16 and float16 inputs are right): two passes for float32.
-        _launch(x, out, None, scale, amax, fp8_max, _ROW_TILE)
-        _launch(x, None, out_t, scale, None, fp8_max, _TRANSPOSE_TILE)
+        _launch(x, out, None, source, from_amax, scale_inv, amax, fp8_max, _ROW_TILE)
+        _launch(x, None, out_t, source, from_amax, None, None, fp8_max, _TRANSPOSE_TILE)
     else:
-        _launch(x, out, out_t, scale, amax, fp8_max,
+        _launch(x, out, out_t, source, from_amax, scale_inv, amax, fp8_max,
                 _TRANSPOSE_TILE if columnwise else _ROW_TILE)
-    return out, out_t
+    return out, out_t, scale_inv
 
 
 def fold_amax(x: torch.Tensor, amax: torch.Tensor) -> None:
     """``amax = max(amax, max|x|)`` in place, for the 2D ``x`` and a one-element float32
     ``amax``: the one read pass of current scaling (and of calibration)."""
-    _check_amax_slot(x, amax)
-    _launch(x, None, None, None, amax, 0.0, _ROW_TILE)
+    _check_scalar(x, amax, "amax")
+    _launch(x, None, None, None, False, None, amax, 0.0, _ROW_TILE)

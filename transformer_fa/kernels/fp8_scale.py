@@ -8,28 +8,11 @@ history rolled up by one row (``torch.roll(history, -1, 0)``: row 0 goes last) w
 cleared for the next step's amaxes. Strided views (a column of a history, a slice of the
 scales) are updated in place.
 """
-import os
-
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-_FP32_MAX = tl.constexpr(torch.finfo(torch.float32).max)
-
-
-# Triton's interpreter (the CPU tests) has tl.math.div_rn but no libdevice; compiled for
-# CUDA, libdevice's div_rn is the correctly rounded division (`/` and tl.fdiv, even with
-# ieee_rounding=True, gave 1-ulp differences from torch's on an H100, Triton 3.6).
-_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
-
-
-@triton.jit
-def _div_rn(a, b):
-    if _INTERPRETED:
-        return tl.math.div_rn(a, b)
-    else:
-        return libdevice.div_rn(a, b)
+from .fp8_scale_math import NO_FLUSH_TO_ZERO, scale_from_amax
 
 
 @triton.jit
@@ -53,11 +36,8 @@ def _update_kernel(HISTORY, SCALE, n_rows, n_cols, stride_r, stride_c, stride_s,
             amax = tl.maximum(amax, tl.max(h, axis=0))
             nans += tl.sum((h != h).to(tl.int32), axis=0)
         amax = tl.where(nans > 0, float("nan"), amax)
-    zeros = tl.zeros([BLOCK_C], tl.float32)
-    new = _div_rn(_div_rn(zeros + fp8_max, amax), zeros + margin_divisor)
     old = tl.load(SCALE + cols * stride_s, mask=col_mask, other=1.0)
-    new = tl.where((amax > 0) & (amax < float("inf")), new, old)
-    new = tl.where(tl.abs(new) == float("inf"), _FP32_MAX, new)
+    new = scale_from_amax(amax, old, fp8_max, margin_divisor)
     tl.store(SCALE + cols * stride_s, new, mask=col_mask)
     # Roll: row r takes row r + 1. A block's rows are read by other warps than write them,
     # so each block's reads finish (barrier) before its writes; the next block reads only
@@ -98,4 +78,4 @@ def update_delayed_scaling(history: torch.Tensor, scale: torch.Tensor, fp8_max: 
     _update_kernel[(triton.cdiv(n_cols, block_c),)](
         history, scale, n_rows, n_cols, history.stride(0), history.stride(1), scale.stride(0),
         fp8_max, 2.0 ** margin, MOST_RECENT=most_recent, BLOCK_R=block_r, BLOCK_C=block_c,
-        num_warps=4)
+        num_warps=4, **NO_FLUSH_TO_ZERO)
