@@ -194,24 +194,34 @@ def bench_batch(model, plain, prompts, args):
     """Best decode tokens/s (and its prefill ms) of each implementation over --repeats runs,
     after one warm-up run each."""
     max_seqlen = max(map(len, prompts)) + args.new_tokens
-    params = generate.make_params(model, len(prompts), max_seqlen, plain.embed.dtype)
 
-    def ours():
-        params.reset()
-        return generate.generate(model, prompts, args.new_tokens, params, progress=False)[2]
+    def ours(cuda_graph):
+        params = generate.make_params(model, len(prompts), max_seqlen, plain.embed.dtype,
+                                      cuda_graph=cuda_graph)
+
+        def run():  # a new graph per run: its warm-up and capture are in the decode time
+            params.reset()
+            return generate.generate(model, prompts, args.new_tokens, params,
+                                     cuda_graph=cuda_graph, progress=False)[2]
+        return run
 
     def theirs():
         return plain_generate(plain, prompts, args.new_tokens)[1]
 
     row = {"batch": len(prompts), "new_tokens": args.new_tokens,
            "prompt_lengths": [len(p) for p in prompts]}
-    for name, run in (("transformer_fa", ours), ("plain_sdpa_cat", theirs)):
+    runs = [("transformer_fa", ours(False)), ("plain_sdpa_cat", theirs)]
+    if plain.embed.device.type == "cuda":
+        runs.append(("transformer_fa_cuda_graph", ours(True)))
+    for name, run in runs:
         run()
         best = max((run() for _ in range(args.repeats)), key=decode_rate)
         row[name] = {"decode_tokens_per_s": decode_rate(best),
                      "prefill_ms": best["prefill_s"] * 1e3}
-    row["speedup"] = (row["transformer_fa"]["decode_tokens_per_s"]
-                      / row["plain_sdpa_cat"]["decode_tokens_per_s"])
+    plain_rate = row["plain_sdpa_cat"]["decode_tokens_per_s"]
+    for name in ("transformer_fa", "transformer_fa_cuda_graph"):
+        if name in row:
+            row[name]["speedup"] = row[name]["decode_tokens_per_s"] / plain_rate
     return row
 
 
@@ -227,12 +237,21 @@ def markdown(data):
              f"{data['device']}, {data['date']}, torch {data['torch']}, {data['dtype']}, model: "
              f"{data['model']}; greedy; the plain model's logits match transformer_fa's "
              f"(max difference {data['max_logit_difference']:.2e})", "",
-             "| batch | new tokens | transformer_fa tok/s | plain tok/s | speedup | "
-             "prefill ms (ours / plain) |", "|---|---|---|---|---|---|"]
+             "transformer_fa with --cuda-graph: the decode step captured in a CUDA graph (the "
+             "warm-up step and the capture are inside the timed loop). The plain model's cache "
+             "grows by torch.cat: a new shape every step, so it has no graph.", "",
+             "| batch | new tokens | transformer_fa tok/s | transformer_fa, CUDA graph tok/s | "
+             "plain tok/s | prefill ms (ours / plain) |", "|---|---|---|---|---|---|"]
+
+    def rate(r, name):
+        if name not in r:
+            return "-"
+        cell = f"{r[name]['decode_tokens_per_s']:.0f}"
+        return cell + (f" ({r[name]['speedup']:.2f}x)" if "speedup" in r[name] else "")
     for r in data["rows"]:
         ours, plain = r["transformer_fa"], r["plain_sdpa_cat"]
-        lines.append(f"| {r['batch']} | {r['new_tokens']} | {ours['decode_tokens_per_s']:.0f} | "
-                     f"{plain['decode_tokens_per_s']:.0f} | {r['speedup']:.2f}x | "
+        lines.append(f"| {r['batch']} | {r['new_tokens']} | {rate(r, 'transformer_fa')} | "
+                     f"{rate(r, 'transformer_fa_cuda_graph')} | {rate(r, 'plain_sdpa_cat')} | "
                      f"{ours['prefill_ms']:.2f} / {plain['prefill_ms']:.2f} |")
     return "\n".join(lines) + "\n"
 
@@ -274,8 +293,9 @@ def main(argv=None):
     for batch in args.batch_sizes:
         batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
         rows.append(bench_batch(model, plain, batch_prompts, args))
-        print(f"batch {batch}: transformer_fa {rows[-1]['transformer_fa']['decode_tokens_per_s']:.0f}"
-              f" tok/s, plain {rows[-1]['plain_sdpa_cat']['decode_tokens_per_s']:.0f} tok/s")
+        print(f"batch {batch}: " + ", ".join(
+            f"{name} {rows[-1][name]['decode_tokens_per_s']:.0f} tok/s" for name in
+            ("transformer_fa", "transformer_fa_cuda_graph", "plain_sdpa_cat") if name in rows[-1]))
     device = torch.device(args.device)
     date = datetime.date.today().isoformat()
     data = dict(device=device_name(device), date=date, torch=torch.__version__,

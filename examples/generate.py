@@ -55,8 +55,9 @@ class TinyGPT(torch.nn.Module):
                                 attn_input_format=qkv_format, device=device)
             for i in range(layers))
         self.head = torch.nn.Linear(hidden, vocab, device=device)
-        self.register_buffer("rope", te.RotaryPositionEmbedding(hidden // heads)(max_seqlen)
-                             .to(device), persistent=False)
+        # Not a buffer: model.to(bfloat16) must not cast the angles (bf16 has 8 bits of
+        # mantissa: position 500's angles would be off by radians). TE's tables are float32.
+        self.rope = te.RotaryPositionEmbedding(hidden // heads)(max_seqlen).to(device)
 
     def forward(self, tokens, **kwargs):
         """tokens in the layers' format -> logits; kwargs go to every layer."""
@@ -75,8 +76,7 @@ class CheckpointGPT(torch.nn.Module):
         self.qkv_format = gpt.fmt
         attention = gpt.layers[0].self_attention
         self.kv_heads, self.head_dim = attention.num_gqa_groups, attention.hidden_size_per_attention_head
-        self.register_buffer("rope", gpt.rope(max_seqlen).to(gpt.embed.weight.device),
-                             persistent=False)
+        self.rope = gpt.rope(max_seqlen).float().to(gpt.embed.weight.device)  # as TinyGPT's
 
     def forward(self, tokens, **kwargs):
         gpt = self.gpt

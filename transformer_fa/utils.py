@@ -6,6 +6,8 @@ by ``transformer_fa``.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from typing import Callable, Tuple, Union
 
@@ -87,5 +89,22 @@ def host_reads_allowed() -> bool:
     already made in the eager warm-up a capture follows)."""
     if torch.compiler.is_compiling():
         return False
+    if _LENGTHS_CHECKED_ON_HOST.get():
+        return False
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+_LENGTHS_CHECKED_ON_HOST = contextvars.ContextVar("lengths_checked_on_host", default=False)
+
+
+@contextlib.contextmanager
+def lengths_checked_on_host():
+    """Within it, host_reads_allowed() is False: for calls whose cu_seqlens and positions
+    were built and checked on the host (InferenceParams' steps). Reading their device copies
+    back would sync the host with the GPU on every layer of every decode step."""
+    token = _LENGTHS_CHECKED_ON_HOST.set(True)
+    try:
+        yield
+    finally:
+        _LENGTHS_CHECKED_ON_HOST.reset(token)
 

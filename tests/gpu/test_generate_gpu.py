@@ -1,10 +1,13 @@
 """examples/generate.py and benchmarks/bench_generate.py on CUDA (bf16): generation checked
 against recomputation, a train_gpt.py checkpoint, sampling, the CUDA-graph decode step."""
 import sys
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
 import torch
+
+import transformer_fa as te
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "examples"), str(ROOT)]
@@ -59,3 +62,30 @@ def test_cuda_graph_decode_equals_eager():
     assert graph_seqs == eager_seqs
     for a, b in zip(graph_logits, eager_logits):
         torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("argv", [[], ["--qkv-format", "sbhd"], ["--qkv-format", "thd"],
+                                  ["--paged"]], ids=["bshd", "sbhd", "thd", "paged"])
+@pytest.mark.parametrize("backend", ["FlashAttention", "FusedAttention"])
+def test_decode_step_does_not_wait_for_the_gpu(backend, argv, monkeypatch):
+    """pre_step() and an eager decode step only queue GPU work: no host sync (torch's sync
+    debug mode raises on one), so the host prepares the next layers while the GPU runs."""
+    args = generate.parse_args(TOY + argv)
+    model, prompts, _ = generate.build_model(args)  # trained in float32: any backend
+    for name, var in (("FlashAttention", "NVTE_FLASH_ATTN"), ("FusedAttention", "NVTE_FUSED_ATTN"),
+                      ("UnfusedDotProductAttention", "NVTE_UNFUSED_ATTN")):
+        monkeypatch.setenv(var, "1" if name == backend else "0")
+    params = generate.make_params(model, len(prompts), 64, args.dtype, args.paged)
+    generate.generate(model, prompts, 4, params, progress=False)  # prefill and 3 steps
+    tokens = torch.zeros(len(prompts), dtype=torch.long, device="cuda")
+    one_each = OrderedDict((i, 1) for i in range(len(prompts)))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.no_grad():
+            params.pre_step(one_each)
+            model(generate.one_token_input(tokens, model.qkv_format), inference_params=params)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ran = {m.last_backend for m in model.modules() if isinstance(m, te.DotProductAttention)}
+    assert ran == {backend}

@@ -11,7 +11,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .. import parallel
-from ..utils import host_reads_allowed
+from ..utils import host_reads_allowed, lengths_checked_on_host
 from ..module._common import check_te_only_kwargs
 from . import context_parallel, inference, layout, masks, padding, selection
 from .params import BIAS_TYPES, SOFTMAX_TYPES, AttentionInputs, params_fields
@@ -190,7 +190,8 @@ class DotProductAttention(torch.nn.Module):
                 self.attn_mask_type if attn_mask_type is None else attn_mask_type,
                 dict(again, cu_seqlens_q_padded=cu_seqlens_q_padded,
                      cu_seqlens_kv_padded=cu_seqlens_kv_padded))
-            return self._attend(q, k_cache, v_cache, **cache_args)
+            with lengths_checked_on_host():  # the cache's lengths: built by pre_step()
+                return self._attend(q, k_cache, v_cache, **cache_args)
         if checkpoint_core_attention and torch.is_grad_enabled():
             # TE's activation checkpointing: recompute attention in the backward.
             return checkpoint(self.forward, query_layer, key_layer, value_layer,

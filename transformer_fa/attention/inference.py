@@ -169,7 +169,7 @@ class _TokenCache(KVCacheManager):
         def cat(parts):
             if not parts:  # every sequence left
                 return torch.zeros(0, dtype=torch.int64, device=self.device)
-            return torch.cat(parts).to(self.device)
+            return to_device(torch.cat(parts), self.device)
         self._token_seq, self._token_pos, self._write_rows = cat(seq_index), cat(pos), cat(rows)
 
     def _rows_for(self, batch_index: int, seq, positions: torch.Tensor) -> torch.Tensor:
@@ -270,8 +270,8 @@ class NonPagedKVCacheManager(_TokenCache):
                 src.append(held.index(seq))
                 dst.append(row)
         if src:
-            src_t = torch.tensor(src, device=self.device)
-            dst_t = torch.tensor(dst, device=self.device)
+            src_t = to_device(torch.tensor(src), self.device)
+            dst_t = to_device(torch.tensor(dst), self.device)
             for cache in self.cache[layer_number]:
                 cache[dst_t] = cache[src_t]  # gathered first: overlapping moves are safe
         self._rows_of_layer[layer_number] = order
@@ -355,7 +355,7 @@ class PagedKVCacheManager(_TokenCache):
         for i, seq in enumerate(sequences):
             pages = self.get_page_list(seq)
             rows[i, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        self.page_table[:len(sequences)].copy_(rows)
+        self.page_table[:len(sequences)].copy_(to_device(rows, self.device))
         return self.page_table
 
     def pre_step(self, step_dict: "OrderedDict"):
@@ -389,6 +389,14 @@ class PagedKVCacheManager(_TokenCache):
         self._write(layer_number, new_k, new_v, cu_new_seqlens, qkv_format)
         return self.cache[layer_number]
 
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``. To a GPU through pinned memory without blocking: a
+    pageable copy would wait for the GPU to finish its queue (a sync on every step)."""
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def gather_pages(cache: Tuple[torch.Tensor, torch.Tensor], page_table: torch.Tensor,
@@ -510,10 +518,10 @@ class InferenceParams:
             cu = torch.zeros(self.max_batch_size + 1, dtype=torch.int32)
             cu[1:] = torch.tensor(lens + [0] * (self.max_batch_size - len(lens)),
                                   dtype=torch.int32).cumsum(0)
-            buffer.copy_(cu)
+            buffer.copy_(to_device(cu, self.device))
         pre = list(self.sequences_pre_step.values())
-        self.pre_step_seqlens.copy_(torch.tensor(pre + [0] * (self.max_batch_size - len(pre)),
-                                                 dtype=torch.int32))
+        self.pre_step_seqlens.copy_(to_device(torch.tensor(
+            pre + [0] * (self.max_batch_size - len(pre)), dtype=torch.int32), self.device))
 
     def get_seqlens_pre_step(self) -> torch.Tensor:
         """Cached lengths before the step ``[max_batch_size]``: each sequence's first new

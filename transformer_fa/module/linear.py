@@ -55,13 +55,17 @@ class _JoinRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *parts):
         ctx.rows = [p.shape[0] for p in parts]
-        first = parts[0]
-        return first.as_strided((sum(ctx.rows), *first.shape[1:]), first.stride(),
-                                first.storage_offset())
+        return _joined_view(parts)
 
     @staticmethod
     def backward(ctx, grad):
         return grad.split(ctx.rows)
+
+
+def _joined_view(parts: List[torch.Tensor]) -> torch.Tensor:
+    first = parts[0]
+    return first.as_strided((sum(p.shape[0] for p in parts), *first.shape[1:]), first.stride(),
+                            first.storage_offset())
 
 
 def _back_to_back(parts: List[torch.Tensor]) -> bool:
@@ -82,6 +86,8 @@ def join_rows(parts: List[torch.Tensor]) -> torch.Tensor:
     if len(parts) == 1:
         return parts[0]
     if not torch.compiler.is_compiling() and _back_to_back(parts):
+        if not (torch.is_grad_enabled() and any(p.requires_grad for p in parts)):
+            return _joined_view(parts)  # no autograd node to build (inference)
         return _JoinRows.apply(*parts)
     return torch.cat(parts, dim=0)
 
