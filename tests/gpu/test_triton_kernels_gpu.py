@@ -147,3 +147,4 @@ def test_transformer_layer_with_kernels_matches_pytorch_path(config, monkeypatch
     assert len(calls) >= 2, "the layer's norms did not take the kernel"
     for a, b in zip(fused, reference, strict=True):
         assert_close(a, b, torch.bfloat16)
+
