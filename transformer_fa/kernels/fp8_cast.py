@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 
 from .fp8_scale_math import NO_FLUSH_TO_ZERO, div_rn, scale_from_amax
-from .launch import fast
 
 
 @triton.jit
@@ -80,7 +79,7 @@ def _launch(x, out, out_t, scale, scale_from_amax, scale_inv, amax, fp8_max, til
     # pointers a variant does not use get a stand-in (the constexprs keep them unused); OUT
     # is always an FP8 output where there is one, as the kernel converts to OUT's dtype
     out = out_t if out is None else out
-    fast(_cast_kernel)[grid](
+    _cast_kernel[grid](
         x, x if out is None else out, x if out_t is None else out_t,
         x if scale is None else scale, x if scale_inv is None else scale_inv,
         x if amax is None else amax.view(torch.int32),

@@ -13,7 +13,6 @@ import triton
 import triton.language as tl
 
 from .fp8_scale_math import NO_FLUSH_TO_ZERO, scale_from_amax
-from .launch import fast
 
 
 @triton.jit
@@ -76,7 +75,7 @@ def update_delayed_scaling(history: torch.Tensor, scale: torch.Tensor, fp8_max: 
         return
     block_c = min(triton.next_power_of_2(n_cols), _MAX_BLOCK_COLS)
     block_r = min(triton.next_power_of_2(n_rows), _BLOCK_ELEMENTS // block_c)
-    fast(_update_kernel)[(triton.cdiv(n_cols, block_c),)](
+    _update_kernel[(triton.cdiv(n_cols, block_c),)](
         history, scale, n_rows, n_cols, history.stride(0), history.stride(1), scale.stride(0),
         fp8_max, 2.0 ** margin, MOST_RECENT=most_recent, BLOCK_R=block_r, BLOCK_C=block_c,
         num_warps=4, **NO_FLUSH_TO_ZERO)

@@ -10,8 +10,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import fast
-
 
 @triton.jit
 def _norm_fwd_kernel(X, Y, W, B, Mean, Rstd, n_cols, eps,
@@ -103,7 +101,7 @@ class FusedNorm(torch.autograd.Function):
         rstd = torch.empty(n_rows, **stats)
         mean = rstd if is_rms else torch.empty(n_rows, **stats)  # unused for RMSNorm
         block, num_warps = _launch_config(n_cols)
-        fast(_norm_fwd_kernel)[(n_rows,)](
+        _norm_fwd_kernel[(n_rows,)](
             x2d, y, weight, bias if bias is not None else weight, mean, rstd, n_cols, eps,
             IS_RMS=is_rms, HAS_BIAS=bias is not None, ZERO_CENTERED=zero_centered,
             BLOCK=block, num_warps=num_warps)
@@ -122,7 +120,7 @@ class FusedNorm(torch.autograd.Function):
         dw_partial = torch.empty(programs, n_cols, dtype=torch.float32, device=x2d.device)
         db_partial = torch.empty_like(dw_partial) if ctx.has_bias else dw_partial
         block, num_warps = _launch_config(n_cols)
-        fast(_norm_bwd_kernel)[(programs,)](
+        _norm_bwd_kernel[(programs,)](
             x2d, dy2d, dx, weight, mean, rstd, dw_partial, db_partial, n_rows, n_cols,
             IS_RMS=ctx.is_rms, HAS_BIAS=ctx.has_bias, ZERO_CENTERED=ctx.zero_centered,
             BLOCK=block, num_warps=num_warps)

@@ -9,8 +9,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import fast
-
 
 @triton.jit
 def _rope_kernel(T, OUT, FREQS, POS, n_b, n_heads, head_dim, rot_dim,
@@ -79,7 +77,7 @@ def _rope(t, table, positions, tensor_format, interleaved, backward):
     block_d = triton.next_power_of_2(head_dim)
     block_h = min(triton.next_power_of_2(n_heads), max(1, 4096 // block_d))
     grid = (n_s * n_b, triton.cdiv(n_heads, block_h))
-    fast(_rope_kernel)[grid](
+    _rope_kernel[grid](
         t4, out4, table, pos, n_b, n_heads, head_dim, table.shape[1],
         t4.stride(0), t4.stride(1), t4.stride(2), out4.stride(0), out4.stride(1),
         out4.stride(2), pos_strides[0], pos_strides[1], table.stride(0),
