@@ -408,12 +408,16 @@ class Bench:
         tfa = import_tfa()
         recipes = {"FP8 DelayedScaling": tfa.common.recipe.DelayedScaling,
                    "FP8 Float8CurrentScaling": tfa.common.recipe.Float8CurrentScaling}
-        # (model, its block, the FP8 recipe its step runs under or None)
-        blocks = [("transformer_fa.TransformerLayer", tfa_layer, None)]
-        blocks += [(f"transformer_fa.TransformerLayer, {name}", tfa_layer, recipe)
+        # (model, its block, the FP8 recipe its step runs under or None, whether the model's
+        # forward and backward run as CUDA graphs: te.make_graphed_callables)
+        blocks = [("transformer_fa.TransformerLayer", tfa_layer, None, False)]
+        blocks += [(f"transformer_fa.TransformerLayer, {name}", tfa_layer, recipe, False)
                    for name, recipe in recipes.items()]
-        blocks.append(("torch (F.scaled_dot_product_attention)", TorchBlock, None))
-        for model_name, block, recipe in blocks:
+        if self.device == "cuda":
+            blocks += [(f"transformer_fa.TransformerLayer, {name}, CUDA graph", tfa_layer,
+                        recipe, True) for name, recipe in recipes.items()]
+        blocks.append(("torch (F.scaled_dot_product_attention)", TorchBlock, None, False))
+        for model_name, block, recipe, graphed in blocks:
             rec = dict(model=model_name, dtype=str(dtype).split(".")[-1], layers=layers, b=b,
                        s=s, hidden=hidden, heads=heads, ffn=ffn, step_ms=None,
                        tokens_per_s=None, peak_mem_gb=None, attn_backend=None, reason=None)
@@ -423,11 +427,14 @@ class Bench:
                 if recipe is not None and not tfa.is_fp8_available():
                     raise Unavailable(tfa.is_fp8_available(return_reason=True)[1])
                 precision = (tfa.autocast(enabled=True, recipe=recipe()) if recipe is not None
-                             else contextlib.nullcontext())
+                             and not graphed else contextlib.nullcontext())
                 model = torch.nn.Sequential(*[block(hidden, heads, ffn, dtype, self.device)
                                               for _ in range(layers)])
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
                 x = self.randn(b, s, hidden, dtype=dtype)
+                if graphed:  # the FP8 autocast is inside the graphs
+                    model = tfa.make_graphed_callables(model, (x,), fp8_enabled=True,
+                                                       fp8_recipe=recipe())
 
                 def step():
                     opt.zero_grad(set_to_none=True)

@@ -283,10 +283,18 @@ def test_make_graphed_callables():
     lin = te.Linear(H, H, device="cpu")
     with pytest.raises(RuntimeError, match="needs CUDA"):
         te.make_graphed_callables(lin, (torch.randn(2, H),))
-    with pytest.raises(ValueError, match="FP8"):
+    with pytest.raises(RuntimeError, match="needs CUDA"):
         te.make_graphed_callables(lin, (torch.randn(2, H),), fp8_enabled=True)
-    with pytest.raises(TypeError, match="_order"):
+    with pytest.raises(TypeError, match="_order.*scheduling"):
         te.make_graphed_callables(lin, (torch.randn(2, H),), _order=[1])
+    with pytest.raises(TypeError, match="fp8_recipe"):
+        te.make_graphed_callables(lin, (torch.randn(2, H),), fp8_enabled=True, fp8_recipe="x")
+    for unsupported in (dict(fp8_calibrating=True), dict(calibrating=True),
+                        dict(fp8_group=object()), dict(fp8_weight_caching=True),
+                        dict(cache_quantized_params=True)):
+        with pytest.raises(ValueError, match="not supported"):
+            te.make_graphed_callables(lin, (torch.randn(2, H),), fp8_enabled=True,
+                                      **unsupported)
 
 
 # ---------------------------------------------------------------------------- B: decoder lengths

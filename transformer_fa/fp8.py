@@ -475,12 +475,16 @@ def _weight_fp8(meta: FP8Meta, weight: torch.Tensor, gemm: int, recipe: Recipe, 
     clears the cache). The transpose (for the dgrad) is cast with the weight where asked for;
     a cached cast without it is redone once with it."""
     key = (gemm, id(weight), weight._version)
+    # A CUDA graph capture casts: its replays follow optimizer steps the version can't see
+    capturing = weight.is_cuda and torch.cuda.is_current_stream_capturing()
     cached = meta.weight_cache.get(gemm)
-    if cached is not None and cached[0] == key and (cached[1][1] is not None or not transpose):
+    if (not capturing and cached is not None and cached[0] == key
+            and (cached[1][1] is not None or not transpose)):
         return cached[1]
     cast = _quantize(weight, Format.E4M3, fp8_max, recipe, meta.amax_history_fwd,
                      meta.scale_fwd, 2 * gemm + 1, columnwise=transpose)
-    meta.weight_cache[gemm] = (key, cast)
+    if not capturing:  # (the capture's buffers belong to the graph)
+        meta.weight_cache[gemm] = (key, cast)
     return cast
 
 
