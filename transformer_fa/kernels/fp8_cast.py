@@ -169,10 +169,10 @@ def cast(x: torch.Tensor, scale: Optional[torch.Tensor], fp8_dtype: torch.dtype,
         # the second (its square tiles).
         _launch(x, out, None, source, from_amax, scale_inv, amax, fp8_max, _ROW_TILE)
         col_sums = _launch(x, None, out_t, source, from_amax, None, None, fp8_max,
-                           _TRANSPOSE_TILE, dbias)
+                           _TRANSPOSE_TILE, dbias=dbias)
     else:
         col_sums = _launch(x, out, out_t, source, from_amax, scale_inv, amax, fp8_max,
-                           _TRANSPOSE_TILE if columnwise or dbias else _ROW_TILE, dbias)
+                           _TRANSPOSE_TILE if columnwise or dbias else _ROW_TILE, dbias=dbias)
     return out, out_t, scale_inv, _sum_row_blocks(col_sums, x.dtype) if dbias else None
 
 
