@@ -394,6 +394,17 @@ def test_fp8_cast_column_sums(dtype, shape, recipe, fp8_kernels_on_cpu):
 
 
 @interpreter_only
+def test_fp8_cast_column_sums_over_many_row_blocks(fp8_kernels_on_cpu):
+    """8400 rows: 66 row blocks, more than the second pass adds in one step."""
+    x = torch.randn(8400, 20, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    for rowwise, columnwise in ((False, False), (True, True)):
+        got, want = _quantize_both(x, Format.E4M3, DelayedScaling(), torch.zeros(1, 2),
+                                   torch.ones(2), rowwise=rowwise, columnwise=columnwise,
+                                   dbias=True)
+        _assert_quantized_alike(got, want, x)
+
+
+@interpreter_only
 def test_fp8_cast_column_sums_of_strided_inputs(fp8_kernels_on_cpu):
     """A transposed view, a strided slice and a broadcast (stride-0) gradient, read in place."""
     base = _fp8_input((140, 70), torch.bfloat16).nan_to_num(0.0, 0.0, 0.0)

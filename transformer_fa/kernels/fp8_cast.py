@@ -19,7 +19,9 @@ atomic max is exact.
 It can also give the column sums of x (``dbias``: a Linear's bias gradient from its output
 gradient, which the backward casts anyway), as TE's cast+transpose+dbias does, without atomics
 so that the sums are deterministic: each row block writes its float32 column sums into a
-workspace, and a small second kernel adds the row blocks in order and rounds once to x's dtype.
+workspace, and a small second kernel adds the row blocks (in a fixed order) and rounds once to
+x's dtype. With dbias alone (no FP8 output) the kernel still records the amax and writes the
+inverse scale.
 """
 from typing import Optional, Tuple
 
@@ -72,15 +74,20 @@ def _cast_kernel(X, OUT, OUT_T, SCALE, SCALE_INV, AMAX_BITS, COL_SUMS, n_rows, n
 
 
 @triton.jit
-def _sum_row_blocks_kernel(COL_SUMS, OUT, n_blocks, n_cols, BLOCK_C: tl.constexpr):
-    """OUT = the workspace's rows added in order (float32), rounded once to OUT's dtype."""
+def _sum_row_blocks_kernel(COL_SUMS, OUT, n_blocks, n_cols, BLOCK_B: tl.constexpr,
+                           BLOCK_C: tl.constexpr):
+    """OUT = the workspace's column sums over its rows in float32, rounded once to OUT's
+    dtype. BLOCK_B rows per step, so that many loads are in flight (one row per step waits
+    out a load latency per row block)."""
     cols = tl.program_id(0).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
     in_range = cols < n_cols
     total = tl.zeros([BLOCK_C], tl.float32)
-    row = COL_SUMS + cols
-    for _ in range(n_blocks):
-        total += tl.load(row, mask=in_range, other=0.0)
-        row += n_cols
+    for start in range(0, n_blocks, BLOCK_B):
+        blocks = (start + tl.arange(0, BLOCK_B)).to(tl.int64)
+        mask = (blocks < n_blocks)[:, None] & in_range[None, :]
+        step = tl.load(COL_SUMS + blocks[:, None] * n_cols + cols[None, :], mask=mask,
+                       other=0.0)
+        total += tl.sum(step, axis=0)
     tl.store(OUT + cols, total.to(OUT.dtype.element_ty), mask=in_range)
 
 
@@ -90,7 +97,8 @@ def _sum_row_blocks_kernel(COL_SUMS, OUT, n_blocks, n_cols, BLOCK_C: tl.constexp
 # 16-bit x (16-row strips: 1/4).
 _TRANSPOSE_TILE = (128, 128, 8)
 _ROW_TILE = (16, 512, 8)
-_SUM_BLOCK_C = 128
+# the second pass: (BLOCK_B, BLOCK_C, num_warps); one step covers 64 row blocks (8192 rows)
+_SUM_TILE = (64, 64, 4)
 
 
 def _check_scalar(x: torch.Tensor, scalar: torch.Tensor, name: str) -> None:
@@ -126,9 +134,11 @@ def _launch(x, out, out_t, scale, scale_from_amax, scale_inv, amax, fp8_max, til
 def _sum_row_blocks(col_sums: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The workspace's column sums over its row blocks, in ``dtype``."""
     n_blocks, n_cols = col_sums.shape
+    block_b, block_c, num_warps = _SUM_TILE
     out = torch.empty(n_cols, dtype=dtype, device=col_sums.device)
-    _sum_row_blocks_kernel[(triton.cdiv(n_cols, _SUM_BLOCK_C),)](
-        col_sums, out, n_blocks, n_cols, BLOCK_C=_SUM_BLOCK_C, num_warps=4)
+    _sum_row_blocks_kernel[(triton.cdiv(n_cols, block_c),)](
+        col_sums, out, n_blocks, n_cols, BLOCK_B=block_b, BLOCK_C=block_c,
+        num_warps=num_warps)
     return out
 
 
