@@ -307,9 +307,9 @@ def test_gradient_is_cast_once_in_the_orientations_needed(monkeypatch):
     asked = []
     real = fp8._quantize
 
-    def spy(tensor, *args, rowwise=True, columnwise=False):
+    def spy(tensor, *args, rowwise=True, columnwise=False, **options):
         asked.append((tuple(tensor.shape), rowwise, columnwise))
-        return real(tensor, *args, rowwise=rowwise, columnwise=columnwise)
+        return real(tensor, *args, rowwise=rowwise, columnwise=columnwise, **options)
 
     monkeypatch.setattr(fp8, "_quantize", spy)
     x = torch.randn(16, 32, requires_grad=True)

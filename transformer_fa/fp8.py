@@ -356,26 +356,28 @@ def _record_amax(history: torch.Tensor, slot: int, tensor: torch.Tensor) -> None
 
 def _quantize(tensor: torch.Tensor, fmt: Format, fp8_max: float, recipe: Recipe,
               history: torch.Tensor, scales: torch.Tensor, slot: int,
-              rowwise: bool = True, columnwise: bool = False):
+              rowwise: bool = True, columnwise: bool = False, dbias: bool = False):
     """(FP8 tensor, its transpose, the inverse scale) of a 2D tensor: the FP8 tensor row-major
     (None unless ``rowwise``) and its transpose contiguous (None unless ``columnwise``), the
-    orientations torch._scaled_mm's operands need. Delayed scaling records the amax and casts
+    orientations torch._scaled_mm's operands need; with ``dbias`` a fourth item, the column
+    sums ``tensor.sum(0)`` (a bias gradient). Delayed scaling records the amax and casts
     with the stored scale; current scaling casts with the scale from this tensor's amax. On
-    CUDA the Triton kernels read the tensor once for the cast, the transpose and the delayed
-    amax (current scaling: one more read for the amax; the cast kernel computes the scale),
-    with the PyTorch path's results."""
+    CUDA the Triton kernels read the tensor once for the cast, the transpose, the delayed
+    amax and the column sums (current scaling: one more read for the amax; the cast kernel
+    computes the scale), with the PyTorch path's results (the sums: up to summation order)."""
     tensor = tensor.detach()
     fp8_dtype = _FP8_DTYPES[fmt]
     delayed = isinstance(recipe, DelayedScaling)
     cast_kernels = _cast_kernels(tensor, history, scales)
     if cast_kernels is not None:
         # one launch records the delayed amax or computes the current scale from the amax,
-        # casts, and writes the inverse scale
-        if delayed:
-            return cast_kernels.cast(tensor, scales[slot], fp8_dtype, fp8_max, rowwise,
-                                     columnwise, amax=history[0, slot:slot + 1])
-        return cast_kernels.cast(tensor, None, fp8_dtype, fp8_max, rowwise, columnwise,
-                                 scale_from_amax=_amax(tensor))
+        # casts, writes the inverse scale and sums the columns
+        scaling = (dict(scale=scales[slot], amax=history[0, slot:slot + 1]) if delayed
+                   else dict(scale=None, scale_from_amax=_amax(tensor)))
+        quantized = cast_kernels.cast(tensor, fp8_dtype=fp8_dtype, fp8_max=fp8_max,
+                                      rowwise=rowwise, columnwise=columnwise, dbias=dbias,
+                                      **scaling)
+        return quantized if dbias else quantized[:3]
     if delayed:
         scale = scales[slot]
         _record_amax(history, slot, tensor)
@@ -385,7 +387,8 @@ def _quantize(tensor: torch.Tensor, fmt: Format, fp8_max: float, recipe: Recipe,
     data = (tensor.float() * scale).clamp(-fp8_max, fp8_max).to(fp8_dtype)
     data_t = data.t().contiguous() if columnwise else None
     data = data.contiguous() if rowwise else None
-    return data, data_t, scale.reciprocal().reshape(())
+    quantized = data, data_t, scale.reciprocal().reshape(())
+    return (*quantized, tensor.sum(0)) if dbias else quantized
 
 
 def check_fp8_gemm_shape(inp: torch.Tensor, features: Tuple[int, ...], owner: str) -> None:
@@ -451,12 +454,14 @@ class _FP8Matmul(torch.autograd.Function):
         need_dgrad, need_wgrad, need_bgrad = ctx.needs
         fmt = recipe.fp8_format
         grad_fmt = Format.E5M2 if fmt == Format.HYBRID else Format.E4M3
-        g_fp8, g_t, g_scale_inv = _quantize(grad_out, grad_fmt, fmt.value.max_bwd, recipe,
-                                            meta.amax_history_bwd, meta.scale_bwd, gemm,
-                                            rowwise=need_dgrad, columnwise=need_wgrad)
+        # the bias gradient (the sum over the tokens) comes from the cast's read of grad_out
+        quantized = _quantize(grad_out, grad_fmt, fmt.value.max_bwd, recipe,
+                              meta.amax_history_bwd, meta.scale_bwd, gemm,
+                              rowwise=need_dgrad, columnwise=need_wgrad, dbias=need_bgrad)
+        g_fp8, g_t, g_scale_inv = quantized[:3]
         inp_dtype, weight_dtype = ctx.dtypes
         grad_inp = grad_weight = None
-        grad_bias = grad_out.sum(0) if need_bgrad else None
+        grad_bias = quantized[3] if need_bgrad else None
         if need_dgrad:  # g @ W: W column-major is W^T row-major
             grad_inp = _scaled_mm(g_fp8, w_t.t(), g_scale_inv, w_scale_inv, inp_dtype)
         if need_wgrad:  # g^T @ x: x column-major is x^T row-major

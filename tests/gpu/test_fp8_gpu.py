@@ -37,6 +37,7 @@ def test_fp8_close_to_bf16(recipe, module):
 # The Triton FP8 casts (transformer_fa/kernels/fp8_cast.py) against the PyTorch path
 # (TRANSFORMER_FA_TRITON_KERNELS=0), bit for bit. NaNs compare by position: the GPU's cvt
 # may drop a NaN's sign, which torch's conversion keeps.
+from test_fp8_bias_grad import assert_bias_grad_close  # noqa: E402 (tests/ is on sys.path)
 from transformer_fa import fp8, kernels  # noqa: E402
 from transformer_fa.common.recipe import Format  # noqa: E402
 
@@ -82,7 +83,8 @@ def _assert_same_floats(a, b):
 
 def _quantize_with_and_without_kernels(monkeypatch, x, fmt, recipe, scales=None,
                                        **orientations):
-    """(FP8, transpose, inverse scale, history) of slot 1, with the kernels and without."""
+    """(FP8, transpose, inverse scale, history) of slot 1, with the kernels and without;
+    with dbias=True (FP8, transpose, inverse scale, column sums, history)."""
     history = torch.tensor([[2.0, 3.0, 4.0], [5.0, 6.0, 7.0]], device="cuda")
     if scales is None:
         scales = torch.tensor([0.5, 0.375, 2.0], device="cuda")
@@ -123,6 +125,82 @@ def test_cast_kernel_matches_pytorch_bitwise(dtype, fmt, shape, recipe, finite, 
         _assert_same_floats(got[3], want[3])  # amax history
     if finite and isinstance(recipe, DelayedScaling):
         assert got[3][0, 1] == x.float().abs().max()
+
+
+@needs_cast_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 16), (37, 45), (1000, 3000), (4096, 1024),
+                                   (16400, 200)])
+@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+@pytest.mark.parametrize("finite", [True, False], ids=["finite", "inf-nan"])
+def test_cast_kernel_column_sums(dtype, shape, recipe, finite, monkeypatch, cast_calls):
+    """The cast's column sums (dbias, a Linear's bias gradient) in every orientation and
+    alone: the casts, inverse scale and amax history bit for bit with the PyTorch path (the
+    sums change nothing else; float32 with both orientations: the two-launch case), the sums
+    as torch's ``x.sum(0)`` up to summation order (test_fp8_bias_grad's rule), in x's dtype,
+    the same bits on a second run (no atomics). 37 x 45 and 1000 x 3000 leave the tiles
+    ragged in both directions; 16400 rows make 129 row blocks, three steps of the second
+    pass."""
+    x = _fp8_input(shape, dtype)
+    if finite:
+        x = torch.nan_to_num(x.float(), nan=1.0, posinf=2e3, neginf=-7.0).to(dtype)
+    for rowwise, columnwise in ((True, True), (True, False), (False, True), (False, False)):
+        cast_calls.clear()
+        got, want = _quantize_with_and_without_kernels(monkeypatch, x, Format.E5M2, recipe,
+                                                       rowwise=rowwise, columnwise=columnwise,
+                                                       dbias=True)
+        assert len(cast_calls) == 1  # the kernels ran (once), the reference did not
+        for a, b, asked in zip(got[:2], want[:2], (rowwise, columnwise)):
+            if asked:
+                _assert_same_fp8(a, b)
+            else:
+                assert a is None and b is None
+        _assert_same_floats(got[2], want[2])  # inverse scale
+        _assert_same_floats(got[4], want[4])  # amax history
+        _assert_same_floats(want[3], x.sum(0))  # the PyTorch path: torch's sum
+        assert got[3].dtype == dtype and got[3].shape == (shape[1],)
+        assert_bias_grad_close(got[3], x)
+        again, _ = _quantize_with_and_without_kernels(monkeypatch, x, Format.E5M2, recipe,
+                                                      rowwise=rowwise, columnwise=columnwise,
+                                                      dbias=True)
+        assert torch.equal(again[3].view(torch.uint8), got[3].view(torch.uint8))
+
+
+@needs_cast_kernels
+@pytest.mark.skipif(not te.is_fp8_available(), reason="needs CUDA with FP8")
+@pytest.mark.parametrize("recipe, casts", [(DelayedScaling(), 1), (Float8CurrentScaling(), 2)],
+                         ids=["delayed", "current"])
+@pytest.mark.parametrize("frozen", [False, True], ids=["all-grads", "bias-grad-only"])
+def test_fp8_linear_backward_sums_the_bias_in_the_cast(recipe, casts, frozen, monkeypatch):
+    """The backward of an FP8 Linear with a bias launches no torch sum: the output gradient's
+    cast gives the bias gradient (the cast and its second pass; current scaling: the amax
+    pass too). With the weight frozen and an input without grad, the cast gives it alone."""
+    monkeypatch.setenv("TRANSFORMER_FA_TRITON_KERNELS", "1")
+    torch.manual_seed(0)
+    lin = te.Linear(1024, 768, params_dtype=torch.bfloat16, device="cuda")
+    lin.weight.requires_grad_(not frozen)
+    x = torch.randn(4, 256, 1024, device="cuda", dtype=torch.bfloat16,
+                    requires_grad=not frozen)
+    dy = torch.randn(4, 256, 768, device="cuda", dtype=torch.bfloat16)
+
+    def forward():
+        with te.fp8_autocast(fp8_recipe=recipe):
+            return lin(x)
+
+    forward().backward(dy)  # compiles the kernels
+    x.grad = None
+    lin.zero_grad(set_to_none=True)
+    out = forward()
+    backward = _gpu_kernels(lambda: out.backward(dy))
+    flat_dy = dy.reshape(-1, 768)
+    flat_dy.sum(0)
+    torch_sum = set(_gpu_kernels(lambda: flat_dy.sum(0)))  # the kernel the old backward ran
+    assert torch_sum and not torch_sum.intersection(backward), backward
+    assert sum(_SUM_PASS in name for name in backward) == 1, backward
+    assert sum("_cast_kernel" in name for name in backward) == casts, backward
+    assert_bias_grad_close(lin.bias.grad, dy)
+    assert (x.grad is None) == frozen and (lin.weight.grad is None) == frozen
 
 
 def _assert_same_scalar(a, b):
@@ -183,62 +261,76 @@ def test_delayed_inverse_scale_over_float32s_range(columnwise, monkeypatch, cast
     assert len(cast_calls) == len(scales)
 
 
+def _gpu_kernels(fn):
+    """The names of the GPU kernels fn() launches (run it once before: compiles)."""
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+_SUM_PASS = "_sum_row_blocks_kernel"  # the column sums' second pass (fp8_cast.py)
+
+
 @needs_cast_kernels
+@pytest.mark.parametrize("dbias", [False, True], ids=["cast", "cast-dbias"])
 @pytest.mark.parametrize("recipe, launches", [(DelayedScaling(), ["_cast_kernel"]),
                                               (Float8CurrentScaling(),
                                                ["fill", "_cast_kernel", "_cast_kernel"])],
                          ids=["delayed", "current"])
-def test_quantize_kernel_launches(recipe, launches, monkeypatch):
+def test_quantize_kernel_launches(recipe, launches, dbias, monkeypatch):
     """GPU kernels per quantization (bfloat16, with the transpose): delayed scaling the cast
     alone (it writes the inverse scale); current scaling the amax's zero fill, the amax pass
-    and the cast (which computes the scale from the amax)."""
+    and the cast (which computes the scale from the amax); the column sums add their second
+    pass, nothing else."""
     monkeypatch.setenv("TRANSFORMER_FA_TRITON_KERNELS", "1")
     x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
     history, scales = torch.zeros(1, 2, device="cuda"), torch.ones(2, device="cuda")
 
     def quantize():
         return fp8._quantize(x, Format.E4M3, 448.0, recipe, history, scales, 1,
-                             columnwise=True)
+                             columnwise=True, dbias=dbias)
 
     quantize()  # compiles the kernels
-    torch.cuda.synchronize()
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
-        quantize()
-        torch.cuda.synchronize()
-    on_gpu = [e.name for e in prof.events()
-              if e.device_type == torch.autograd.DeviceType.CUDA]
+    on_gpu = _gpu_kernels(quantize)
     # the amax's zero fill: torch's FillFunctor kernel
-    kinds = ["_cast_kernel" if "_cast_kernel" in name else "fill" if "fill" in name.lower()
-             else name for name in on_gpu]
-    assert sorted(kinds) == sorted(launches), on_gpu
+    kinds = ["_cast_kernel" if "_cast_kernel" in name else _SUM_PASS if _SUM_PASS in name
+             else "fill" if "fill" in name.lower() else name for name in on_gpu]
+    assert sorted(kinds) == sorted(launches + [_SUM_PASS] * dbias), on_gpu
 
 
 @needs_cast_kernels
-def test_cast_kernel_reads_strided_inputs(monkeypatch, cast_calls):
-    """Transposed and sliced views and a broadcast (stride-0) gradient, read in place."""
+@pytest.mark.parametrize("dbias", [False, True], ids=["cast", "cast-dbias"])
+def test_cast_kernel_reads_strided_inputs(dbias, monkeypatch, cast_calls):
+    """Transposed and sliced views and a broadcast (stride-0) gradient, read in place (and
+    their column sums)."""
     base = _fp8_input((1024, 768), torch.bfloat16).nan_to_num(0.0, 0.0, 0.0)
     views = (base.t(), base[:, 3:700:2], torch.full((1, 512), 3.0, device="cuda",
                                                     dtype=torch.bfloat16).expand(256, 512))
     for x in views:
         got, want = _quantize_with_and_without_kernels(
-            monkeypatch, x, Format.E5M2, Float8CurrentScaling(), rowwise=True, columnwise=True)
+            monkeypatch, x, Format.E5M2, Float8CurrentScaling(), rowwise=True, columnwise=True,
+            dbias=dbias)
         _assert_same_fp8(got[0], want[0])
         _assert_same_fp8(got[1], want[1])
+        if dbias:
+            assert_bias_grad_close(got[3], x)
     assert len(cast_calls) == len(views)
 
 
 @needs_cast_kernels
 def test_cast_kernel_in_a_cuda_graph(monkeypatch):
     """The kernels read the scale on the device: a captured cast follows new inputs and
-    scales on replay (delayed scaling: the amax history too)."""
+    scales on replay (delayed scaling: the amax history too; and the column sums)."""
     x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
     history = torch.zeros(1, 2, device="cuda")
     scales = torch.full((2,), 4.0, device="cuda")
 
     def cast():
         return fp8._quantize(x, Format.E4M3, 448.0, DelayedScaling(), history, scales, 1,
-                             columnwise=True)
+                             columnwise=True, dbias=True)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -262,6 +354,7 @@ def test_cast_kernel_in_a_cuda_graph(monkeypatch):
     _assert_same_floats(captured[2], want[2])
     _assert_same_floats(replayed_history, history)
     assert replayed_history[0, 1] == x.float().abs().max()
+    assert_bias_grad_close(captured[3], x)
 
 
 @needs_cast_kernels
@@ -274,7 +367,9 @@ def test_cast_kernel_in_a_cuda_graph(monkeypatch):
 def test_fp8_gemm_kernels_match_pytorch(params_dtype, recipe, monkeypatch, cast_calls):
     """Linear in FP8, three steps of forward and backward (and a frozen-weight and a
     no-input-grad step), with the kernels and with TRANSFORMER_FA_TRITON_KERNELS=0: equal
-    outputs, gradients, amax histories and scales, bit for bit."""
+    outputs, input and weight gradients, amax histories and scales, bit for bit; the bias
+    gradients (16-bit: the cast kernel's column sums, else torch's sum) by the
+    summation-order rule."""
     results = []
     for setting in ("1", "0"):
         monkeypatch.setenv("TRANSFORMER_FA_TRITON_KERNELS", setting)
@@ -287,8 +382,10 @@ def test_fp8_gemm_kernels_match_pytorch(params_dtype, recipe, monkeypatch, cast_
             x.requires_grad_(step != 4)
             with te.fp8_autocast(fp8_recipe=recipe):
                 out = lin(x)
-            out.backward(torch.randn_like(out))
-            got += [out, x.grad, lin.weight.grad, lin.bias.grad]
+            dy = torch.randn_like(out)
+            out.backward(dy)
+            got += [out, x.grad, lin.weight.grad]
+            assert_bias_grad_close(lin.bias.grad, dy)
             lin.zero_grad(set_to_none=True)
         meta = lin.fp8_meta
         got += [meta.amax_history_fwd, meta.scale_fwd, meta.amax_history_bwd, meta.scale_bwd]
@@ -385,7 +482,8 @@ def test_delayed_scale_update_kernel_of_strided_views(monkeypatch):
 def test_bias_in_the_fp8_gemm_epilogue_on_cuda(params_dtype, monkeypatch):
     """torch._scaled_mm adds the 16-bit bias in its epilogue: the output within one rounding
     of the separate add, the input and weight gradients equal, the bias's (a sum over the
-    tokens either way) within one rounding."""
+    tokens either way: the cast kernel's column sums or torch's sum) by the summation-order
+    rule."""
     x = torch.randn(4, 64, 256, device="cuda").to(params_dtype)
     dy = torch.randn(4, 64, 512, device="cuda").to(params_dtype)
     results = []
@@ -406,4 +504,5 @@ def test_bias_in_the_fp8_gemm_epilogue_on_cuda(params_dtype, monkeypatch):
     eps = torch.finfo(params_dtype).eps
     torch.testing.assert_close(out.float(), want.float(), rtol=eps, atol=eps)
     assert torch.equal(grads[0], want_grads[0]) and torch.equal(grads[1], want_grads[1])
-    torch.testing.assert_close(grads[2], want_grads[2], rtol=eps, atol=0)
+    for bias_grad in (grads[2], want_grads[2]):  # two steps: twice the sums (exactly)
+        assert_bias_grad_close(bias_grad / 2, dy)

@@ -15,6 +15,13 @@ NaN; the scale from an amax and the inverse scale with correctly rounded divisio
 is taken on the float bits: for non-negative floats the integer order is the float order,
 with NaN above inf, so a NaN propagates into the amax as in ``torch.amax``, and the integer
 atomic max is exact.
+
+It can also give the column sums of x (``dbias``: a Linear's bias gradient from its output
+gradient, which the backward casts anyway), as TE's cast+transpose+dbias does, without atomics
+so that the sums are deterministic: each row block writes its float32 column sums into a
+workspace, and a small second kernel adds the row blocks (in a fixed order) and rounds once to
+x's dtype. With dbias alone (no FP8 output) the kernel still records the amax and writes the
+inverse scale.
 """
 from typing import Optional, Tuple
 
@@ -26,10 +33,11 @@ from .fp8_scale_math import NO_FLUSH_TO_ZERO, div_rn, scale_from_amax
 
 
 @triton.jit
-def _cast_kernel(X, OUT, OUT_T, SCALE, SCALE_INV, AMAX_BITS, n_rows, n_cols, stride_r,
-                 stride_c, fp8_max, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
+def _cast_kernel(X, OUT, OUT_T, SCALE, SCALE_INV, AMAX_BITS, COL_SUMS, n_rows, n_cols,
+                 stride_r, stride_c, fp8_max, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
                  SCALE_FROM_AMAX: tl.constexpr, WRITE_SCALE_INV: tl.constexpr,
-                 RECORD_AMAX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                 RECORD_AMAX: tl.constexpr, DBIAS: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_C: tl.constexpr):
     # 64-bit offsets: rows * cols may pass 2**31
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -39,7 +47,12 @@ def _cast_kernel(X, OUT, OUT_T, SCALE, SCALE_INV, AMAX_BITS, n_rows, n_cols, str
     if RECORD_AMAX:
         bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |x|, masked lanes are 0
         tl.atomic_max(AMAX_BITS, tl.max(tl.max(bits, axis=1), axis=0))
-    if ROWWISE or COLUMNWISE:
+    if DBIAS:
+        # this row block's float32 column sums of x (masked lanes are 0): row program_id(0)
+        # of the [row blocks, n_cols] workspace
+        tl.store(COL_SUMS + tl.program_id(0).to(tl.int64) * n_cols + cols, tl.sum(x, axis=0),
+                 mask=cols < n_cols)
+    if ROWWISE or COLUMNWISE or WRITE_SCALE_INV:
         # the scalars as one-element blocks (the division helper takes blocks)
         one = tl.arange(0, 1)
         scale = tl.load(SCALE + one)
@@ -50,19 +63,42 @@ def _cast_kernel(X, OUT, OUT_T, SCALE, SCALE_INV, AMAX_BITS, n_rows, n_cols, str
         if WRITE_SCALE_INV:
             if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
                 tl.store(SCALE_INV + one, div_rn(tl.full([1], 1.0, tl.float32), scale))
-        scaled = tl.clamp(x * scale[:, None], -fp8_max, fp8_max,
-                          propagate_nan=tl.PropagateNan.ALL)
-        q = scaled.to(OUT.dtype.element_ty, fp_downcast_rounding="rtne")
-        if ROWWISE:
-            tl.store(OUT + rows[:, None] * n_cols + cols[None, :], q, mask=mask)
-        if COLUMNWISE:
-            tl.store(OUT_T + cols[None, :] * n_rows + rows[:, None], q, mask=mask)
+        if ROWWISE or COLUMNWISE:
+            scaled = tl.clamp(x * scale[:, None], -fp8_max, fp8_max,
+                              propagate_nan=tl.PropagateNan.ALL)
+            q = scaled.to(OUT.dtype.element_ty, fp_downcast_rounding="rtne")
+            if ROWWISE:
+                tl.store(OUT + rows[:, None] * n_cols + cols[None, :], q, mask=mask)
+            if COLUMNWISE:
+                tl.store(OUT_T + cols[None, :] * n_rows + rows[:, None], q, mask=mask)
+
+
+@triton.jit
+def _sum_row_blocks_kernel(COL_SUMS, OUT, n_blocks, n_cols, BLOCK_B: tl.constexpr,
+                           BLOCK_C: tl.constexpr):
+    """OUT = the workspace's column sums over its rows in float32, rounded once to OUT's
+    dtype. BLOCK_B rows per step, so that many loads are in flight (one row per step waits
+    out a load latency per row block)."""
+    cols = tl.program_id(0).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+    in_range = cols < n_cols
+    total = tl.zeros([BLOCK_C], tl.float32)
+    for start in range(0, n_blocks, BLOCK_B):
+        blocks = (start + tl.arange(0, BLOCK_B)).to(tl.int64)
+        mask = (blocks < n_blocks)[:, None] & in_range[None, :]
+        step = tl.load(COL_SUMS + blocks[:, None] * n_cols + cols[None, :], mask=mask,
+                       other=0.0)
+        total += tl.sum(step, axis=0)
+    tl.store(OUT + cols, total.to(OUT.dtype.element_ty), mask=in_range)
 
 
 # (BLOCK_R, BLOCK_C, num_warps): square tiles where a transpose is written (each tile's rows
-# and columns both make full 128-byte lines of FP8), wide row strips otherwise
+# and columns both make full 128-byte lines of FP8), wide row strips otherwise. The column
+# sums take the square tiles too: 128 rows per program keep their workspace at 1/32 of a
+# 16-bit x (16-row strips: 1/4).
 _TRANSPOSE_TILE = (128, 128, 8)
 _ROW_TILE = (16, 512, 8)
+# the second pass: (BLOCK_B, BLOCK_C, num_warps); one step covers 64 row blocks (8192 rows)
+_SUM_TILE = (64, 64, 4)
 
 
 def _check_scalar(x: torch.Tensor, scalar: torch.Tensor, name: str) -> None:
@@ -71,37 +107,57 @@ def _check_scalar(x: torch.Tensor, scalar: torch.Tensor, name: str) -> None:
                          f"{scalar.dtype} {list(scalar.shape)} on {scalar.device}")
 
 
-def _launch(x, out, out_t, scale, scale_from_amax, scale_inv, amax, fp8_max, tile) -> None:
+def _launch(x, out, out_t, scale, scale_from_amax, scale_inv, amax, fp8_max, tile,
+            dbias: bool = False) -> Optional[torch.Tensor]:
+    """One cast kernel; with ``dbias`` it returns its workspace of column sums, float32
+    [row blocks, n_cols]."""
     block_r, block_c, num_warps = tile
     rowwise = out is not None
     n_rows, n_cols = x.shape
     grid = (triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_c))
+    col_sums = (torch.empty((grid[0], n_cols), dtype=torch.float32, device=x.device)
+                if dbias else None)
     # pointers a variant does not use get a stand-in (the constexprs keep them unused); OUT
     # is always an FP8 output where there is one, as the kernel converts to OUT's dtype
     out = out_t if out is None else out
     _cast_kernel[grid](
         x, x if out is None else out, x if out_t is None else out_t,
         x if scale is None else scale, x if scale_inv is None else scale_inv,
-        x if amax is None else amax.view(torch.int32),
+        x if amax is None else amax.view(torch.int32), x if col_sums is None else col_sums,
         n_rows, n_cols, x.stride(0), x.stride(1), fp8_max,
         ROWWISE=rowwise, COLUMNWISE=out_t is not None, SCALE_FROM_AMAX=scale_from_amax,
-        WRITE_SCALE_INV=scale_inv is not None, RECORD_AMAX=amax is not None,
+        WRITE_SCALE_INV=scale_inv is not None, RECORD_AMAX=amax is not None, DBIAS=dbias,
         BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps, **NO_FLUSH_TO_ZERO)
+    return col_sums
+
+
+def _sum_row_blocks(col_sums: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The workspace's column sums over its row blocks, in ``dtype``."""
+    n_blocks, n_cols = col_sums.shape
+    block_b, block_c, num_warps = _SUM_TILE
+    out = torch.empty(n_cols, dtype=dtype, device=col_sums.device)
+    _sum_row_blocks_kernel[(triton.cdiv(n_cols, block_c),)](
+        col_sums, out, n_blocks, n_cols, BLOCK_B=block_b, BLOCK_C=block_c,
+        num_warps=num_warps)
+    return out
 
 
 def cast(x: torch.Tensor, scale: Optional[torch.Tensor], fp8_dtype: torch.dtype,
          fp8_max: float, rowwise: bool = True, columnwise: bool = False,
-         amax: Optional[torch.Tensor] = None, scale_from_amax: Optional[torch.Tensor] = None
-         ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor]:
-    """(row-major [M, N] or None, transposed [N, M] or None, inverse scale): ``fp8(clamp(x *
-    scale))`` of the 2D ``x``, in one read, and ``1 / scale`` as a 0-dim float32 tensor.
+         amax: Optional[torch.Tensor] = None, scale_from_amax: Optional[torch.Tensor] = None,
+         dbias: bool = False) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor],
+                                       torch.Tensor, Optional[torch.Tensor]]:
+    """(row-major [M, N] or None, transposed [N, M] or None, inverse scale, column sums [N] or
+    None): ``fp8(clamp(x * scale))`` of the 2D ``x``, in one read, ``1 / scale`` as a 0-dim
+    float32 tensor, and with ``dbias`` ``x.sum(0)`` in x's dtype (summed in float32, in a
+    fixed order: the same bits on every run).
     ``scale``: a float32 device scalar; or None and ``scale_from_amax``, x's amax (current
     scaling; fold_amax's): the kernel casts with ``fp8.compute_scale(amax, 1, fp8_max)``.
     ``amax``: a one-element float32 slot (e.g. ``history[0, i:i + 1]``) that gets
     ``max(amax, max|x|)`` in place."""
-    if not (rowwise or columnwise):
-        raise ValueError("cast: ask for rowwise and/or columnwise output (fold_amax gives "
-                         "the amax alone)")
+    if not (rowwise or columnwise or dbias):
+        raise ValueError("cast: ask for rowwise and/or columnwise output, or dbias "
+                         "(fold_amax gives the amax alone)")
     if (scale is None) == (scale_from_amax is None):
         raise ValueError("cast: give either scale or scale_from_amax (the amax of x), "
                          "not both or neither")
@@ -119,13 +175,15 @@ def cast(x: torch.Tensor, scale: Optional[torch.Tensor], fp8_dtype: torch.dtype,
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     if x.dtype == torch.float32 and rowwise and columnwise:
         # Both stores in one kernel gave wrong bytes from float32 inputs (Triton 3.6, sm90;
-        # bfloat16 and float16 inputs are right): two passes for float32.
+        # bfloat16 and float16 inputs are right): two passes for float32, the column sums in
+        # the second (its square tiles).
         _launch(x, out, None, source, from_amax, scale_inv, amax, fp8_max, _ROW_TILE)
-        _launch(x, None, out_t, source, from_amax, None, None, fp8_max, _TRANSPOSE_TILE)
+        col_sums = _launch(x, None, out_t, source, from_amax, None, None, fp8_max,
+                           _TRANSPOSE_TILE, dbias=dbias)
     else:
-        _launch(x, out, out_t, source, from_amax, scale_inv, amax, fp8_max,
-                _TRANSPOSE_TILE if columnwise else _ROW_TILE)
-    return out, out_t, scale_inv
+        col_sums = _launch(x, out, out_t, source, from_amax, scale_inv, amax, fp8_max,
+                           _TRANSPOSE_TILE if columnwise or dbias else _ROW_TILE, dbias=dbias)
+    return out, out_t, scale_inv, _sum_row_blocks(col_sums, x.dtype) if dbias else None
 
 
 def fold_amax(x: torch.Tensor, amax: torch.Tensor) -> None:
