@@ -64,11 +64,10 @@ def _save_gemm_operands(ctx, inp, weight, *others) -> None:
     ctx.inp_shape = inp.shape
 
 
-def _gemm_grads(ctx, grad2d: torch.Tensor):
+def _gemm_grads(ctx, grad2d: torch.Tensor, inp, weight):
     """(dx, dW) of x W^T from the [tokens, out_features] output gradient, the GEMMs autograd
     runs for F.linear over the flattened tokens (dx = g W, dW = g^T x); None where not
-    needed."""
-    inp, weight = ctx.saved_tensors[:2]
+    needed. (ctx.saved_tensors is read once per backward: checkpointing allows no more.)"""
     needs_dx, needs_dw = ctx.needs_input_grad[:2]
     dx = (grad2d @ weight).view(ctx.inp_shape) if needs_dx else None
     dw = grad2d.t() @ inp.reshape(-1, inp.shape[-1]) if needs_dw else None
@@ -94,7 +93,7 @@ class _LinearBiasGrad(torch.autograd.Function):
         from ..kernels.bias_grad import column_sum
 
         grad2d = _rows(grad)
-        return *_gemm_grads(ctx, grad2d), column_sum(grad2d)
+        return *_gemm_grads(ctx, grad2d, *ctx.saved_tensors), column_sum(grad2d)
 
 
 class _LinearGelu(torch.autograd.Function):
@@ -112,9 +111,9 @@ class _LinearGelu(torch.autograd.Function):
     def backward(ctx, grad):
         from ..kernels.bias_grad import dgelu_column_sum
 
-        pre_activation = ctx.saved_tensors[2]
+        inp, weight, pre_activation = ctx.saved_tensors
         grad_pre, grad_bias = dgelu_column_sum(_rows(grad), _rows(pre_activation))
-        return *_gemm_grads(ctx, grad_pre), grad_bias
+        return *_gemm_grads(ctx, grad_pre, inp, weight), grad_bias
 
 
 class _JoinRows(torch.autograd.Function):
