@@ -80,7 +80,7 @@ def _rows(grad: torch.Tensor) -> torch.Tensor:
 
 
 class _LinearBiasGrad(torch.autograd.Function):
-    """y = x W^T + b."""
+    """y = x W^T + b, the bias gradient summed by column_sum."""
 
     @staticmethod
     def forward(ctx, inp, weight, bias):
