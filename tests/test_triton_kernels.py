@@ -753,9 +753,9 @@ def test_bias_grad_refuses_bad_arguments():
         bias_grad.dgelu_column_sum(torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.int32))
 
 
-@pytest.fixture
-def functions_called(monkeypatch):
-    """The names of the bias-gradient Functions the modules apply ("linear", "gelu")."""
+def record_bias_grad_functions(monkeypatch):
+    """A list that gets the names of the bias-gradient Functions the modules apply
+    ("linear", "gelu")."""
     calls = []
     for name, function in (("linear", linear_module._LinearBiasGrad),
                            ("gelu", linear_module._LinearGelu)):
@@ -763,6 +763,11 @@ def functions_called(monkeypatch):
         monkeypatch.setattr(function, "apply",
                             lambda *a, name=name, real=real: calls.append(name) or real(*a))
     return calls
+
+
+@pytest.fixture
+def functions_called(monkeypatch):
+    return record_bias_grad_functions(monkeypatch)
 
 
 def test_bias_grad_gate(monkeypatch):

@@ -10,9 +10,8 @@ import torch
 import transformer_fa as te
 from transformer_fa import kernels
 from transformer_fa.attention.rope import apply_rotary_pos_emb
-from transformer_fa.module import linear as linear_module
 from transformer_fa.module.layernorm import apply_norm
-from test_triton_kernels import assert_as_accurate_as_torch  # noqa: E402 (tests/ on the path)
+from test_triton_kernels import assert_as_accurate_as_torch, record_bias_grad_functions
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -126,15 +125,8 @@ def test_rope_kernel_start_positions(tensor_format, monkeypatch):
 
 
 @pytest.fixture
-def bias_grad_calls(monkeypatch):
-    """The names of the bias-gradient Functions the modules apply ("linear", "gelu")."""
-    calls = []
-    for name, function in (("linear", linear_module._LinearBiasGrad),
-                           ("gelu", linear_module._LinearGelu)):
-        real = function.apply
-        monkeypatch.setattr(function, "apply",
-                            lambda *a, name=name, real=real: calls.append(name) or real(*a))
-    return calls
+def functions_called(monkeypatch):
+    return record_bias_grad_functions(monkeypatch)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -173,7 +165,7 @@ def test_dgelu_column_sum_kernel(dtype, shape):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("module_name", ["Linear", "LayerNormMLP", "LayerNormMLP-checkpoint"])
-def test_modules_through_bias_grad_functions(dtype, module_name, bias_grad_calls, monkeypatch):
+def test_modules_through_bias_grad_functions(dtype, module_name, functions_called, monkeypatch):
     """Outputs and gradients (input, weights, biases) with the bias-gradient Functions
     against the PyTorch path; a 3D input, frozen norm parameters."""
     torch.manual_seed(0)
@@ -193,7 +185,7 @@ def test_modules_through_bias_grad_functions(dtype, module_name, bias_grad_calls
                      dtype=dtype)
     params = [x, *module.parameters()]
     fused, reference = fused_and_reference(lambda *p: module(x), params, dy, monkeypatch)
-    assert bias_grad_calls == (["linear"] if module_name == "Linear" else
+    assert functions_called == (["linear"] if module_name == "Linear" else
                                ["gelu", "linear"] * (2 if "checkpoint" in module_name else 1))
     for a, b in zip(fused, reference, strict=True):
         assert_close(a, b, dtype)
@@ -244,7 +236,7 @@ def test_transformer_layer_backward_launches_no_bias_sums(monkeypatch):
     dict(normalization="LayerNorm"),
     dict(normalization="RMSNorm", activation="swiglu", zero_centered_gamma=True),
 ])
-def test_transformer_layer_with_kernels_matches_pytorch_path(config, bias_grad_calls,
+def test_transformer_layer_with_kernels_matches_pytorch_path(config, functions_called,
                                                              monkeypatch):
     """A bf16 TransformerLayer forward + backward (with RoPE), kernels on against off; the
     bias gradients through the column-sum Functions (fc1 + GELU as one)."""
@@ -268,7 +260,7 @@ def test_transformer_layer_with_kernels_matches_pytorch_path(config, bias_grad_c
                                            dy, monkeypatch)
     assert len(calls) >= 2, "the layer's norms did not take the kernel"
     gelu = config.get("activation", "gelu") == "gelu"
-    assert bias_grad_calls == ["linear", "linear"] + (["gelu"] if gelu else ["linear"]) \
+    assert functions_called == ["linear", "linear"] + (["gelu"] if gelu else ["linear"]) \
         + ["linear"]
     for a, b in zip(fused, reference, strict=True):
         assert_close(a, b, torch.bfloat16)
