@@ -413,10 +413,10 @@ class Bench:
         blocks = [("transformer_fa.TransformerLayer", tfa_layer, None, False)]
         blocks += [(f"transformer_fa.TransformerLayer, {name}", tfa_layer, recipe, False)
                    for name, recipe in recipes.items()]
-        if self.device == "cuda":
+        blocks.append(("torch (F.scaled_dot_product_attention)", TorchBlock, None, False))
+        if self.device == "cuda":  # last: a graph's memory pool may outlive its row
             blocks += [(f"transformer_fa.TransformerLayer, {name}, CUDA graph", tfa_layer,
                         recipe, True) for name, recipe in recipes.items()]
-        blocks.append(("torch (F.scaled_dot_product_attention)", TorchBlock, None, False))
         for model_name, block, recipe, graphed in blocks:
             rec = dict(model=model_name, dtype=str(dtype).split(".")[-1], layers=layers, b=b,
                        s=s, hidden=hidden, heads=heads, ffn=ffn, step_ms=None,

@@ -25,7 +25,6 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from . import KERNEL_DTYPES
-from .launch import fast
 
 # torch's constants of the tanh GELU backward (ActivationGeluKernel), as float32
 _BETA = tl.constexpr(math.sqrt(2.0) * (2.0 / math.sqrt(math.pi)) * 0.5)
@@ -153,12 +152,12 @@ def _column_sums(g: torch.Tensor, h: Optional[torch.Tensor], out_dtype: torch.dt
     out = torch.empty(n_cols, dtype=out_dtype, device=g.device)
     partial = out if chunks == 1 else torch.empty(chunks, n_cols, dtype=torch.float32,
                                                   device=g.device)
-    fast(_partial_column_sums_kernel)[(col_tiles, chunks)](
+    _partial_column_sums_kernel[(col_tiles, chunks)](
         g, g if h is None else h, g if dh is None else dh, partial, n_rows, n_cols,
         g.stride(0), 0 if h is None else h.stride(0), rows_per_chunk,
         DGELU=h is not None, BLOCK_R=block_r, BLOCK_C=_BLOCK_C, num_warps=_NUM_WARPS)
     if chunks > 1:
-        fast(_sum_partials_kernel)[(triton.cdiv(n_cols, _FINAL_BLOCK_C),)](
+        _sum_partials_kernel[(triton.cdiv(n_cols, _FINAL_BLOCK_C),)](
             partial, out, chunks, n_cols, BLOCK_P=min(_FINAL_BLOCK_P,
                                                       triton.next_power_of_2(chunks)),
             BLOCK_C=_FINAL_BLOCK_C, num_warps=4)
