@@ -18,6 +18,7 @@ import transformer_fa as te
 from transformer_fa import fp8, kernels
 from transformer_fa.attention.rope import apply_rotary_pos_emb
 from transformer_fa.common.recipe import DelayedScaling, Float8CurrentScaling, Format
+from transformer_fa.module import linear as linear_module
 from transformer_fa.module.layernorm import apply_norm
 from test_fp8_bias_grad import assert_bias_grad_close
 
@@ -25,6 +26,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 if not kernels.triton_available():
     pytest.skip("triton is not installed", allow_module_level=True)
 if INTERPRETED:
+    from transformer_fa.kernels import bias_grad
     from transformer_fa.kernels import norm as norm_kernels
     from transformer_fa.kernels import rope as rope_kernels  # noqa: F401
 interpreter_only = pytest.mark.skipif(not INTERPRETED,
@@ -774,3 +776,261 @@ def test_delayed_scale_update_refuses_bad_arguments():
     with pytest.raises(ValueError, match="history must be a float32"):
         fp8_scale.update_delayed_scaling(torch.zeros(4, 3, dtype=torch.float64), torch.ones(3),
                                          448.0, 0, False)
+
+
+# Bias gradients (kernels/bias_grad.py). The kernels sum in another order than torch's, so
+# their sums are not torch's bit for bit; they are held to torch's own accuracy instead.
+def assert_as_accurate_as_torch(got, torch_result, exact):
+    """The largest error of ``got`` against the float64 ``exact`` is at most twice torch's own
+    largest error plus 2 ulps of got's dtype at each value (the final rounding, which may go
+    the other way where torch's sum was a little off). A dropped or repeated row, a wrong
+    column or a sum of the wrong values is off by the values themselves, far outside."""
+    assert got.dtype == torch_result.dtype and got.shape == torch_result.shape == exact.shape
+    err = (got.double() - exact).abs()
+    torch_err = (torch_result.double() - exact).abs().max() if exact.numel() else 0.0
+    bound = 2 * torch_err + 2 * torch.finfo(got.dtype).eps * exact.abs()
+    worst = (err - bound).argmax() if exact.numel() else None
+    assert (err <= bound).all(), (
+        f"error {err.flatten()[worst].item():.3g} > bound {bound.flatten()[worst].item():.3g} "
+        f"(torch's largest error {float(torch_err):.3g})")
+
+
+def _gelu_backward(dy, h):
+    return torch.ops.aten.gelu_backward(dy, h, approximate="tanh")
+
+
+@pytest.fixture
+def bf16_rounds_to_nearest(monkeypatch):
+    """The interpreter converts float32 to bfloat16 by truncation; the GPU (cvt.rn) and torch
+    round to nearest even: model the GPU's conversion with torch's."""
+    real = triton_interpreter.InterpreterBuilder.cast_impl
+
+    def cast(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            data = torch.from_numpy(src.data.copy()).to(torch.bfloat16).view(torch.uint16)
+            return triton_interpreter.TensorHandle(data.numpy(), tl.bfloat16)
+        return real(self, src, dst_type)
+
+    monkeypatch.setattr(triton_interpreter.InterpreterBuilder, "cast_impl", cast)
+
+
+# (1, n): one row; 1000 x 300: several row chunks of several row blocks, and two column
+# tiles, the second ragged; 300 x 1: one column; 5 x 513: three column tiles, one row block
+_SUM_SHAPES = [(1, 7), (1, 300), (37, 256), (1000, 300), (5, 513), (300, 1)]
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _sum_input(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * 2 + 0.3).to(dtype)
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", _DTYPES)
+@pytest.mark.parametrize("shape", _SUM_SHAPES)
+def test_column_sum_as_accurate_as_torch(dtype, shape, bf16_rounds_to_nearest):
+    g = _sum_input(shape, dtype)
+    assert_as_accurate_as_torch(bias_grad.column_sum(g), g.sum(0), g.double().sum(0))
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", _DTYPES)
+@pytest.mark.parametrize("shape", _SUM_SHAPES)
+def test_dgelu_column_sum_as_accurate_as_torch(dtype, shape, bf16_rounds_to_nearest):
+    """dh against torch's gelu_backward and db against its sum, both against float64. The
+    kernel sums the float32 dh values before their rounding (torch sums the rounded dh)."""
+    dy = _sum_input(shape, dtype)
+    h = _sum_input(shape, dtype, seed=1) * 2  # into both tails of GELU
+    dh, db = bias_grad.dgelu_column_sum(dy, h)
+    exact = _gelu_backward(dy.double(), h.double())
+    reference = _gelu_backward(dy, h)
+    assert dh.is_contiguous()
+    assert_as_accurate_as_torch(dh, reference, exact)
+    assert_as_accurate_as_torch(db, reference.sum(0), exact.sum(0))
+
+
+@interpreter_only
+def test_column_sum_over_many_chunks(bf16_rounds_to_nearest, monkeypatch):
+    """More partial rows than the final pass reads at once (94 chunks of one 32-row block:
+    three steps, the last ragged), as on a GPU with many SMs."""
+    monkeypatch.setattr(bias_grad, "_target_programs", lambda device: 100)
+    g = _sum_input((3000, 7), torch.bfloat16)
+    assert bias_grad._row_chunks(3000, 7, 32, g.device) == (1, 32, 94)
+    assert_as_accurate_as_torch(bias_grad.column_sum(g), g.sum(0), g.double().sum(0))
+    dh, db = bias_grad.dgelu_column_sum(g, g)
+    assert_as_accurate_as_torch(db, _gelu_backward(g, g).sum(0),
+                                _gelu_backward(g.double(), g.double()).sum(0))
+
+
+@interpreter_only
+def test_column_sum_of_strided_views():
+    """A slice of wider rows and broadcast rows (stride 0) are read in place; a transposed
+    view (column stride > 1) is copied first."""
+    base = _sum_input((50, 300), torch.float32)
+    views = [base[:, 7:107], torch.ones(1, 40).expand(30, 40) * 3, base.t(), base[::3, ::2]]
+    for g in views:
+        assert_as_accurate_as_torch(bias_grad.column_sum(g), g.sum(0), g.double().sum(0))
+    dh, db = bias_grad.dgelu_column_sum(base[:, 7:107], base.t()[:100, :50].t())
+    reference = _gelu_backward(base[:, 7:107], base[:, :100])
+    assert_as_accurate_as_torch(db, reference.sum(0), _gelu_backward(
+        base[:, 7:107].double(), base[:, :100].double()).sum(0))
+
+
+@interpreter_only
+def test_bias_grad_of_empty_gradients():
+    assert torch.equal(bias_grad.column_sum(torch.zeros(0, 5)), torch.zeros(5))
+    dh, db = bias_grad.dgelu_column_sum(torch.zeros(0, 5), torch.zeros(0, 5))
+    assert dh.shape == (0, 5) and torch.equal(db, torch.zeros(5))
+
+
+@interpreter_only
+def test_bias_grad_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="g2d must be 2D"):
+        bias_grad.column_sum(torch.zeros(2, 3, 4))
+    with pytest.raises(TypeError, match="g2d must be float32, bfloat16 or float16"):
+        bias_grad.column_sum(torch.zeros(2, 3, dtype=torch.float64))
+    with pytest.raises(TypeError, match="g2d must be a torch.Tensor"):
+        bias_grad.column_sum([[1.0]])
+    with pytest.raises(ValueError, match="dy and h must have one shape"):
+        bias_grad.dgelu_column_sum(torch.zeros(2, 3), torch.zeros(3, 2))
+    with pytest.raises(TypeError, match="h must be float32"):
+        bias_grad.dgelu_column_sum(torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.int32))
+
+
+def record_bias_grad_functions(monkeypatch):
+    """A list that gets the names of the bias-gradient Functions the modules apply
+    ("linear", "gelu")."""
+    calls = []
+    for name, function in (("linear", linear_module._LinearBiasGrad),
+                           ("gelu", linear_module._LinearGelu)):
+        real = function.apply
+        monkeypatch.setattr(function, "apply",
+                            lambda *a, name=name, real=real: calls.append(name) or real(*a))
+    return calls
+
+
+@pytest.fixture
+def functions_called(monkeypatch):
+    return record_bias_grad_functions(monkeypatch)
+
+
+def test_bias_grad_gate(monkeypatch):
+    """use_bias_grad_kernels: a bias that needs a gradient, grad mode, one kernel dtype, no
+    torch.autocast, a non-empty input, and the kernels enabled (CUDA)."""
+    x, w = torch.randn(4, 8), torch.randn(3, 8)
+    b = torch.zeros(3, requires_grad=True)
+    assert not kernels.use_bias_grad_kernels(x, w, b)  # CPU tensors
+    monkeypatch.setattr(kernels, "kernels_enabled", lambda *tensors: True)
+    assert kernels.use_bias_grad_kernels(x, w, b)
+    assert kernels.use_bias_grad_kernels(x.half(), w.half(), b.detach().half().requires_grad_())
+    assert not kernels.use_bias_grad_kernels(x, w, None)
+    assert not kernels.use_bias_grad_kernels(x, w, b.detach())
+    assert not kernels.use_bias_grad_kernels(x.bfloat16(), w, b)
+    assert not kernels.use_bias_grad_kernels(x.double(), w.double(),
+                                             b.detach().double().requires_grad_())
+    assert not kernels.use_bias_grad_kernels(x[:0], w, b)
+    with torch.no_grad():
+        assert not kernels.use_bias_grad_kernels(x, w, b)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not kernels.use_bias_grad_kernels(x, w, b)
+
+
+def _forward_calls(module, x, calls, context=None):
+    calls.clear()
+    with context or torch.enable_grad():
+        module(x)
+    return list(calls)
+
+
+def test_modules_take_the_bias_grad_functions_only_where_they_apply(functions_called,
+                                                                     monkeypatch):
+    """Forward only (the parent has no interpreter): which Functions each module applies."""
+    monkeypatch.setattr(kernels, "kernels_enabled", lambda *tensors: True)
+    monkeypatch.setattr(kernels, "prefer_fused_norm", lambda hidden: False)
+    x = torch.randn(3, 2, 16)
+    calls = functions_called
+
+    def build(cls, *args, **kwargs):
+        torch.manual_seed(0)
+        return cls(*args, device="cpu", **kwargs)
+
+    linear = build(te.Linear, 16, 8)
+    assert _forward_calls(linear, x, calls) == ["linear"]
+    assert _forward_calls(linear, x, calls, torch.no_grad()) == []
+    assert _forward_calls(build(te.Linear, 16, 8, return_bias=True), x, calls) == []
+    assert _forward_calls(build(te.Linear, 16, 8, bias=False), x, calls) == []
+    linear.bias.requires_grad_(False)
+    assert _forward_calls(linear, x, calls) == []
+    assert _forward_calls(build(te.LayerNormLinear, 16, 8), x, calls) == ["linear"]
+    mlp = build(te.LayerNormMLP, 16, 32)
+    assert _forward_calls(mlp, x, calls) == ["gelu", "linear"]
+    assert _forward_calls(build(te.LayerNormMLP, 16, 32, checkpoint=True), x, calls) \
+        == ["gelu", "linear"]
+    assert _forward_calls(build(te.LayerNormMLP, 16, 32, return_bias=True), x, calls) \
+        == ["gelu"]
+    assert _forward_calls(build(te.LayerNormMLP, 16, 32, activation="swiglu"), x, calls) \
+        == ["linear", "linear"]
+    assert _forward_calls(build(te.LayerNormMLP, 16, 32, activation="relu"), x, calls) \
+        == ["linear", "linear"]
+    mlp.fc1_bias.requires_grad_(False)
+    assert _forward_calls(mlp, x, calls) == ["linear"]
+    layer = build(te.TransformerLayer, 16, 32, 2, hidden_dropout=0.0, attention_dropout=0.0)
+    assert _forward_calls(layer, x, calls) == ["linear", "linear", "gelu", "linear"]
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(), None], ids=["fp8", "calibrating"])
+def test_fp8_gemms_keep_their_path(recipe, functions_called, monkeypatch):
+    """Under FP8 autocast (or calibration) the GEMMs are fp8.fp8_matmul's, bias included."""
+    monkeypatch.setattr(kernels, "use_bias_grad_kernels", lambda *args: True)
+    monkeypatch.setattr(kernels, "kernels_enabled", lambda *tensors: False)  # fp8 casts
+    monkeypatch.setenv("TRANSFORMER_FA_FP8_ON_CPU", "1")
+    x = torch.randn(16, 2, 64, dtype=torch.bfloat16)
+    for cls in (te.Linear, te.LayerNormMLP):
+        module = cls(64, 64, device="cpu", params_dtype=torch.bfloat16)
+        context = te.fp8_autocast(enabled=recipe is not None, calibrating=recipe is None,
+                                  fp8_recipe=recipe)
+        assert _forward_calls(module, x, functions_called, context) == []
+
+
+def _module_cases():
+    kwargs = dict(device="cpu")
+    return {
+        "Linear": lambda: te.Linear(24, 20, **kwargs),
+        "Linear-split": lambda: te.Linear(24, 20, parameters_split=("a", "b"), **kwargs),
+        "LayerNormLinear": lambda: te.LayerNormLinear(24, 20, **kwargs),
+        "LayerNormMLP": lambda: te.LayerNormMLP(24, 40, **kwargs),
+        "LayerNormMLP-checkpoint": lambda: te.LayerNormMLP(24, 40, checkpoint=True, **kwargs),
+        "LayerNormMLP-swiglu": lambda: te.LayerNormMLP(24, 40, activation="swiglu", **kwargs),
+        "TransformerLayer": lambda: te.TransformerLayer(24, 40, 2, hidden_dropout=0.0,
+                                                        attention_dropout=0.0, **kwargs),
+    }
+
+
+@interpreter_only
+@pytest.mark.parametrize("case", list(_module_cases()))
+@pytest.mark.parametrize("needs", ["all", "no-input-grad", "frozen-weights"])
+def test_module_gradients_through_bias_grad_functions(case, needs, functions_called,
+                                                      bf16_rounds_to_nearest, monkeypatch):
+    """float32 outputs and gradients through the Functions (kernels interpreted) against the
+    PyTorch path: equal up to the bias sums' order. A 3D input and a non-contiguous output
+    gradient; an input without grad (no dx), frozen weights (no dW, bias grads only)."""
+    torch.manual_seed(0)
+    module = _module_cases()[case]()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    if needs == "frozen-weights":
+        for name, p in module.named_parameters():
+            p.requires_grad_("bias" in name)
+    x = torch.randn(5, 3, 24, requires_grad=needs != "no-input-grad")
+    dy = torch.randn(3, 5, module(x).shape[-1]).transpose(0, 1)  # non-contiguous
+    params = [x, *module.parameters()]
+    results = []
+    for enabled in (True, False):
+        functions_called.clear()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(kernels, "kernels_enabled", lambda *tensors: enabled)
+            patch.setattr(kernels, "prefer_fused_norm", lambda hidden: False)
+            results.append(_run(lambda *p: module(x), params, dy))
+        assert bool(functions_called) == enabled
+    _assert_close(*results, torch.float32)

@@ -1,6 +1,9 @@
 """The Triton kernels (transformer_fa/kernels) on CUDA against the PyTorch paths they
-replace, at real sizes: norms and RoPE forward and backward in fp32/bf16/fp16, and a
+replace, at real sizes: norms and RoPE forward and backward in fp32/bf16/fp16, the bias
+gradients (column sums, GELU's backward with them) and the modules that use them, and a
 TransformerLayer step with the kernels on and off (TRANSFORMER_FA_TRITON_KERNELS=0)."""
+import math
+
 import pytest
 import torch
 
@@ -8,6 +11,7 @@ import transformer_fa as te
 from transformer_fa import kernels
 from transformer_fa.attention.rope import apply_rotary_pos_emb
 from transformer_fa.module.layernorm import apply_norm
+from test_triton_kernels import assert_as_accurate_as_torch, record_bias_grad_functions
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -120,12 +124,122 @@ def test_rope_kernel_start_positions(tensor_format, monkeypatch):
         assert_close(a, b, torch.bfloat16)
 
 
+@pytest.fixture
+def functions_called(monkeypatch):
+    return record_bias_grad_functions(monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(8192, 2048), (8192, 6144), (8192, 8192), (8191, 3000),
+                                   (1, 4096), (100000, 64)])
+def test_column_sum_kernel(dtype, shape):
+    """g.sum(0) as accurate as torch's (tests/test_triton_kernels.py states the rule), and the
+    same bits on a second call (no atomics)."""
+    from transformer_fa.kernels.bias_grad import column_sum
+
+    g = torch.Generator(device="cuda").manual_seed(shape[1])
+    x = (torch.randn(*shape, device="cuda", generator=g) * 2 + 0.3).to(dtype)
+    got = column_sum(x)
+    assert_as_accurate_as_torch(got, x.sum(0), x.double().sum(0))
+    assert torch.equal(column_sum(x), got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(8192, 2048), (8192, 8192), (8191, 3000)])
+def test_dgelu_column_sum_kernel(dtype, shape):
+    """dh against torch's gelu_backward (tanh) and db against the sum of it, both as accurate
+    as torch's against float64; the same bits on a second call."""
+    from transformer_fa.kernels.bias_grad import dgelu_column_sum
+
+    g = torch.Generator(device="cuda").manual_seed(shape[1])
+    dy = torch.randn(*shape, device="cuda", generator=g).to(dtype)
+    h = (torch.randn(*shape, device="cuda", generator=g) * 3).to(dtype)
+    dh, db = dgelu_column_sum(dy, h)
+    reference = torch.ops.aten.gelu_backward(dy, h, approximate="tanh")
+    exact = torch.ops.aten.gelu_backward(dy.double(), h.double(), approximate="tanh")
+    assert_as_accurate_as_torch(dh, reference, exact)
+    assert_as_accurate_as_torch(db, reference.sum(0), exact.sum(0))
+    again = dgelu_column_sum(dy, h)
+    assert torch.equal(again[0], dh) and torch.equal(again[1], db)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("module_name", ["Linear", "LayerNormMLP", "LayerNormMLP-checkpoint"])
+def test_modules_through_bias_grad_functions(dtype, module_name, functions_called, monkeypatch):
+    """Outputs and gradients (input, weights, biases) with the bias-gradient Functions
+    against the PyTorch path; a 3D input, frozen norm parameters."""
+    torch.manual_seed(0)
+    kwargs = dict(params_dtype=dtype, device="cuda")
+    module = {
+        "Linear": lambda: te.Linear(1024, 3072, **kwargs),
+        "LayerNormMLP": lambda: te.LayerNormMLP(1024, 4096, **kwargs),
+        "LayerNormMLP-checkpoint": lambda: te.LayerNormMLP(1024, 4096, checkpoint=True,
+                                                           **kwargs),
+    }[module_name]()
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+            p.requires_grad_("layer_norm" not in name)
+    x = torch.randn(1024, 4, 1024, device="cuda", dtype=dtype, requires_grad=True)
+    dy = torch.randn(1024, 4, 1024 if "MLP" in module_name else 3072, device="cuda",
+                     dtype=dtype)
+    params = [x, *module.parameters()]
+    fused, reference = fused_and_reference(lambda *p: module(x), params, dy, monkeypatch)
+    assert functions_called == (["linear"] if module_name == "Linear" else
+                               ["gelu", "linear"] * (2 if "checkpoint" in module_name else 1))
+    for a, b in zip(fused, reference, strict=True):
+        assert_close(a, b, dtype)
+
+
+def _bias_grad_ops(prof, tokens, widths):
+    """aten::sum calls over a [tokens, width] gradient (bias gradients), aten::gelu_backward
+    calls, GELU-backward GPU kernels, and launches of the column-sum kernel."""
+    events = list(prof.events())
+    sums = [e for e in events if e.name == "aten::sum" and e.input_shapes
+            and e.input_shapes[0] and e.input_shapes[0][-1] in widths
+            and math.prod(e.input_shapes[0][:-1]) == tokens]
+    on_gpu = [e.name for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    return (len(sums), sum(e.name == "aten::gelu_backward" for e in events),
+            sum("gelubackward" in name.lower().replace("_", "") for name in on_gpu),
+            sum("_partial_column_sums_kernel" in name for name in on_gpu))
+
+
+def test_transformer_layer_backward_launches_no_bias_sums(monkeypatch):
+    """With the kernels, a TransformerLayer backward sums no bias gradient with aten::sum and
+    runs no gelu_backward: its 4 bias gradients (qkv, proj, fc1 with GELU's backward, fc2)
+    are the column-sum kernel's. Without them (so the check can fail): the 4 sums and the
+    GELU backward. (2048 tokens: not the norm kernel's 4 * SMs partial rows, which aten::sum adds
+    up with the kernels on.)"""
+    torch.manual_seed(0)
+    s, b, hidden, ffn = 1024, 2, 1024, 4096
+    layer = te.TransformerLayer(hidden, ffn, 16, hidden_dropout=0.0, attention_dropout=0.0,
+                                params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(s, b, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    counts = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("TRANSFORMER_FA_TRITON_KERNELS", setting)
+        layer(x).backward(dy)  # compiles the kernels
+        out = layer(x)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
+            out.backward(dy)
+            torch.cuda.synchronize()
+        counts[setting] = _bias_grad_ops(prof, s * b, {3 * hidden, hidden, ffn})
+    assert counts["1"] == (0, 0, 0, 4), counts
+    sums, gelu_ops, gelu_kernels, column_sums = counts["0"]
+    assert sums >= 4 and gelu_ops >= 1 and gelu_kernels >= 1 and column_sums == 0, counts
+
+
 @pytest.mark.parametrize("config", [
     dict(normalization="LayerNorm"),
     dict(normalization="RMSNorm", activation="swiglu", zero_centered_gamma=True),
 ])
-def test_transformer_layer_with_kernels_matches_pytorch_path(config, monkeypatch):
-    """A bf16 TransformerLayer forward + backward (with RoPE), kernels on against off."""
+def test_transformer_layer_with_kernels_matches_pytorch_path(config, functions_called,
+                                                             monkeypatch):
+    """A bf16 TransformerLayer forward + backward (with RoPE), kernels on against off; the
+    bias gradients through the column-sum Functions (fc1 + GELU as one)."""
     torch.manual_seed(0)
     layer = te.TransformerLayer(1024, 4096, 16, hidden_dropout=0.0, attention_dropout=0.0,
                                 params_dtype=torch.bfloat16, device="cuda", **config)
@@ -145,6 +259,9 @@ def test_transformer_layer_with_kernels_matches_pytorch_path(config, monkeypatch
     fused, reference = fused_and_reference(lambda *p: layer(x, rotary_pos_emb=freqs), params,
                                            dy, monkeypatch)
     assert len(calls) >= 2, "the layer's norms did not take the kernel"
+    gelu = config.get("activation", "gelu") == "gelu"
+    assert functions_called == ["linear", "linear"] + (["gelu"] if gelu else ["linear"]) \
+        + ["linear"]
     for a, b in zip(fused, reference, strict=True):
         assert_close(a, b, torch.bfloat16)
 

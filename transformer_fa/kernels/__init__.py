@@ -1,12 +1,13 @@
-"""Triton kernels for the elementwise work of a transformer layer (norms, RoPE, FP8 casts).
+"""Triton kernels for the elementwise work of a transformer layer (norms, RoPE, FP8 casts,
+bias gradients).
 
 They run on CUDA tensors when ``triton`` imports; everywhere else (CPUs, no triton, inside
 torch.compile, which fuses the PyTorch code itself) the PyTorch code of the modules runs, and
 it stays the reference the kernels are tested against. ``TRANSFORMER_FA_TRITON_KERNELS=0`` turns the
 kernels off (read on every call, like the NVTE_* switches).
 
-The kernel modules (``norm``, ``rope``, ``fp8_cast``, ``fp8_scale``) import triton at the top: import them only after
-``triton_available()``.
+The kernel modules (``norm``, ``rope``, ``fp8_cast``, ``fp8_scale``, ``bias_grad``) import
+triton at the top: import them only after ``triton_available()``.
 """
 import functools
 import os
@@ -61,6 +62,17 @@ def use_fused_rope(t: torch.Tensor, freqs: torch.Tensor) -> bool:
     """The kernel gives no gradient for freqs (as TE's) and computes angles in float32."""
     return (t.dtype in KERNEL_DTYPES and freqs.dtype == torch.float32
             and not freqs.requires_grad and t.numel() > 0 and kernels_enabled(t, freqs))
+
+
+def use_bias_grad_kernels(inp: torch.Tensor, weight: torch.Tensor, bias) -> bool:
+    """Whether ``x W^T + b`` takes the Functions whose backward sums the bias gradient with the
+    column-sum kernels (module/linear.py): a bias that needs a gradient, grad mode on, input,
+    weight and bias of one kernel dtype, no torch.autocast (it casts inside F.linear, where
+    the Functions' backward would not see it)."""
+    return (bias is not None and kernels_enabled(inp, weight, bias) and bias.requires_grad
+            and torch.is_grad_enabled() and inp.dtype in KERNEL_DTYPES
+            and inp.dtype == weight.dtype == bias.dtype and inp.numel() > 0
+            and not torch.is_autocast_enabled(inp.device.type))
 
 
 def use_fp8_cast(x: torch.Tensor, *state: torch.Tensor) -> bool:

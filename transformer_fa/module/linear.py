@@ -9,9 +9,10 @@ from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint as recompute_in_backward
 
-from .. import fp8, parallel
+from .. import fp8, kernels, parallel
 from ._common import (
     FollowsParamsDtype,
     check_device,
@@ -22,7 +23,7 @@ from ._common import (
     pack_outputs,
     resolve_dtype,
 )
-from .activations import get_activation
+from .activations import gelu, get_activation
 from .layernorm import apply_norm, make_norm_params
 
 
@@ -38,6 +39,8 @@ def parallel_linear(inp, weight, bias, return_bias=False, row_group=None,
     if not return_bias and row_group is None:  # the bias goes into the GEMM
         if quantized:
             return fp8.fp8_matmul(inp, weight, fp8_meta, gemm, bias=bias), None
+        if kernels.use_bias_grad_kernels(inp, weight, bias):
+            return _LinearBiasGrad.apply(inp, weight, bias), None
         return F.linear(inp, weight, bias), None
     out = fp8.fp8_matmul(inp, weight, fp8_meta, gemm) if quantized else F.linear(inp, weight)
     if row_group is not None:
@@ -47,6 +50,70 @@ def parallel_linear(inp, weight, bias, return_bias=False, row_group=None,
     if return_bias:
         return out, bias.to(out.dtype)
     return out + bias, None
+
+
+# The Functions below compute x W^T + b as F.linear does (the bias in cuBLAS's epilogue) and
+# its input and weight gradients with autograd's GEMMs, but the bias gradient, autograd's
+# g.sum(0) at about half of the memory bandwidth, with the column-sum kernels (TE's dbias).
+# kernels.use_bias_grad_kernels says where they serve.
+
+def _save_gemm_operands(ctx, inp, weight, *others) -> None:
+    """What x W^T's gradients read, as autograd keeps them: x for dW, W for dx."""
+    needs_dx, needs_dw = ctx.needs_input_grad[:2]
+    ctx.save_for_backward(inp if needs_dw else None, weight if needs_dx else None, *others)
+    ctx.inp_shape = inp.shape
+
+
+def _gemm_grads(ctx, grad2d: torch.Tensor, inp, weight):
+    """(dx, dW) of x W^T from the [tokens, out_features] output gradient, the GEMMs autograd
+    runs for F.linear over the flattened tokens (dx = g W, dW = g^T x); None where not
+    needed. (ctx.saved_tensors is read once per backward: checkpointing allows no more.)"""
+    needs_dx, needs_dw = ctx.needs_input_grad[:2]
+    dx = (grad2d @ weight).view(ctx.inp_shape) if needs_dx else None
+    dw = grad2d.t() @ inp.reshape(-1, inp.shape[-1]) if needs_dw else None
+    return dx, dw
+
+
+def _rows(grad: torch.Tensor) -> torch.Tensor:
+    """The output gradient as a contiguous [tokens, features] matrix."""
+    return grad.reshape(-1, grad.shape[-1]).contiguous()
+
+
+class _LinearBiasGrad(torch.autograd.Function):
+    """y = x W^T + b, the bias gradient summed by column_sum."""
+
+    @staticmethod
+    def forward(ctx, inp, weight, bias):
+        _save_gemm_operands(ctx, inp, weight)
+        return F.linear(inp, weight, bias)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        from ..kernels.bias_grad import column_sum
+
+        grad2d = _rows(grad)
+        return *_gemm_grads(ctx, grad2d, *ctx.saved_tensors), column_sum(grad2d)
+
+
+class _LinearGelu(torch.autograd.Function):
+    """y = gelu(x W^T + b) (tanh GELU): the backward computes GELU's gradient and the bias
+    gradient in one pass over the gradient and the saved GEMM output (TE's dgelu + dbias)."""
+
+    @staticmethod
+    def forward(ctx, inp, weight, bias):
+        pre_activation = F.linear(inp, weight, bias)
+        _save_gemm_operands(ctx, inp, weight, pre_activation)
+        return gelu(pre_activation)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        from ..kernels.bias_grad import dgelu_column_sum
+
+        inp, weight, pre_activation = ctx.saved_tensors
+        grad_pre, grad_bias = dgelu_column_sum(_rows(grad), _rows(pre_activation))
+        return *_gemm_grads(ctx, grad_pre, inp, weight), grad_bias
 
 
 class _JoinRows(torch.autograd.Function):
@@ -459,15 +526,21 @@ class LayerNormMLP(_FP8State, _TensorParallel, FollowsParamsDtype, torch.nn.Modu
         if self.set_parallel_mode:
             gathered = parallel.column_parallel_input(ln_out, self.tp_group,
                                                       self.sequence_parallel)
-        fc1_out, _ = parallel_linear(gathered, self.fc1_weight, self.fc1_bias,
-                                     fp8_meta=self.fp8_meta, gemm=0)
-        hidden = self.activation_fn(fc1_out)
+        hidden = self._fc1_and_activation(gathered)
         row_group = self.tp_group if self.set_parallel_mode else None
         out, bias = parallel_linear(hidden, self.fc2_weight, self.fc2_bias, self.return_bias,
                                     row_group, self.sequence_parallel, self.fp8_meta, gemm=1)
         if self.return_layernorm_output_gathered:
             ln_out = gathered
         return pack_outputs(out, bias, ln_out, self.return_bias, self.return_layernorm_output)
+
+    def _fc1_and_activation(self, inp: torch.Tensor) -> torch.Tensor:
+        if (self.activation == "gelu" and not fp8.fp8_active()
+                and kernels.use_bias_grad_kernels(inp, self.fc1_weight, self.fc1_bias)):
+            return _LinearGelu.apply(inp, self.fc1_weight, self.fc1_bias)
+        fc1_out, _ = parallel_linear(inp, self.fc1_weight, self.fc1_bias,
+                                     fp8_meta=self.fp8_meta, gemm=0)
+        return self.activation_fn(fc1_out)
 
     def extra_repr(self) -> str:
         return (

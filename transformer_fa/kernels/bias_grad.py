@@ -1,0 +1,192 @@
+"""Bias gradients in Triton: column sums of a 2D gradient, and GELU's backward fused with the
+bias gradient of the GEMM before it.
+
+A linear layer's bias gradient is its output gradient summed over the tokens: ``g.sum(0)`` of
+the ``[tokens, features]`` gradient. A program sums ``BLOCK_C`` columns over a chunk of rows,
+``BLOCK_R`` rows at a time, into a float32 ``[BLOCK_R, BLOCK_C]`` accumulator (reduced over
+its rows once, at the end), and writes one float32 row of partial sums; a second kernel adds
+the partial rows up in order and rounds once to the output dtype (a single chunk writes the
+result directly). No atomics: the result depends only on the shape and the GPU's SM count,
+which sets the chunks.
+
+``dgelu_column_sum`` reads dy and GELU's input h in the same pass, writes dh = dy * gelu'(h)
+(torch's tanh-approximation formula, in float32) in h's dtype and sums the float32 dh values,
+before their rounding, into the bias gradient (as TE's dgelu + dbias kernel): one read of dy
+and h instead of gelu_backward's, then the sum's second read of dh.
+"""
+import functools
+import math
+import os
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from . import KERNEL_DTYPES
+
+# torch's constants of the tanh GELU backward (ActivationGeluKernel), as float32
+_BETA = tl.constexpr(math.sqrt(2.0) * (2.0 / math.sqrt(math.pi)) * 0.5)
+_KAPPA = tl.constexpr(0.044715)
+_THREE_KAPPA = tl.constexpr((torch.tensor(3.0) * torch.tensor(0.044715)).item())  # in float32
+
+
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    @triton.jit
+    def _tanh(x):
+        """The interpreter has no libdevice: tanh from exp(-2|x|) <= 1 (absolute error about
+        float32's eps, also near +-1), for the CPU tests; the GPU runs libdevice's tanhf,
+        as torch's kernel does."""
+        e = tl.exp(-2.0 * tl.abs(x))
+        t = (1.0 - e) / (1.0 + e)
+        return tl.where(x < 0, -t, t)
+else:
+    @triton.jit
+    def _tanh(x):
+        return libdevice.tanh(x)
+
+
+@triton.jit
+def _gelu_tanh_grad(dy, x):
+    """dy * gelu'(x) for gelu(x) = x/2 (1 + tanh(beta (x + kappa x^3))), in torch's steps."""
+    # (the tensor operand first: the interpreter keeps constexpr * tensor a constexpr;
+    # the products are the same, IEEE multiplication commutes)
+    x_sq = x * x
+    x_cube = x_sq * x
+    tanh_inner = _tanh((x + x_cube * _KAPPA) * _BETA)
+    left = 0.5 * x
+    left_derivative = 0.5 * (1.0 + tanh_inner)
+    tanh_derivative = 1.0 - tanh_inner * tanh_inner
+    inner_derivative = (1.0 + x_sq * _THREE_KAPPA) * _BETA
+    right_derivative = left * tanh_derivative * inner_derivative
+    return dy * (left_derivative + right_derivative)
+
+
+@triton.jit
+def _partial_column_sums_kernel(G, H, DH, PARTIAL, n_rows, n_cols, stride_g, stride_h,
+                                rows_per_program, DGELU: tl.constexpr,
+                                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """PARTIAL[chunk, cols] = the sum over the chunk's rows of G (DGELU: of dgelu(G, H),
+    also written to DH)."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < n_cols
+    chunk = tl.program_id(1).to(tl.int64)  # 64-bit offsets: rows * cols may pass 2**31
+    first = chunk * rows_per_program
+    end = tl.minimum(first + rows_per_program, n_rows)
+    acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for start in range(first, end, BLOCK_R):
+        rows = start + tl.arange(0, BLOCK_R)
+        mask = (rows < end)[:, None] & col_mask[None, :]
+        g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        if DGELU:
+            h = tl.load(H + rows[:, None] * stride_h + cols[None, :], mask=mask,
+                        other=0.0).to(tl.float32)
+            g = _gelu_tanh_grad(g, h)  # 0 where masked (dy = 0)
+            tl.store(DH + rows[:, None] * n_cols + cols[None, :], g.to(DH.dtype.element_ty),
+                     mask=mask)
+        acc += g
+    tl.store(PARTIAL + chunk * n_cols + cols, tl.sum(acc, axis=0).to(PARTIAL.dtype.element_ty),
+             mask=col_mask)
+
+
+@triton.jit
+def _sum_partials_kernel(PARTIAL, OUT, n_partials, n_cols, BLOCK_P: tl.constexpr,
+                         BLOCK_C: tl.constexpr):
+    """OUT[cols] = the float32 sum of PARTIAL's rows, in a fixed order, rounded once."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < n_cols
+    acc = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
+    for start in range(0, n_partials, BLOCK_P):
+        rows = start + tl.arange(0, BLOCK_P)
+        mask = (rows < n_partials)[:, None] & col_mask[None, :]
+        acc += tl.load(PARTIAL + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
+    tl.store(OUT + cols, tl.sum(acc, axis=0).to(OUT.dtype.element_ty), mask=col_mask)
+
+
+# Tiles of 16 KiB of 2-byte input (32 rows x 256 columns, 8 warps: four 16-byte loads per
+# thread in flight per step), the same bytes of float32; the partial-sum pass reads at most
+# 32 partial rows a step.
+_BLOCK_C = 256
+_BLOCK_R = {2: 32, 4: 16}
+_NUM_WARPS = 8
+_FINAL_BLOCK_C = 128
+_FINAL_BLOCK_P = 32
+# Programs per SM to aim for: two fit at once (8 warps, the float32 accumulator), and a few
+# waves keep the SMs busy to the end.
+_PROGRAMS_PER_SM = 4
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _target_programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None
+                                            else torch.cuda.current_device())
+    return 8  # the Triton interpreter on CPU (tests): a few chunks, several rows each
+
+
+def _row_chunks(n_rows: int, n_cols: int, block_r: int, device: torch.device
+                ) -> Tuple[int, int, int]:
+    """(column tiles, rows per chunk (a multiple of block_r), chunks): about
+    _target_programs programs in all, each over whole row blocks."""
+    col_tiles = triton.cdiv(n_cols, _BLOCK_C)
+    chunks = max(1, min(_target_programs(device) // col_tiles, triton.cdiv(n_rows, block_r)))
+    rows_per_chunk = triton.cdiv(triton.cdiv(n_rows, chunks), block_r) * block_r
+    return col_tiles, rows_per_chunk, triton.cdiv(n_rows, rows_per_chunk)
+
+
+def _column_sums(g: torch.Tensor, h: Optional[torch.Tensor], out_dtype: torch.dtype
+                 ) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+    """(dgelu(g, h) or None, the column sums of g or of dgelu(g, h)) of 2D g (and h)."""
+    n_rows, n_cols = g.shape
+    dh = None if h is None else torch.empty((n_rows, n_cols), dtype=h.dtype, device=g.device)
+    if n_rows == 0 or n_cols == 0:
+        return dh, torch.zeros(n_cols, dtype=out_dtype, device=g.device)
+    block_r = _BLOCK_R[max(g.element_size(), 1 if h is None else h.element_size())]
+    col_tiles, rows_per_chunk, chunks = _row_chunks(n_rows, n_cols, block_r, g.device)
+    out = torch.empty(n_cols, dtype=out_dtype, device=g.device)
+    partial = out if chunks == 1 else torch.empty(chunks, n_cols, dtype=torch.float32,
+                                                  device=g.device)
+    _partial_column_sums_kernel[(col_tiles, chunks)](
+        g, g if h is None else h, g if dh is None else dh, partial, n_rows, n_cols,
+        g.stride(0), 0 if h is None else h.stride(0), rows_per_chunk,
+        DGELU=h is not None, BLOCK_R=block_r, BLOCK_C=_BLOCK_C, num_warps=_NUM_WARPS)
+    if chunks > 1:
+        _sum_partials_kernel[(triton.cdiv(n_cols, _FINAL_BLOCK_C),)](
+            partial, out, chunks, n_cols, BLOCK_P=min(_FINAL_BLOCK_P,
+                                                      triton.next_power_of_2(chunks)),
+            BLOCK_C=_FINAL_BLOCK_C, num_warps=4)
+    return dh, out
+
+
+def _check_2d(t, name: str) -> torch.Tensor:
+    """t as a 2D tensor of a kernel dtype whose rows are read with unit column stride."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2D [rows, cols], got shape {tuple(t.shape)}")
+    if t.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def column_sum(g2d: torch.Tensor) -> torch.Tensor:
+    """``g2d.sum(0)`` in g2d's dtype, summed in float32 and rounded once; deterministic."""
+    g2d = _check_2d(g2d, "g2d")
+    return _column_sums(g2d, None, g2d.dtype)[1]
+
+
+def dgelu_column_sum(dy: torch.Tensor, h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(dh, db) for y = gelu(h) (the tanh approximation): dh = dy * gelu'(h) computed in
+    float32 as torch's gelu_backward, in h's dtype (contiguous); db = the column sums of the
+    float32 dh values (before dh's rounding), rounded once to h's dtype."""
+    dy, h = _check_2d(dy, "dy"), _check_2d(h, "h")
+    if dy.shape != h.shape or dy.device != h.device:
+        raise ValueError(f"dy and h must have one shape and device, got {tuple(dy.shape)} on "
+                         f"{dy.device} and {tuple(h.shape)} on {h.device}")
+    return _column_sums(dy, h, h.dtype)
