@@ -568,10 +568,11 @@ def test_weight_sharing_updates_the_backward_scales_once_per_pass():
 def _train_chain(stack, backward, steps=2):
     recipe = DelayedScaling(amax_history_len=3)
     torch.manual_seed(1)
-    for step in range(steps):
+    for _ in range(steps):
         x = torch.randn(16, 32, requires_grad=True)
         with te.autocast(recipe=recipe):
-            out = backward(stack, x)
+            out = stack(x)
+        backward(_loss(out), [x, *stack.parameters()])
     return [t for lin in stack for t in (lin.fp8_meta.amax_history_fwd, lin.fp8_meta.scale_fwd,
                                          lin.fp8_meta.amax_history_bwd,
                                          lin.fp8_meta.scale_bwd)]
@@ -584,14 +585,8 @@ def _loss(out):
 def test_backward_update_through_autograd_grad_and_retain_graph():
     """torch.autograd.grad updates as .backward() does; a retained graph's second backward is
     a second pass, with its own update."""
-    def with_backward(stack, x):
-        _loss(stack(x)).backward()
-
-    def with_grad(stack, x):
-        torch.autograd.grad(_loss(stack(x)), [x, *stack.parameters()])
-
-    want = _train_chain(_chain(), with_backward)
-    got = _train_chain(_chain(), with_grad)
+    want = _train_chain(_chain(), lambda loss, inputs: loss.backward())
+    got = _train_chain(_chain(), torch.autograd.grad)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
     stack = _chain()

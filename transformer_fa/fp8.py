@@ -304,7 +304,7 @@ class FP8Meta:
             self.scale_bwd = torch.ones(n, device=device)
             self.amax_history_bwd = torch.zeros(history_len, n, device=device)
             self.weight_cache = {}
-    
+
     def record_forward(self, recipe: Recipe, inp: torch.Tensor, weight: torch.Tensor,
                        gemm: int) -> None:
         """Calibration: the amaxes of a high-precision GEMM's operands."""
