@@ -341,18 +341,22 @@ def test_a_meta_joins_the_update_queue_once_per_autocast():
     assert not fp8._STATE.metas_to_update
 
 
-def test_gradient_state_views_follow_loaded_state():
-    """The backward's per-GEMM views are of the current state: remade after a state load."""
+def test_backward_update_acts_on_loaded_state():
+    """The end-of-backward update reads the module's state when it runs: after a state load,
+    the loaded history (its newest amax 7) decides the gradient's scale."""
     lin = _linear()
-    x = torch.randn(16, 32, requires_grad=True)
-    with te.autocast(recipe=DelayedScaling()):
-        lin(x).sum().backward()
-    history, scale = lin.fp8_meta.gradient_state(0)
-    assert history.data_ptr() == lin.fp8_meta.amax_history_bwd.data_ptr()
-    lin.fp8_meta.set_extra_state(lin.fp8_meta.get_extra_state(), torch.device("cpu"))
-    history, scale = lin.fp8_meta.gradient_state(0)
-    assert history.data_ptr() == lin.fp8_meta.amax_history_bwd.data_ptr()
-    assert scale.data_ptr() == lin.fp8_meta.scale_bwd.data_ptr()
+    recipe = DelayedScaling(amax_history_len=2)
+    with te.autocast(recipe=recipe):
+        lin(torch.randn(16, 32, requires_grad=True)).sum().backward()
+    meta = lin.fp8_meta
+    meta.amax_history_bwd[-1] = 7.0
+    meta.set_extra_state(meta.get_extra_state(), torch.device("cpu"))
+    dy = torch.full((16, 48), 0.5)
+    with te.autocast(recipe=recipe):
+        out = lin(torch.randn(16, 32, requires_grad=True))
+    out.backward(dy)
+    assert meta.amax_history_bwd.tolist() == [[0.0], [0.5]]  # rolled: 7 went to row 0
+    torch.testing.assert_close(meta.scale_bwd, torch.tensor([E5M2_MAX / 7]))
 
 
 def test_a_cached_weight_cast_gains_its_transpose_once_needed():
@@ -465,3 +469,160 @@ def test_returned_and_row_parallel_biases_stay_out_of_the_gemm(monkeypatch):
         assert all(b is None for b in biases)
         parallel_linear(x, lin.weight, lin.bias, fp8_meta=lin.fp8_meta)
         assert biases[-1] is lin.bias
+
+
+def _chain(n=2, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(*[te.Linear(32, 32, device="cpu") for _ in range(n)])
+
+
+def test_delayed_backward_bookkeeping_follows_te_formulas():
+    """The output gradient's amax goes into the backward history; at the end of each backward
+    pass the scale is (E5M2's max / amax) / 2**margin with the amax from the history, and
+    the history rolls with row 0 cleared."""
+    lin = _linear()
+    recipe = DelayedScaling(margin=1, amax_history_len=3)
+    amaxes = []
+    for gain in (4.0, 1.0, 0.5):
+        with te.autocast(recipe=recipe):
+            out = lin(torch.randn(16, 32, requires_grad=True))
+        dy = torch.randn(16, 48) * gain
+        out.backward(dy)
+        amaxes.append(dy.abs().max())
+        meta = lin.fp8_meta
+        newest = ([torch.tensor(0.0)] * 2 + amaxes)[-2:]  # the last row the newest
+        torch.testing.assert_close(meta.amax_history_bwd[:, 0],
+                                   torch.stack([torch.tensor(0.0)] + newest))
+        torch.testing.assert_close(meta.scale_bwd[0], E5M2_MAX / max(amaxes[-3:]) / 2)
+
+
+def test_backward_scales_update_at_the_end_of_the_pass():
+    """TE's timing: no module's backward scales change during the backward pass (the
+    second Linear's backward runs first; when the first one's is done, the second's amax
+    waits in row 0); all are updated once the pass ends."""
+    stack = _chain()
+    seen = {}
+
+    def snapshot(grad):
+        for i, lin in enumerate(stack):
+            seen[i] = (lin.fp8_meta.amax_history_bwd.clone(), lin.fp8_meta.scale_bwd.clone())
+
+    x = torch.randn(16, 32, requires_grad=True)
+    x.register_hook(snapshot)  # runs after the first Linear's backward
+    with te.autocast(recipe=DelayedScaling(amax_history_len=2)):
+        out = stack(x)
+    out.sum().backward()
+    for i, lin in enumerate(stack):
+        history, scale = seen[i]
+        assert history[0, 0] > 0 and history[1, 0] == 0 and scale[0] == 1
+        meta = lin.fp8_meta
+        assert meta.amax_history_bwd[0, 0] == 0
+        assert meta.amax_history_bwd[1, 0] == history[0, 0]
+        torch.testing.assert_close(meta.scale_bwd[0], E5M2_MAX / history[0, 0])
+
+
+def test_one_update_per_pass_for_all_modules(monkeypatch):
+    """A TransformerLayer stack: one update of all its modules' forward scales at the
+    autocast's exit and one of all their backward scales at the end of the backward pass."""
+    calls = []
+    real = fp8.update_delayed_scales
+    monkeypatch.setattr(fp8, "update_delayed_scales",
+                        lambda metas, forward: calls.append((len(metas), forward))
+                        or real(metas, forward))
+    torch.manual_seed(0)
+    stack = torch.nn.Sequential(*[te.TransformerLayer(64, 128, 4, hidden_dropout=0.0,
+                                                      attention_dropout=0.0, device="cpu")
+                                  for _ in range(2)])
+    for _ in range(2):
+        with te.autocast(recipe=DelayedScaling()):
+            out = stack(torch.randn(16, 2, 64))
+        assert calls[-1] == (6, True)  # three FP8 modules per layer
+        out.sum().backward()
+        assert calls[-1] == (6, False)
+    assert len(calls) == 4
+    assert not fp8._STATE.metas_after_backward and not fp8._STATE.backward_passes
+
+
+def test_weight_sharing_updates_the_backward_scales_once_per_pass():
+    """A Linear applied twice: both of its GEMM backwards record into row 0 and cast with the
+    step's scale; one update at the end of the pass (TE's), not one per GEMM."""
+    torch.manual_seed(0)
+    lin = te.Linear(32, 32, device="cpu")
+    recipe = DelayedScaling(amax_history_len=4, margin=1)
+    for step in range(2):
+        x = torch.randn(16, 32, requires_grad=True)
+        with te.autocast(recipe=recipe):
+            inner = lin(x)
+            inner.retain_grad()
+            out = lin(inner)
+        dy = torch.randn(16, 32) * 3
+        out.backward(dy)
+        amax = torch.maximum(dy.abs().max(), inner.grad.abs().max())
+        history = lin.fp8_meta.amax_history_bwd[:, 0]
+        assert history[-1] == amax and history[0] == 0
+        assert (history[1:-1] != 0).sum() == step  # one roll per pass
+        torch.testing.assert_close(lin.fp8_meta.scale_bwd[0],
+                                   E5M2_MAX / history.max() / 2)
+
+
+def _train_chain(stack, backward, steps=2):
+    recipe = DelayedScaling(amax_history_len=3)
+    torch.manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(16, 32, requires_grad=True)
+        with te.autocast(recipe=recipe):
+            out = stack(x)
+        backward(_loss(out), [x, *stack.parameters()])
+    return [t for lin in stack for t in (lin.fp8_meta.amax_history_fwd, lin.fp8_meta.scale_fwd,
+                                         lin.fp8_meta.amax_history_bwd,
+                                         lin.fp8_meta.scale_bwd)]
+
+
+def _loss(out):
+    return out.square().sum()
+
+
+def test_backward_update_through_autograd_grad_and_retain_graph():
+    """torch.autograd.grad updates as .backward() does; a retained graph's second backward is
+    a second pass, with its own update."""
+    want = _train_chain(_chain(), lambda loss, inputs: loss.backward())
+    got = _train_chain(_chain(), torch.autograd.grad)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    stack = _chain()
+    with te.autocast(recipe=DelayedScaling(amax_history_len=3)):
+        out = stack(torch.randn(16, 32))
+    dy = torch.randn(16, 32)
+    out.backward(dy, retain_graph=True)
+    out.backward(dy)
+    history = stack[-1].fp8_meta.amax_history_bwd[:, 0]
+    assert history.tolist() == [0.0, dy.abs().max().item(), dy.abs().max().item()]
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_backward_update_with_activation_checkpointing(use_reentrant):
+    """A checkpointed FP8 region (recomputed in the backward: with reentrant checkpointing
+    in a backward pass of its own) and one after it: each module's backward scales updated
+    once per step, as without checkpointing."""
+    recipe = DelayedScaling(amax_history_len=3)
+
+    def fp8_region(module, x):
+        with te.autocast(recipe=recipe):
+            return module(x)
+
+    states = []
+    for checkpointed in (True, False):
+        stack = _chain()
+        torch.manual_seed(1)
+        for _ in range(3):
+            x = torch.randn(16, 32, requires_grad=True)
+            if checkpointed:
+                hidden = te.checkpoint(fp8_region, stack[0], x, use_reentrant=use_reentrant)
+            else:
+                hidden = fp8_region(stack[0], x)
+            _loss(fp8_region(stack[1], hidden)).backward()
+        states.append([t for lin in stack for t in (lin.fp8_meta.amax_history_bwd,
+                                                    lin.fp8_meta.scale_bwd)])
+    for a, b in zip(*states, strict=True):
+        assert torch.equal(a, b)
+    assert (states[0][0] != 0).sum() == 2  # rolled once per step: two amaxes kept, row 0 clear

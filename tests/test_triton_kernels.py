@@ -1034,3 +1034,183 @@ def test_module_gradients_through_bias_grad_functions(case, needs, functions_cal
             results.append(_run(lambda *p: module(x), params, dy))
         assert bool(functions_called) == enabled
     _assert_close(*results, torch.float32)
+# The grouped update (fp8_scale.update_delayed_scalings: many pairs, one launch) against the
+# per-history kernel and the PyTorch code, bit for bit.
+def _group_of_pairs(history_len, seed=0):
+    """Pairs of many widths and strides: column views of one history and slices of its
+    scales (the layout of a module's per-GEMM state), a transposed history, strided scales,
+    a zero-width pair and plain histories, with _amax_history's special amaxes; last, amaxes
+    near float32's max (with a margin: subnormal scales). The shared history's columns 6
+    and 7 are in no pair."""
+    shared, shared_scale = _amax_history(history_len, 8, seed)
+    wide, wide_scale = _amax_history(history_len, 37, seed + 1)
+    stored_t = _amax_history(history_len, 5, seed + 2)[0].t().contiguous()
+    strided_scale = torch.rand(10, generator=torch.Generator().manual_seed(seed)) + 0.5
+    return [(shared[:, 0:1], shared_scale[0:1]), (shared[:, 4:6], shared_scale[4:6]),
+            (wide, wide_scale), (stored_t.t(), strided_scale[::2]),
+            (shared[:, 2:2], shared_scale[2:2]), _amax_history(history_len, 2, seed + 3),
+            (shared[:, 1:4], shared_scale[1:4]), _near_float32_max(history_len)]
+
+
+def _near_float32_max(history_len):
+    history = torch.zeros(history_len, 4)
+    history[0] = torch.tensor([1e37, 1e38, 3e38, torch.finfo(torch.float32).max])
+    return history, torch.ones(4)
+
+
+def _copies(pairs):
+    """Each pair's copy, views of copied bases where the pairs share one."""
+    bases = {}
+
+    def copy(t):
+        base = t._base if t._base is not None else t
+        if id(base) not in bases:
+            bases[id(base)] = base.clone()
+        return bases[id(base)].as_strided(t.shape, t.stride(), t.storage_offset())
+    return [(copy(h), copy(s)) for h, s in pairs]
+
+
+class _LaunchCounter:
+    """A jitted kernel's launches, counted (``kernel[grid](...)``)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches += 1
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@pytest.fixture
+def update_launches(monkeypatch):
+    """Launches of the grouped and the per-history update kernels, counted."""
+    counters = {name: _LaunchCounter(getattr(fp8_scale, name))
+                for name in ("_update_group_kernel", "_update_kernel")}
+    for name, counter in counters.items():
+        monkeypatch.setattr(fp8_scale, name, counter)
+    return counters
+
+
+@interpreter_only
+@pytest.mark.parametrize("history_len", [1, 5, 1031])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("margin, fp8_max", [(0, 448.0), (3, 57344.0), (20, 448.0)])
+def test_grouped_scale_update_matches_per_history_and_pytorch(history_len, algo, margin,
+                                                              fp8_max, update_launches):
+    """One launch updates every pair in place as the per-history kernel and the PyTorch code
+    do, bit for bit (margin 20: subnormal scales); the bases' other columns untouched."""
+    pairs = _group_of_pairs(history_len)
+    recipe = DelayedScaling(amax_history_len=history_len, amax_compute_algo=algo,
+                            margin=margin)
+    grouped, per_history, reference = _copies(pairs), _copies(pairs), _copies(pairs)
+    fp8_scale.update_delayed_scalings(grouped, fp8_max, margin, algo == "most_recent")
+    assert update_launches["_update_group_kernel"].launches == 1
+    assert update_launches["_update_kernel"].launches == 0
+    for history, scale in per_history:
+        fp8_scale.update_delayed_scaling(history, scale, fp8_max, margin,
+                                         algo == "most_recent")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "kernels_enabled", lambda *tensors: False)
+        fp8.update_amax_histories(reference, fp8_max, recipe)
+    for (h, s), (h1, s1), (h2, s2), (h0, s0) in zip(grouped, per_history, reference, pairs):
+        for got, want in ((h, h1), (h, h2), (s, s1), (s, s2)):
+            _same_words(got, want)
+        assert h.numel() == 0 or not torch.equal(h, h0)
+    _same_words(grouped[0][0]._base[:, 6:], pairs[0][0]._base[:, 6:])
+    if margin == 20:
+        assert (reference[-1][1] < torch.finfo(torch.float32).smallest_normal).any()
+
+
+@interpreter_only
+def test_grouped_scale_update_through_update_amax_histories(kernels_on_cpu, update_launches):
+    """fp8.update_amax_histories takes the grouped launch on the kernel path (one pair: the
+    per-history kernel); the PyTorch path's results, bit for bit."""
+    pairs = _group_of_pairs(16)
+    recipe = DelayedScaling(amax_history_len=16, margin=2)
+    got, want = _copies(pairs), _copies(pairs)
+    fp8.update_amax_histories(got, 448.0, recipe)
+    fp8.update_amax_history(*got[2], 448.0, recipe)
+    assert update_launches["_update_group_kernel"].launches == 1
+    assert update_launches["_update_kernel"].launches == 1
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "kernels_enabled", lambda *tensors: False)
+        fp8.update_amax_histories(want, 448.0, recipe)
+        fp8.update_amax_history(*want[2], 448.0, recipe)
+    for a, b in zip(got, want):
+        _same_words(a[0], b[0])
+        _same_words(a[1], b[1])
+
+
+@interpreter_only
+def test_grouped_scale_update_builds_its_table_once(monkeypatch):
+    """The table is built on the first launch for a set of pairs and reused after; other
+    pairs get their own; a pair's tensor going away drops its table."""
+    built = []
+    real = fp8_scale._Table
+    monkeypatch.setattr(fp8_scale, "_Table", lambda *a: built.append(1) or real(*a))
+    pairs = [_amax_history(4, 3, seed) for seed in range(3)]
+    before = len(fp8_scale._TABLES)
+    for _ in range(3):
+        fp8_scale.update_delayed_scalings(pairs, 448.0, 0, False)
+    assert len(built) == 1 and len(fp8_scale._TABLES) == before + 1
+    fp8_scale.update_delayed_scalings(pairs[:2], 448.0, 0, False)
+    assert len(built) == 2
+    reference = _copies(pairs)
+    pairs[1] = (pairs[1][0].clone(), pairs[1][1])  # a new tensor: a new table
+    fp8_scale.update_delayed_scalings(pairs, 448.0, 0, False)
+    assert len(built) == 3
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "kernels_enabled", lambda *tensors: False)
+        fp8.update_amax_histories(reference, 448.0, DelayedScaling(amax_history_len=4))
+    for a, b in zip(pairs, reference):
+        _same_words(a[0], b[0])
+        _same_words(a[1], b[1])
+    del pairs, reference
+    assert len(fp8_scale._TABLES) == before
+
+
+@interpreter_only
+def test_grouped_scale_update_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="one length and one device"):
+        fp8_scale.update_delayed_scalings([_amax_history(4, 3), _amax_history(5, 3)], 448.0,
+                                          0, False)
+    with pytest.raises(ValueError, match="update_delayed_scalings: history must be a float32"):
+        fp8_scale.update_delayed_scalings([_amax_history(4, 3), (torch.zeros(4, 3),
+                                                                 torch.ones(2))], 448.0, 0,
+                                          False)
+
+
+@interpreter_only
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_fp8_stack_updates_in_one_launch_per_pass(algo, fp8_kernels_on_cpu, update_launches):
+    """Three FP8 Linears, three steps: one grouped launch at the autocast's exit and one at
+    the end of each backward pass; the modules' states and gradients those of the PyTorch
+    path (its per-history updates at the same times), bit for bit."""
+    recipe = DelayedScaling(amax_history_len=3, amax_compute_algo=algo, margin=1)
+    results = []
+    for enabled in (True, False):
+        torch.manual_seed(0)
+        stack = torch.nn.Sequential(*[te.Linear(32, 32, device="cpu") for _ in range(3)])
+        got = []
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(kernels, "kernels_enabled", lambda *tensors: enabled)
+            for step in range(3):
+                x = (torch.randn(16, 32) * (step + 1)).requires_grad_()
+                with te.autocast(recipe=recipe):
+                    out = stack(x)
+                if enabled:
+                    assert update_launches["_update_group_kernel"].launches == 2 * step + 1
+                out.square().sum().backward()
+                if enabled:
+                    assert update_launches["_update_group_kernel"].launches == 2 * step + 2
+                got += [out, x.grad]
+        for lin in stack:
+            meta = lin.fp8_meta
+            got += [lin.weight.grad, meta.amax_history_fwd, meta.scale_fwd,
+                    meta.amax_history_bwd, meta.scale_bwd]
+        results.append(got)
+    assert update_launches["_update_kernel"].launches == 0
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)

@@ -7,9 +7,10 @@ to E5M2 (``Format.HYBRID``) or E4M3 (``Format.E4M3``) for the dgrad and wgrad GE
 Scales follow the recipe:
 
 * ``DelayedScaling``: each tensor's amax goes into row 0 of an amax history; after the step
-  (forward: when the outermost autocast exits, backward: after the module's backward) the amax
-  is taken from the history ("max" or "most_recent"), the history rolls, and
+  (forward: when the outermost autocast exits, backward: at the end of the backward pass,
+  TE's) the amax is taken from the history ("max" or "most_recent"), the history rolls, and
   ``scale = (fp8_max / amax) / 2**margin`` as TE computes it. The first step uses scale 1.
+  On CUDA all modules' updates of one pass run in one kernel launch per recipe setting.
 * ``Float8CurrentScaling``: the scale comes from the tensor's own amax, each time.
 
 FP8 needs a GPU of compute capability 8.9+ (TE's rule). ``torch._scaled_mm`` also runs FP8 on
@@ -19,7 +20,7 @@ import functools
 import importlib
 import io
 import os
-from typing import Dict, Optional, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -60,8 +61,9 @@ is_nvfp4_available = _not_available
 
 
 class _AutocastState:
-    """The innermost autocast's settings, and the modules whose forward scales the outermost
-    autocast updates when it exits."""
+    """The innermost autocast's settings, the modules whose forward scales the outermost
+    autocast updates when it exits, and those whose backward scales the end of the running
+    backward pass updates."""
 
     def __init__(self) -> None:
         self.enabled = False
@@ -71,6 +73,9 @@ class _AutocastState:
         self.depth = 0
         # insertion-ordered, an O(1) membership test per GEMM
         self.metas_to_update: Dict["FP8Meta", None] = {}
+        self.metas_after_backward: Dict["FP8Meta", None] = {}
+        # the autograd graph tasks (backward passes) that have the update queued
+        self.backward_passes: Set[int] = set()
 
 
 _STATE = _AutocastState()
@@ -138,8 +143,7 @@ class autocast:  # noqa: N801 (TE's name)
         if state.depth == 0:
             metas, state.metas_to_update = state.metas_to_update, {}
             if torch.is_grad_enabled():
-                for meta in metas:
-                    meta.update_delayed_scales(forward=True)
+                update_delayed_scales(metas, forward=True)
 
 
 class fp8_autocast(autocast):  # noqa: N801 (TE's name)
@@ -185,28 +189,85 @@ def compute_scale(amax: torch.Tensor, scale: torch.Tensor, fp8_max: float,
 
 def update_amax_history(amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: float,
                         recipe: DelayedScaling) -> None:
-    """TE's delayed update, in place: amax from the history, new scale, history rolled by one
-    with row 0 cleared for the next step's amaxes. On CUDA the built-in algorithms run as one
-    Triton kernel (kernels/fp8_scale.py) with this code's results, bit for bit."""
+    """TE's delayed update of one amax history and its scales (update_amax_histories)."""
+    update_amax_histories([(amax_history, scale)], fp8_max, recipe)
+
+
+def update_amax_histories(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], fp8_max: float,
+                          recipe: DelayedScaling) -> None:
+    """TE's delayed update, in place, of each (amax history [history_len, n], scale [n]) pair:
+    amax from the history, new scale, history rolled by one with row 0 cleared for the next
+    step's amaxes. On CUDA the built-in algorithms run as one Triton launch for all pairs
+    (kernels/fp8_scale.py; histories of one length) with this code's results, bit for bit."""
     algo = recipe.amax_compute_algo
     if (not callable(algo) and recipe.scaling_factor_compute_algo is None
-            and kernels.use_fp8_scale_update(amax_history, scale)):
-        _scale_kernels().update_delayed_scaling(amax_history, scale, fp8_max, recipe.margin,
-                                                most_recent=algo == "most_recent")
+            and kernels.use_fp8_scale_update(*(t for pair in pairs for t in pair))):
+        _scale_kernels().update_delayed_scalings(pairs, fp8_max, recipe.margin,
+                                                 most_recent=algo == "most_recent")
         return
-    if callable(algo):
-        amax = algo(amax_history)
-    elif algo == "max":
-        amax = amax_history.max(dim=0).values
-    else:
-        amax = amax_history[0].clone()
-    if recipe.scaling_factor_compute_algo is not None:
-        new_scale = recipe.scaling_factor_compute_algo(amax, scale, fp8_max, recipe)
-    else:
-        new_scale = compute_scale(amax, scale, fp8_max, recipe.margin)
-    scale.copy_(new_scale)
-    amax_history.copy_(torch.roll(amax_history, -1, 0))
-    amax_history[0].zero_()
+    for amax_history, scale in pairs:
+        if callable(algo):
+            amax = algo(amax_history)
+        elif algo == "max":
+            amax = amax_history.max(dim=0).values
+        else:
+            amax = amax_history[0].clone()
+        if recipe.scaling_factor_compute_algo is not None:
+            new_scale = recipe.scaling_factor_compute_algo(amax, scale, fp8_max, recipe)
+        else:
+            new_scale = compute_scale(amax, scale, fp8_max, recipe.margin)
+        scale.copy_(new_scale)
+        amax_history.copy_(torch.roll(amax_history, -1, 0))
+        amax_history[0].zero_()
+
+
+def update_delayed_scales(metas, forward: bool) -> None:
+    """The delayed update of the metas' forward (input and weight) or backward (output
+    gradient) scales, each meta's newest amaxes first reduced over its group: one
+    update_amax_histories call (on CUDA one launch) per history length, recipe setting and
+    fp8_max. The forward update drops the cached weight casts (their scales changed)."""
+    groups: Dict[tuple, Tuple[DelayedScaling, float, List]] = {}
+    for meta in metas:
+        recipe = meta.recipe
+        if not isinstance(recipe, DelayedScaling):
+            continue
+        if forward:
+            history, scale, fp8_max = (meta.amax_history_fwd, meta.scale_fwd,
+                                       recipe.fp8_format.value.max_fwd)
+            meta.weight_cache = {}
+        else:
+            history, scale, fp8_max = (meta.amax_history_bwd, meta.scale_bwd,
+                                       recipe.fp8_format.value.max_bwd)
+        _reduce_amax(history, meta.group, recipe)
+        key = (history.shape[0], history.device, fp8_max, recipe.margin,
+               recipe.amax_compute_algo, recipe.scaling_factor_compute_algo)
+        groups.setdefault(key, (recipe, fp8_max, []))[2].append((history, scale))
+    for recipe, fp8_max, pairs in groups.values():
+        update_amax_histories(pairs, fp8_max, recipe)
+
+
+def _update_at_end_of_backward(meta: "FP8Meta") -> None:
+    """Registers the meta's backward scales for the update at the end of the running backward
+    pass (TE's): the first FP8 backward of a pass queues the autograd engine's callback.
+    The callback runs on the pass's streams, so a CUDA graph capture of a backward holds its
+    launches."""
+    state = _STATE
+    if meta not in state.metas_after_backward:
+        state.metas_after_backward[meta] = None
+    task = torch._C._current_graph_task_id()
+    if task not in state.backward_passes:
+        state.backward_passes.add(task)
+        torch.autograd.Variable._execution_engine.queue_callback(
+            functools.partial(_end_of_backward, task))
+
+
+def _end_of_backward(task: int) -> None:
+    """Updates every registered meta: a nested pass (reentrant checkpointing) that queued its
+    own callback takes the outer pass's registered metas along, each updated once."""
+    state = _STATE
+    state.backward_passes.discard(task)
+    metas, state.metas_after_backward = state.metas_after_backward, {}
+    update_delayed_scales(metas, forward=False)
 
 
 def _reduce_amax(history: torch.Tensor, group, recipe: Recipe) -> None:
@@ -229,7 +290,6 @@ class FP8Meta:
         self.scale_fwd = self.amax_history_fwd = None
         self.scale_bwd = self.amax_history_bwd = None
         self.weight_cache = {}
-        self._gradient_views = {}
 
     def _prepare(self, recipe: Recipe, device: torch.device) -> None:
         """(Re)make the state where the recipe's kind or history length changed."""
@@ -244,19 +304,6 @@ class FP8Meta:
             self.scale_bwd = torch.ones(n, device=device)
             self.amax_history_bwd = torch.zeros(history_len, n, device=device)
             self.weight_cache = {}
-            self._gradient_views = {}
-
-    def update_delayed_scales(self, forward: bool) -> None:
-        if not isinstance(self.recipe, DelayedScaling):
-            return
-        fmt = self.recipe.fp8_format.value
-        history = self.amax_history_fwd if forward else self.amax_history_bwd
-        scale = self.scale_fwd if forward else self.scale_bwd
-        _reduce_amax(history, self.group, self.recipe)
-        update_amax_history(history, scale, fmt.max_fwd if forward else fmt.max_bwd,
-                            self.recipe)
-        if forward:
-            self.weight_cache = {}  # the weight scales changed
 
     def record_forward(self, recipe: Recipe, inp: torch.Tensor, weight: torch.Tensor,
                        gemm: int) -> None:
@@ -299,16 +346,6 @@ class FP8Meta:
         for key in ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd"):
             setattr(self, key, loaded[key].to(device))
         self.weight_cache = {}
-        self._gradient_views = {}
-
-    def gradient_state(self, gemm: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(amax history column, scale) of one GEMM's output gradient: views of the backward
-        state, made once, that its delayed update updates in place."""
-        views = self._gradient_views.get(gemm)
-        if views is None:
-            views = (self.amax_history_bwd[:, gemm:gemm + 1], self.scale_bwd[gemm:gemm + 1])
-            self._gradient_views[gemm] = views
-        return views
 
 
 def _cast_kernels(tensor: torch.Tensor, *state: torch.Tensor):
@@ -467,9 +504,7 @@ class _FP8Matmul(torch.autograd.Function):
         if need_wgrad:  # g^T @ x: x column-major is x^T row-major
             grad_weight = _scaled_mm(g_t, x_t.t(), g_scale_inv, x_scale_inv, weight_dtype)
         if isinstance(recipe, DelayedScaling):
-            history, scale = meta.gradient_state(gemm)
-            _reduce_amax(history, meta.group, recipe)
-            update_amax_history(history, scale, fmt.value.max_bwd, recipe)
+            _update_at_end_of_backward(meta)
         return grad_inp, grad_weight, grad_bias, None, None, None, None
 
 

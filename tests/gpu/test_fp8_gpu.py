@@ -506,3 +506,129 @@ def test_bias_in_the_fp8_gemm_epilogue_on_cuda(params_dtype, monkeypatch):
     assert torch.equal(grads[0], want_grads[0]) and torch.equal(grads[1], want_grads[1])
     for bias_grad in (grads[2], want_grads[2]):  # two steps: twice the sums (exactly)
         assert_bias_grad_close(bias_grad / 2, dy)
+
+
+# The grouped update (fp8_scale.update_delayed_scalings: many pairs in one launch) against
+# the per-history kernel and the PyTorch code, at a model's sizes.
+def _gpu_pairs(history_len, seed=0):
+    """24 modules' state as fp8.py updates it (forward [L, 2] and [L, 4] histories, backward
+    column views of one [L, 2] history and slices of its scales), a wide transposed history
+    with strided scales and amaxes near float32's max (with a margin: subnormal scales), all
+    with _amax_history_cuda's special amaxes. The same seed gives an equal, separate set."""
+    pairs = []
+    for module in range(24):
+        width = 4 if module % 3 == 2 else 2
+        pairs.append(_amax_history_cuda(history_len, width, seed + module))
+        history, scale = _amax_history_cuda(history_len, 2, seed + 100 + module)
+        pairs += [(history[:, g:g + 1], scale[g:g + 1]) for g in range(2)]
+    wide, wide_scale = _amax_history_cuda(history_len, 37, seed + 200)
+    strided = torch.ones(74, device="cuda")
+    strided[::2] = wide_scale
+    pairs.append((wide.t().contiguous().t(), strided[::2]))
+    near_max = torch.zeros(history_len, 4, device="cuda")
+    near_max[0] = torch.tensor([1e37, 1e38, 3e38, torch.finfo(torch.float32).max])
+    pairs.append((near_max, torch.ones(4, device="cuda")))
+    return pairs
+
+
+@needs_cast_kernels
+@pytest.mark.parametrize("history_len", [1, 16, 1024, 1031])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("margin, fp8_max", [(0, 448.0), (3, 57344.0), (20, 448.0)])
+def test_grouped_scale_update_kernel_matches_per_history(history_len, algo, margin, fp8_max,
+                                                         monkeypatch):
+    from transformer_fa.kernels import fp8_scale
+    most_recent = algo == "most_recent"
+    grouped, per_history, reference = (_gpu_pairs(history_len) for _ in range(3))
+    fp8_scale.update_delayed_scalings(grouped, fp8_max, margin, most_recent)
+    for history, scale in per_history:
+        fp8_scale.update_delayed_scaling(history, scale, fp8_max, margin, most_recent)
+    monkeypatch.setenv("TRANSFORMER_FA_TRITON_KERNELS", "0")
+    fp8.update_amax_histories(reference, fp8_max, DelayedScaling(
+        amax_history_len=history_len, amax_compute_algo=algo, margin=margin))
+    for (h, s), (h1, s1), (h2, s2) in zip(grouped, per_history, reference, strict=True):
+        _assert_same_words(h, h1)
+        _assert_same_words(h, h2)
+        _assert_same_words(s, s1)
+        _assert_same_words(s, s2)
+    if margin == 20:
+        assert (reference[-1][1] < torch.finfo(torch.float32).smallest_normal).any()
+
+
+@needs_cast_kernels
+@pytest.mark.parametrize("cached", [True, False], ids=["table-built", "no-table"])
+def test_grouped_scale_update_in_a_cuda_graph(cached, monkeypatch):
+    """A captured grouped update replays the PyTorch path's update: one grouped launch where
+    its table was built before the capture, else (no host copies in a capture) one
+    per-history launch per pair."""
+    from transformer_fa.kernels import fp8_scale
+    pairs, fresh = _gpu_pairs(16), _gpu_pairs(16)
+
+    def reset():
+        for (h, s), (h0, s0) in zip(pairs, fresh):
+            h.copy_(h0)
+            s.copy_(s0)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compiles the kernels (and builds the table) outside
+        if cached:
+            fp8_scale.update_delayed_scalings(pairs, 448.0, 1, False)
+        for history, scale in _gpu_pairs(16):
+            fp8_scale.update_delayed_scaling(history, scale, 448.0, 1, False)
+        fp8_scale.update_delayed_scalings(_gpu_pairs(16), 448.0, 1, False)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    reset()
+    calls = []
+    real = fp8_scale.update_delayed_scaling
+    monkeypatch.setattr(fp8_scale, "update_delayed_scaling",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fp8_scale.update_delayed_scalings(pairs, 448.0, 1, False)
+    assert len(calls) == (0 if cached else len(pairs))
+    reset()
+    graph.replay()
+    torch.cuda.synchronize()
+    monkeypatch.setenv("TRANSFORMER_FA_TRITON_KERNELS", "0")
+    fp8.update_amax_histories(fresh, 448.0, DelayedScaling(amax_history_len=16, margin=1))
+    for (h, s), (h0, s0) in zip(pairs, fresh, strict=True):
+        _assert_same_words(h, h0)
+        _assert_same_words(s, s0)
+
+
+@needs_cast_kernels
+@pytest.mark.skipif(not te.is_fp8_available(), reason="needs CUDA with FP8")
+def test_stack_updates_its_scales_in_one_launch_per_pass(monkeypatch):
+    """An 8-layer TransformerLayer stack (24 FP8 modules): the autocast's exit launches one
+    grouped update and no per-history one, the backward pass one more at its end."""
+    monkeypatch.setenv("TRANSFORMER_FA_TRITON_KERNELS", "1")
+    torch.manual_seed(0)
+    stack = torch.nn.Sequential(*[
+        te.TransformerLayer(256, 1024, 4, hidden_dropout=0.0, attention_dropout=0.0,
+                            self_attn_mask_type="causal", attn_input_format="bshd",
+                            params_dtype=torch.bfloat16, device="cuda")
+        for _ in range(8)])
+    x = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    outputs = []
+
+    def forward():
+        with te.autocast(recipe=DelayedScaling()):
+            outputs.append(stack(x))
+
+    def backward():
+        outputs.pop().float().square().mean().backward()
+
+    for _ in range(2):  # compiles the kernels, builds the tables
+        forward()
+        backward()
+
+    def updates(fn):
+        names = _gpu_kernels(fn)
+        return (sum("_update_group_kernel" in name for name in names),
+                sum("_update_kernel" in name for name in names))
+
+    assert updates(forward) == (1, 0)
+    assert updates(backward) == (1, 0)
+    assert not fp8._STATE.metas_after_backward and not fp8._STATE.backward_passes

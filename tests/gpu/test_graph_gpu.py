@@ -65,3 +65,27 @@ def test_graphed_stack_trains_as_the_eager_one(name):
         for field in ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd"):
             if isinstance(getattr(a, field, None), torch.Tensor):
                 assert torch.equal(getattr(a, field), getattr(b, field)), f"{name}.{field}"
+
+
+def test_graphed_backward_holds_the_end_of_pass_scale_update():
+    """The backward's delayed update (an autograd callback at the end of the pass) is in the
+    captured backward: each replayed step rolls every module's backward history once, and no
+    update waits for a callback."""
+    from transformer_fa import fp8
+    if not te.is_fp8_available():
+        pytest.skip(te.is_fp8_available(return_reason=True)[1])
+    torch.manual_seed(0)
+    model = make_stack()
+    sample = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    graphed = te.make_graphed_callables(model, (sample,), fp8_enabled=True,
+                                        fp8_recipe=DelayedScaling())
+    metas = [m.fp8_meta for m in model.modules() if getattr(m, "fp8_meta", None)]
+    assert len(metas) == 6
+    for _ in range(3):
+        before = [meta.amax_history_bwd.clone() for meta in metas]
+        graphed(torch.randn_like(sample).requires_grad_()).float().square().mean().backward()
+        assert not fp8._STATE.metas_after_backward
+        for meta, old in zip(metas, before):
+            history = meta.amax_history_bwd
+            assert torch.equal(history[1:-1], old[2:]) and (history[0] == 0).all()
+            assert (history[-1] > 0).all()

@@ -82,7 +82,6 @@ def use_fp8_cast(x: torch.Tensor, *state: torch.Tensor) -> bool:
             and kernels_enabled(x, *state))
 
 
-def use_fp8_scale_update(history: torch.Tensor, scale: torch.Tensor) -> bool:
-    """The delayed-scaling update kernel: float32 amax histories and scales."""
-    return (history.dtype == torch.float32 and scale.dtype == torch.float32
-            and kernels_enabled(history, scale))
+def use_fp8_scale_update(*state: torch.Tensor) -> bool:
+    """The delayed-scaling update kernels: float32 amax histories and scales (``state``)."""
+    return (all(t.dtype == torch.float32 for t in state) and kernels_enabled(*state))
