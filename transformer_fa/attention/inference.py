@@ -33,7 +33,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from . import layout, masks
+from . import layout, masks, rope
 from .params import AttentionInputs, AttentionParams
 
 __all__ = ["InferenceParams", "KVCacheManager", "NonPagedKVCacheManager", "PagedKVCacheManager"]
@@ -364,10 +364,9 @@ class PagedKVCacheManager(_TokenCache):
 
     def get_page_table(self, sequences: List) -> torch.Tensor:
         """Fill the rows of ``page_table`` for sequences (in order); unused entries are 0."""
-        rows = torch.zeros(len(sequences), self.max_pages_per_seq, dtype=torch.int32)
-        for i, seq in enumerate(sequences):
-            pages = self.get_page_list(seq)
-            rows[i, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        rows = [self.get_page_list(seq) for seq in sequences]  # built on the host: one copy
+        rows = torch.tensor([r + [0] * (self.max_pages_per_seq - len(r)) for r in rows],
+                            dtype=torch.int32).view(len(sequences), self.max_pages_per_seq)
         self.page_table[:len(sequences)].copy_(to_device(rows, self.device))
         return self.page_table
 
@@ -500,7 +499,7 @@ class InferenceParams:
         self.sequences = OrderedDict()
         self.sequences_pre_step = OrderedDict()
         self.batch_size = 0
-        self.max_seqlen_q = 0
+        self.max_seqlen_q = self._step_total = 0
         self.cache_manager.reset()
         self._lengths.zero_()
         self._start_step()
@@ -531,6 +530,7 @@ class InferenceParams:
         self.sequences_pre_step = OrderedDict(
             (seq, n - s) for seq, n, s in zip(step_dict, cached, step_lens))
         self.max_seqlen_q = max(step_lens, default=0)
+        self._step_total = sum(step_lens)
         # Copied into the fixed buffers; entries past the batch repeat the totals.
         pad = [0] * (self.max_batch_size - self.batch_size)
         pre = list(self.sequences_pre_step.values())
@@ -647,9 +647,7 @@ def attention_over_cache(inference_params, module, q, k, v, qkv_format: str,
     mask_type = cache_mask_type(attn_mask_type)
     layout.validate_qkv(q, k, v, q_format, q_format, module.num_attention_heads,
                         module.num_gqa_groups, module.head_dim_qk, module.head_dim_v)
-    b, total = inference_params.batch_size, sum(
-        inference_params.sequences[seq] - pre
-        for seq, pre in inference_params.sequences_pre_step.items())
+    b, total = inference_params.batch_size, inference_params._step_total
     if b == 0:
         raise ValueError("inference_params has no sequence in this step: call pre_step() first")
     if q_format == "thd" and q.shape[0] < total:
@@ -704,23 +702,37 @@ def _check_given_cu_seqlens(given, expected: torch.Tensor) -> None:
                          f"inference_params.pre_step())")
 
 
-def rope_for_step(inference_params, tensor_format: str, seq_len: Optional[int],
-                  tables: Tuple[torch.Tensor, torch.Tensor]):
-    """RoPE at each sequence's positions in the step: ``(tables, cu_seqlens, start_positions)``
-    for ``apply_rotary_pos_emb``. The tables must cover every real token; bshd/sbhd padding
-    rows past them rotate by angle 0 (their outputs are never read)."""
+def rope_for_step(inference_params, q: torch.Tensor, k: torch.Tensor,
+                  tables: Tuple[torch.Tensor, torch.Tensor], tensor_format: str,
+                  interleaved: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """q and k rotated at each sequence's positions in the step (each continues at its
+    cached length). The tables must cover every real token; bshd/sbhd padding rows past
+    them rotate by angle 0 (their outputs are never read). The positions are computed once
+    a step (the first layer's call; later layers and k reuse them: ``step_memo``), and so
+    are the angles of a table."""
     b = inference_params.batch_size
     longest = max(inference_params.sequences.values(), default=0)
     padded = longest
-    if tensor_format != "thd":
-        padded = max(max(inference_params.sequences_pre_step.values(), default=0) + seq_len,
-                     longest)
+    seq_dim = None if tensor_format == "thd" else tensor_format.index("s")
+    if seq_dim is not None:
+        padded = max(max(inference_params.sequences_pre_step.values(), default=0)
+                     + q.shape[seq_dim], longest)
+    memo = inference_params.step_memo
+    key = ("rope positions", tensor_format, q.shape[0] if seq_dim is None else q.shape[seq_dim],
+           q.device)
+    positions = memo.get(key)
+    if positions is None:
+        cu_q, _, starts = inference_params._step_views
+        positions = memo[key] = rope.step_positions(tensor_format, q, cu_q, starts)
     out = []
-    for table in tables:
+    for t, table in zip((q, k), tables):
+        rope.check_freqs(t, table)
         if table.shape[0] < longest:
             raise ValueError(f"rotary_pos_emb covers {table.shape[0]} positions but a sequence "
                              f"reaches {longest} tokens in this step")
         extra = padded - table.shape[0]
-        out.append(torch.cat([table, table.new_zeros(extra, *table.shape[1:])])
-                   if extra > 0 else table)
-    return tuple(out), inference_params.cu_seqlens_q[:b + 1], inference_params.pre_step_seqlens[:b]
+        if extra > 0:  # padding rows past the table (a prefill of unequal prompts)
+            table = torch.cat([table, table.new_zeros(extra, *table.shape[1:])])
+        out.append(rope.apply_rotary_pos_emb_at(t, table, positions, tensor_format,
+                                                interleaved, fused=True, memo=memo))
+    return out[0], out[1]
