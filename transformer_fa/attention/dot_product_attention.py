@@ -191,7 +191,7 @@ class DotProductAttention(torch.nn.Module):
                 dict(again, cu_seqlens_q_padded=cu_seqlens_q_padded,
                      cu_seqlens_kv_padded=cu_seqlens_kv_padded))
             with lengths_checked_on_host():  # the cache's lengths: built by pre_step()
-                return self._attend(q, k_cache, v_cache, **cache_args)
+                return self._attend(q, k_cache, v_cache, **cache_args, checked=True)
         if checkpoint_core_attention and torch.is_grad_enabled():
             # TE's activation checkpointing: recompute attention in the backward.
             return checkpoint(self.forward, query_layer, key_layer, value_layer,
@@ -225,11 +225,13 @@ class DotProductAttention(torch.nn.Module):
     def _attend(self, q, k, v, attention_mask, qkv_format, cu_seqlens_q, cu_seqlens_kv,
                 max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size, bottom_right_diagonal,
                 core_attention_bias_type, core_attention_bias, alibi_slopes, softcap,
-                page_table=None):
+                page_table=None, checked=False):
         """The rest of forward for one plain call: validate, describe, select and run.
         ``page_table`` (the KV cache's, not a forward argument): k and v are the page pools
         ``[total_pages, page_size, h_kv, d]`` of a paged cache (bshd) read through it (see
-        ``AttentionInputs.page_table``); the call then carries cu_seqlens_kv."""
+        ``AttentionInputs.page_table``); the call then carries cu_seqlens_kv. ``checked``:
+        q, k and v were validated already (the KV cache's call: attention_over_cache checked
+        q and the new k, v, and the cache's own checks tie them to its k, v)."""
         softcap = self.softcap if softcap is None else _check_softcap(softcap)
         if self.softmax_offset is not None and self.softmax_offset.device != q.device:
             raise ValueError(f"softmax_offset (softmax_type={self.softmax_type!r}) is on "
@@ -263,8 +265,10 @@ class DotProductAttention(torch.nn.Module):
         window = self._window_for(requested_mask,
                                   self.window_size if window_size is None else window_size)
 
-        layout.validate_qkv(q, k, v, q_format, kv_format, self.num_attention_heads,
-                            self.num_gqa_groups, self.head_dim_qk, self.head_dim_v, page_table)
+        if not checked:
+            layout.validate_qkv(q, k, v, q_format, kv_format, self.num_attention_heads,
+                                self.num_gqa_groups, self.head_dim_qk, self.head_dim_v,
+                                page_table)
         given = (q, k, v)
         qkv_layout, q, k, v = layout.get_qkv_layout(q, k, v, qkv_format)
 

@@ -26,13 +26,14 @@ bottom-right causal alignment (a query at position p sees keys 0..p).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections import OrderedDict
 from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from . import layout, masks
+from . import layout, masks, rope
 from .params import AttentionInputs, AttentionParams
 
 __all__ = ["InferenceParams", "KVCacheManager", "NonPagedKVCacheManager", "PagedKVCacheManager"]
@@ -132,6 +133,7 @@ class _TokenCache(KVCacheManager):
         self._write_rows: Optional[torch.Tensor] = None  # cache row of each new token
         self._token_seq: Optional[torch.Tensor] = None  # batch index of each new token
         self._token_pos: Optional[torch.Tensor] = None  # its index among the step's tokens
+        self._uniform_step_len: Optional[int] = None  # the step length shared by all, if any
 
     def allocate_memory(self, layer_number: int):
         """K ``[slots, slot_len, h, dk]`` and V ``[slots, slot_len, h, dv]``, zeros."""
@@ -143,7 +145,7 @@ class _TokenCache(KVCacheManager):
     def reset(self):
         super().reset()
         self._step_lens = []
-        self._write_rows = self._token_seq = self._token_pos = None
+        self._write_rows = self._token_seq = self._token_pos = self._uniform_step_len = None
 
     def _lengths_after(self, step_dict) -> "OrderedDict":
         """The sequences after the step, in the step's order; raises before changing anything
@@ -158,21 +160,23 @@ class _TokenCache(KVCacheManager):
         return after
 
     def _plan_writes(self, step_dict, after) -> None:
-        """Per new token: its batch index, its index in the step, and its cache row."""
+        """Per new token: its batch index, its index in the step, and its cache row. Built
+        on the host in lists and sent to the device as one tensor (one copy per step)."""
         self._step_lens = list(step_dict.values())
-        seq_index, pos, rows = [], [], []
+        lens = set(self._step_lens)
+        self._uniform_step_len = lens.pop() if len(lens) == 1 else None
+        rows, seq_index, pos = [], [], []
         for i, (seq, step_len) in enumerate(step_dict.items()):
-            start = after[seq] - step_len
-            seq_index.append(torch.full((step_len,), i, dtype=torch.int64))
-            pos.append(torch.arange(step_len, dtype=torch.int64))
-            rows.append(self._rows_for(i, seq, torch.arange(start, after[seq])))
-        def cat(parts):
-            if not parts:  # every sequence left
-                return torch.zeros(0, dtype=torch.int64, device=self.device)
-            return to_device(torch.cat(parts), self.device)
-        self._token_seq, self._token_pos, self._write_rows = cat(seq_index), cat(pos), cat(rows)
+            rows += self._rows_for(i, seq, range(after[seq] - step_len, after[seq]))
+            seq_index += [i] * step_len
+            pos += range(step_len)
+        plan = to_device(torch.tensor([rows, seq_index, pos], dtype=torch.int64).view(3, -1),
+                         self.device)
+        self._write_rows, self._token_seq, self._token_pos = plan[0], plan[1], plan[2]
 
-    def _rows_for(self, batch_index: int, seq, positions: torch.Tensor) -> torch.Tensor:
+    def _rows_for(self, batch_index: int, seq, positions: range) -> List[int]:
+        """The cache rows (of the cache viewed as ``[slots * slot_len, h, d]``) of a
+        sequence's tokens at ``positions``."""
         raise NotImplementedError
 
     def _check_new_tokens(self, layer_number, new_k, new_v, qkv_format) -> None:
@@ -209,23 +213,29 @@ class _TokenCache(KVCacheManager):
                              f"batch {batch} (the sequences of pre_step()) and at least "
                              f"{longest} tokens per sequence (the longest step)")
 
-    def _new_tokens(self, t: torch.Tensor, qkv_format: str,
-                    cu_new_seqlens: torch.Tensor) -> torch.Tensor:
+    def _new_tokens(self, t: torch.Tensor, qkv_format: str) -> torch.Tensor:
         """The step's real tokens of t, ``[n, h, d]`` in batch then position order (padding
-        left out; any strides)."""
+        left out; any strides). thd tokens sit back to back in step order (cu_seqlens_q are
+        the step's): the first n rows. bshd / sbhd steps adding the same number of tokens to
+        every sequence (a decode step: one each) need no gather: a view (or a copy for
+        several tokens a sequence)."""
         t = t.detach()  # the cache holds values: no gradient flows into cached K/V (as TE)
+        if qkv_format == "thd":
+            return t[:self._token_seq.shape[0]]
+        seq_dim = 0 if qkv_format == "sbhd" else 1
+        step_len = self._uniform_step_len
+        if step_len == 1:
+            return t.select(seq_dim, 0)
+        if step_len is not None:
+            return t.narrow(seq_dim, 0, step_len).movedim(seq_dim, 1).flatten(0, 1)
         if qkv_format == "bshd":
             return t[self._token_seq, self._token_pos]
-        if qkv_format == "sbhd":
-            return t[self._token_pos, self._token_seq]
-        starts = cu_new_seqlens.to(device=t.device, dtype=torch.int64)[self._token_seq]
-        return t[starts + self._token_pos]
+        return t[self._token_pos, self._token_seq]
 
-    def _write(self, layer_number, new_k, new_v, cu_new_seqlens, qkv_format) -> None:
+    def _write(self, layer_number, new_k, new_v, qkv_format) -> None:
         for cache, new in zip(self.cache[layer_number], (new_k, new_v)):
             flat = cache.view(-1, *cache.shape[2:])
-            flat.index_copy_(0, self._write_rows, self._new_tokens(new, qkv_format,
-                                                                   cu_new_seqlens))
+            flat.index_copy_(0, self._write_rows, self._new_tokens(new, qkv_format))
 
 
 class NonPagedKVCacheManager(_TokenCache):
@@ -238,6 +248,7 @@ class NonPagedKVCacheManager(_TokenCache):
         super().__init__(max_batch_size, max_seqlen, num_heads, head_dim_k, dtype,
                          max_batch_size, max_seqlen, head_dim_v, device)
         self._rows_of_layer: Dict[int, List] = {}  # layer -> seq id held by each row
+        self._order: List = []  # the step's sequences, in batch order
         self._continuing: set = set()  # sequences of the step with tokens cached before it
 
     def allocate_memory(self, layer_number: int):
@@ -248,32 +259,34 @@ class NonPagedKVCacheManager(_TokenCache):
         super().reset()
         self._rows_of_layer = {layer: [] for layer in self._rows_of_layer}
         self._continuing = set()
+        self._order = []
 
     def pre_step(self, step_dict: "OrderedDict"):
         after = self._lengths_after(step_dict)
         # sequences that continue keep their cached tokens (moved to their new row in step())
         self._continuing = {seq for seq in step_dict if seq in self.sequences}
         self.sequences = after
+        self._order = list(after)  # the sequence held by each row after the step
         self._plan_writes(step_dict, after)
         return self.sequences
 
     def _rows_for(self, batch_index, seq, positions):
-        return batch_index * self.max_seqlen + positions
+        return [batch_index * self.max_seqlen + p for p in positions]
 
     def _move_rows(self, layer_number: int) -> None:
         """Bring this layer's rows into the batch order of the current step."""
-        held = self._rows_of_layer[layer_number]
-        order = list(self.sequences)
+        held, order = self._rows_of_layer[layer_number], self._order
+        if held == order:  # the usual decode step: the same sequences in the same order
+            return
         src, dst = [], []
         for row, seq in enumerate(order):
             if seq in self._continuing and seq in held and held.index(seq) != row:
                 src.append(held.index(seq))
                 dst.append(row)
         if src:
-            src_t = to_device(torch.tensor(src), self.device)
-            dst_t = to_device(torch.tensor(dst), self.device)
+            moves = to_device(torch.tensor([src, dst]), self.device)
             for cache in self.cache[layer_number]:
-                cache[dst_t] = cache[src_t]  # gathered first: overlapping moves are safe
+                cache[moves[1]] = cache[moves[0]]  # gathered first: overlapping moves are safe
         self._rows_of_layer[layer_number] = order
 
     def step(self, layer_number, new_k, new_v, cu_new_seqlens, cu_cached_seqlens,
@@ -281,7 +294,7 @@ class NonPagedKVCacheManager(_TokenCache):
         """Write the new tokens into rows ``0..b-1``; returns ``(k_cache[:b], v_cache[:b])``."""
         self._check_new_tokens(layer_number, new_k, new_v, qkv_format)
         self._move_rows(layer_number)
-        self._write(layer_number, new_k, new_v, cu_new_seqlens, qkv_format)
+        self._write(layer_number, new_k, new_v, qkv_format)
         b = len(self.sequences)
         k_cache, v_cache = self.cache[layer_number]
         return k_cache[:b], v_cache[:b]
@@ -351,10 +364,9 @@ class PagedKVCacheManager(_TokenCache):
 
     def get_page_table(self, sequences: List) -> torch.Tensor:
         """Fill the rows of ``page_table`` for sequences (in order); unused entries are 0."""
-        rows = torch.zeros(len(sequences), self.max_pages_per_seq, dtype=torch.int32)
-        for i, seq in enumerate(sequences):
-            pages = self.get_page_list(seq)
-            rows[i, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        rows = [self.get_page_list(seq) for seq in sequences]  # built on the host: one copy
+        rows = torch.tensor([r + [0] * (self.max_pages_per_seq - len(r)) for r in rows],
+                            dtype=torch.int32).view(len(sequences), self.max_pages_per_seq)
         self.page_table[:len(sequences)].copy_(to_device(rows, self.device))
         return self.page_table
 
@@ -379,14 +391,14 @@ class PagedKVCacheManager(_TokenCache):
         return self.sequences
 
     def _rows_for(self, batch_index, seq, positions):
-        pages = torch.tensor(self.allocated_pages[seq], dtype=torch.int64)
-        return pages[positions // self.page_size] * self.page_size + positions % self.page_size
+        pages, size = self.allocated_pages[seq], self.page_size
+        return [pages[p // size] * size + p % size for p in positions]
 
     def step(self, layer_number, new_k, new_v, cu_new_seqlens, cu_cached_seqlens,
              qkv_format: str):
         """Write the new tokens into their pages; returns the paged ``(k_cache, v_cache)``."""
         self._check_new_tokens(layer_number, new_k, new_v, qkv_format)
-        self._write(layer_number, new_k, new_v, cu_new_seqlens, qkv_format)
+        self._write(layer_number, new_k, new_v, qkv_format)
         return self.cache[layer_number]
 
 
@@ -470,10 +482,15 @@ class InferenceParams:
         self.device = getattr(self.cache_manager, "device", None) or _default_device()
         self.cache_qkv_format = CACHE_FORMAT
         self.output_qkv_format = _output_format(qkv_format)
-        zeros = lambda n: torch.zeros(n, dtype=torch.int32, device=self.device)  # noqa: E731
-        self.cu_seqlens_q = zeros(max_batch_size + 1)
-        self.cu_seqlens_kv = zeros(max_batch_size + 1)
-        self.pre_step_seqlens = zeros(max_batch_size)
+        # One buffer (one host-to-device copy a step), fixed addresses (as TE's buffers).
+        self._lengths = torch.zeros(3 * max_batch_size + 2, dtype=torch.int32,
+                                    device=self.device)
+        self.cu_seqlens_q, self.cu_seqlens_kv, self.pre_step_seqlens = self._lengths.split(
+            [max_batch_size + 1, max_batch_size + 1, max_batch_size])
+        # Set by pre_step: (cu_seqlens_q, cu_seqlens_kv, start positions) of the batch, and
+        # what the layers of one step share (RoPE's positions and angles).
+        self._step_views: Tuple[torch.Tensor, ...] = ()
+        self.step_memo: Dict = {}
         self._layer_owners: Dict[int, object] = {}
         self.reset()
 
@@ -482,10 +499,10 @@ class InferenceParams:
         self.sequences = OrderedDict()
         self.sequences_pre_step = OrderedDict()
         self.batch_size = 0
-        self.max_seqlen_q = 0
+        self.max_seqlen_q = self._step_total = 0
         self.cache_manager.reset()
-        for buffer in (self.cu_seqlens_q, self.cu_seqlens_kv, self.pre_step_seqlens):
-            buffer.zero_()
+        self._lengths.zero_()
+        self._start_step()
         self._layer_owners = {}
 
     def __repr__(self) -> str:
@@ -513,15 +530,23 @@ class InferenceParams:
         self.sequences_pre_step = OrderedDict(
             (seq, n - s) for seq, n, s in zip(step_dict, cached, step_lens))
         self.max_seqlen_q = max(step_lens, default=0)
-        # Copied into fixed buffers (stable addresses, as TE's).
-        for buffer, lens in ((self.cu_seqlens_q, step_lens), (self.cu_seqlens_kv, cached)):
-            cu = torch.zeros(self.max_batch_size + 1, dtype=torch.int32)
-            cu[1:] = torch.tensor(lens + [0] * (self.max_batch_size - len(lens)),
-                                  dtype=torch.int32).cumsum(0)
-            buffer.copy_(to_device(cu, self.device))
+        self._step_total = sum(step_lens)
+        # Copied into the fixed buffers; entries past the batch repeat the totals.
+        pad = [0] * (self.max_batch_size - self.batch_size)
         pre = list(self.sequences_pre_step.values())
-        self.pre_step_seqlens.copy_(to_device(torch.tensor(
-            pre + [0] * (self.max_batch_size - len(pre)), dtype=torch.int32), self.device))
+        host = torch.tensor([0, *itertools.accumulate(step_lens + pad), 0,
+                             *itertools.accumulate(cached + pad), *pre, *pad],
+                            dtype=torch.int32)
+        self._lengths.copy_(to_device(host, self.device))
+        self._start_step()
+
+    def _start_step(self) -> None:
+        """The views of the batch's lengths (made once a step, not once a layer) and an
+        empty step memo."""
+        b = self.batch_size
+        self._step_views = (self.cu_seqlens_q[:b + 1], self.cu_seqlens_kv[:b + 1],
+                            self.pre_step_seqlens[:b])
+        self.step_memo = {}
 
     def get_seqlens_pre_step(self) -> torch.Tensor:
         """Cached lengths before the step ``[max_batch_size]``: each sequence's first new
@@ -541,9 +566,8 @@ class InferenceParams:
         k_cache, v_cache = self.cache_manager.step(layer_number, new_k, new_v,
                                                    self.cu_seqlens_q, self.cu_seqlens_kv,
                                                    qkv_format)
-        b = self.batch_size
-        return (k_cache, v_cache, self.cu_seqlens_q[:b + 1], self.cu_seqlens_kv[:b + 1],
-                self.max_sequence_length, self.output_qkv_format)
+        cu_q, cu_kv, _ = self._step_views
+        return k_cache, v_cache, cu_q, cu_kv, self.max_sequence_length, self.output_qkv_format
 
     def convert_paged_to_nonpaged(self, layer_number: int):
         """The paged K and V of a layer as contiguous ``[batch_size, max_sequence_length, h,
@@ -623,9 +647,7 @@ def attention_over_cache(inference_params, module, q, k, v, qkv_format: str,
     mask_type = cache_mask_type(attn_mask_type)
     layout.validate_qkv(q, k, v, q_format, q_format, module.num_attention_heads,
                         module.num_gqa_groups, module.head_dim_qk, module.head_dim_v)
-    b, total = inference_params.batch_size, sum(
-        inference_params.sequences[seq] - pre
-        for seq, pre in inference_params.sequences_pre_step.items())
+    b, total = inference_params.batch_size, inference_params._step_total
     if b == 0:
         raise ValueError("inference_params has no sequence in this step: call pre_step() first")
     if q_format == "thd" and q.shape[0] < total:
@@ -680,23 +702,37 @@ def _check_given_cu_seqlens(given, expected: torch.Tensor) -> None:
                          f"inference_params.pre_step())")
 
 
-def rope_for_step(inference_params, tensor_format: str, seq_len: Optional[int],
-                  tables: Tuple[torch.Tensor, torch.Tensor]):
-    """RoPE at each sequence's positions in the step: ``(tables, cu_seqlens, start_positions)``
-    for ``apply_rotary_pos_emb``. The tables must cover every real token; bshd/sbhd padding
-    rows past them rotate by angle 0 (their outputs are never read)."""
+def rope_for_step(inference_params, q: torch.Tensor, k: torch.Tensor,
+                  tables: Tuple[torch.Tensor, torch.Tensor], tensor_format: str,
+                  interleaved: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """q and k rotated at each sequence's positions in the step (each continues at its
+    cached length). The tables must cover every real token; bshd/sbhd padding rows past
+    them rotate by angle 0 (their outputs are never read). The positions are computed once
+    a step (the first layer's call; later layers and k reuse them: ``step_memo``), and so
+    are the angles of a table."""
     b = inference_params.batch_size
     longest = max(inference_params.sequences.values(), default=0)
     padded = longest
-    if tensor_format != "thd":
-        padded = max(max(inference_params.sequences_pre_step.values(), default=0) + seq_len,
-                     longest)
+    seq_dim = None if tensor_format == "thd" else tensor_format.index("s")
+    if seq_dim is not None:
+        padded = max(max(inference_params.sequences_pre_step.values(), default=0)
+                     + q.shape[seq_dim], longest)
+    memo = inference_params.step_memo
+    key = ("rope positions", tensor_format, q.shape[0] if seq_dim is None else q.shape[seq_dim],
+           q.device)
+    positions = memo.get(key)
+    if positions is None:
+        cu_q, _, starts = inference_params._step_views
+        positions = memo[key] = rope.step_positions(tensor_format, q, cu_q, starts)
     out = []
-    for table in tables:
+    for t, table in zip((q, k), tables):
+        rope.check_freqs(t, table)
         if table.shape[0] < longest:
             raise ValueError(f"rotary_pos_emb covers {table.shape[0]} positions but a sequence "
                              f"reaches {longest} tokens in this step")
         extra = padded - table.shape[0]
-        out.append(torch.cat([table, table.new_zeros(extra, *table.shape[1:])])
-                   if extra > 0 else table)
-    return tuple(out), inference_params.cu_seqlens_q[:b + 1], inference_params.pre_step_seqlens[:b]
+        if extra > 0:  # padding rows past the table (a prefill of unequal prompts)
+            table = torch.cat([table, table.new_zeros(extra, *table.shape[1:])])
+        out.append(rope.apply_rotary_pos_emb_at(t, table, positions, tensor_format,
+                                                interleaved, fused=True, memo=memo))
+    return out[0], out[1]

@@ -12,7 +12,6 @@ ng key/value groups, hn head dim) is read as
 Without ``fuse_qkv_params`` the weights are separate ``query_weight``, ``key_weight``,
 ``value_weight`` parameters and the second reading applies, as in TE.
 """
-import contextlib
 from typing import Callable, Optional, Sequence, Tuple, Union
 
 import torch
@@ -29,7 +28,6 @@ from ..module._common import (
 from ..module.layernorm import LayerNorm, RMSNorm
 from ..module.linear import LayerNormLinear, Linear
 from .. import parallel
-from ..utils import lengths_checked_on_host
 from . import context_parallel, inference, masks
 from .constants import TENSOR_FORMATS as _FORMATS
 from .dot_product_attention import DotProductAttention, check_unsupported_forward_args
@@ -405,27 +403,23 @@ class MultiheadAttention(FollowsParamsDtype, torch.nn.Module):
             q_emb, k_emb = (
                 rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
             )
-            # thd with gaps: positions count from each sequence's padded start
-            cu_rope_q = cu_seqlens_q if cu_seqlens_q_padded is None else cu_seqlens_q_padded
-            cu_rope_kv = cu_seqlens_kv if cu_seqlens_kv_padded is None else cu_seqlens_kv_padded
-            starts, checked = None, contextlib.nullcontext()
             if inference_params is not None:  # each sequence continues at its cached length
-                (q_emb, k_emb), cu_rope_q, starts = inference.rope_for_step(
-                    inference_params, self.qkv_format,
-                    None if self.qkv_format == "thd" else q.shape[self.qkv_format.index("s")],
-                    (q_emb, k_emb))
-                cu_rope_kv = cu_rope_q
-                checked = lengths_checked_on_host()  # rope_for_step checked the positions
-            with checked:
+                q, k = inference.rope_for_step(inference_params, q, k, (q_emb, k_emb),
+                                               self.qkv_format, self.rotary_pos_interleaved)
+            else:
+                # thd with gaps: positions count from each sequence's padded start
+                cu_rope_q = cu_seqlens_q if cu_seqlens_q_padded is None else cu_seqlens_q_padded
+                cu_rope_kv = (cu_seqlens_kv if cu_seqlens_kv_padded is None
+                              else cu_seqlens_kv_padded)
                 q = apply_rotary_pos_emb(
                     q, q_emb, self.qkv_format, interleaved=self.rotary_pos_interleaved,
-                    cu_seqlens=cu_rope_q, start_positions=starts,
-                    cp_size=self.cp_size, cp_rank=self.cp_rank, fused=True,  # as TE's
+                    cu_seqlens=cu_rope_q, cp_size=self.cp_size, cp_rank=self.cp_rank,
+                    fused=True,  # as TE's
                 )
                 k = apply_rotary_pos_emb(
                     k, k_emb, self.qkv_format, interleaved=self.rotary_pos_interleaved,
-                    cu_seqlens=cu_rope_kv, start_positions=starts,
-                    cp_size=self.cp_size, cp_rank=self.cp_rank, fused=True,
+                    cu_seqlens=cu_rope_kv, cp_size=self.cp_size, cp_rank=self.cp_rank,
+                    fused=True,
                 )
         if self.q_norm is not None and not self.qk_norm_before_rope:
             q, k = self.q_norm(q), self.k_norm(k)

@@ -170,16 +170,8 @@ def apply_rotary_pos_emb(
         raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
     if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank must be an int in [0, cp_size={cp_size}), got {cp_rank!r}")
-    if freqs.dim() != 4 or freqs.shape[1] != 1 or freqs.shape[2] != 1:
-        raise ValueError(f"freqs must have shape [s, 1, 1, d], got {tuple(freqs.shape)}")
-    rot_dim = freqs.shape[-1]
-    if rot_dim > t.shape[-1]:
-        raise ValueError(f"freqs has {rot_dim} channels but t has only {t.shape[-1]}")
-    if rot_dim % 2:
-        raise ValueError(f"freqs must have an even number of channels (pairs), got {rot_dim}")
-    # Angles, cos and sin in float32 at least (as TE), in float64 for float64 t or freqs.
-    compute_dtype = torch.promote_types(torch.promote_types(freqs.dtype, t.dtype), torch.float32)
-    table = freqs.reshape(freqs.shape[0], rot_dim).to(compute_dtype)
+    check_freqs(t, freqs)
+    table = _table(freqs, t)
     max_len = table.shape[0]
 
     positions = None  # None: token s of every sequence sits at position s
@@ -212,17 +204,78 @@ def apply_rotary_pos_emb(
             if start_positions is None:
                 pos = pos.unsqueeze(0)  # [1, s]
             else:
-                start = start_positions.to(device=table.device, dtype=torch.int64)
-                pos = start[:, None] + pos  # [b, s]
+                pos = _started(start_positions, pos, table.device)  # [b, s]
             _check_positions(pos, max_len, "start_positions + sequence length exceed")
             positions = pos
+    return _rotate(t, freqs, table, positions, tensor_format, interleaved, fused)
 
+
+def check_freqs(t: torch.Tensor, freqs: torch.Tensor) -> None:
+    """freqs must be a ``[s, 1, 1, d2]`` table of an even number of channels, d2 <= t's."""
+    if freqs.dim() != 4 or freqs.shape[1] != 1 or freqs.shape[2] != 1:
+        raise ValueError(f"freqs must have shape [s, 1, 1, d], got {tuple(freqs.shape)}")
+    rot_dim = freqs.shape[-1]
+    if rot_dim > t.shape[-1]:
+        raise ValueError(f"freqs has {rot_dim} channels but t has only {t.shape[-1]}")
+    if rot_dim % 2:
+        raise ValueError(f"freqs must have an even number of channels (pairs), got {rot_dim}")
+
+
+def _table(freqs: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """freqs as ``[s, d2]`` in float32 at least (as TE), float64 for float64 t or freqs."""
+    compute_dtype = torch.promote_types(torch.promote_types(freqs.dtype, t.dtype), torch.float32)
+    return freqs.reshape(freqs.shape[0], freqs.shape[-1]).to(compute_dtype)
+
+
+def _started(start_positions: torch.Tensor, pos: torch.Tensor, device) -> torch.Tensor:
+    """``[b, s]``: each sequence's positions ``pos`` ``[s]`` shifted by its start."""
+    return start_positions.to(device=device, dtype=torch.int64)[:, None] + pos
+
+
+def step_positions(tensor_format: str, t: torch.Tensor, cu_seqlens: torch.Tensor,
+                   start_positions: torch.Tensor) -> torch.Tensor:
+    """The positions of t's tokens when sequence i starts at ``start_positions[i]`` (a KV
+    cache step): int64 ``[b, s]`` for sbhd / bshd, ``[t]`` for thd (rows past
+    ``cu_seqlens[-1]`` at 0). Not checked against a table: the caller knows the lengths."""
+    if tensor_format == "thd":
+        return _token_positions(cu_seqlens, t.shape[0], start_positions)
+    seqlen = t.shape[0 if tensor_format == "sbhd" else 1]
+    return _started(start_positions, torch.arange(seqlen, device=t.device), t.device)
+
+
+def apply_rotary_pos_emb_at(t: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor,
+                            tensor_format: str, interleaved: bool = False, fused: bool = False,
+                            memo: Optional[dict] = None) -> torch.Tensor:
+    """``apply_rotary_pos_emb`` at the given ``positions`` (``step_positions``'), which must
+    lie inside freqs (checked by the caller, with ``check_freqs``). ``memo``: a dict that
+    keeps the table and angles of (freqs, t's dtype, positions) for the next call with the
+    same ones (q and k, the layers of one decode step), so that they are computed once."""
+    key = ("rope", id(freqs), t.dtype, id(positions), tensor_format)
+    hit = memo.get(key) if memo is not None else None
+    if hit is None or hit[0] is not freqs or hit[1] is not positions:
+        hit = (freqs, positions, _table(freqs, t), {})
+        if memo is not None:
+            memo[key] = hit
+    table, angles = hit[2], hit[3]
+    return _rotate(t, freqs, table, positions, tensor_format, interleaved, fused, angles)
+
+
+def _rotate(t, freqs, table, positions, tensor_format, interleaved, fused, memo=None):
+    """RoPE of t by ``table`` ``[max_len, d2]`` at ``positions`` (None: the index along s):
+    the fused kernel where it applies, else in PyTorch (cos and sin kept in ``memo``, a
+    dict, for the next call with the same table and positions)."""
     if fused and kernels.use_fused_rope(t, freqs):
         from ..kernels.rope import fused_rope
 
         return fused_rope(t, table, positions, tensor_format, interleaved)
-    angles = _angles(table, positions, tensor_format, t.shape)
-    cos, sin = torch.cos(angles).to(t.dtype), torch.sin(angles).to(t.dtype)
+    cos_sin = memo.get("cos_sin") if memo is not None else None
+    if cos_sin is None:
+        angles = _angles(table, positions, tensor_format, t.shape)
+        cos_sin = torch.cos(angles).to(t.dtype), torch.sin(angles).to(t.dtype)
+        if memo is not None:
+            memo["cos_sin"] = cos_sin
+    cos, sin = cos_sin
+    rot_dim = table.shape[-1]
     t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
     t_rot = t_rot * cos + _rotate_half(t_rot, interleaved) * sin
     return torch.cat((t_rot, t_pass), dim=-1) if t_pass.shape[-1] else t_rot

@@ -1,0 +1,157 @@
+"""The host work of an eager decode step with the KV cache: torch ops per layer and per step
+(a budget: a regression guard, since every op costs the host several microseconds on a
+GPU), the work shared by the layers of one step (RoPE's positions and angles), and the
+one-token write of a decode step (a view, not a gather)."""
+from collections import Counter, OrderedDict
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import transformer_fa as tfa
+from transformer_fa.attention import rope
+from kv_cache_cases import (make_params, make_stack, reference_outputs, rope_table,
+                            run_schedule, run_stack, sequence_inputs)
+
+FORMATS = ("bshd", "sbhd", "thd")
+
+# Measured on 2026-11-25 (CPU, unfused backend, the 2-layer stack of kv_cache_cases,
+# 3 sequences, one token each), ops per layer / per step besides the layers:
+# bshd and sbhd 113 / 21, thd 138 / 30; paged: 5 more per layer, 4 more per step. Before the
+# decode step's host work was cut: bshd 139 / 29, thd 188 / 29, paged 144-193 / 59.
+OPS_PER_LAYER = {"bshd": 125, "sbhd": 125, "thd": 150}
+OPS_PER_PAGED_LAYER = 5  # the page table's view and slices
+OPS_PER_STEP = 38
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the torch ops (ATen calls, views included) run inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+
+def decode_step_ops(qkv_format, is_paged, layers):
+    """Torch ops of pre_step plus one decode step (one token for each of 3 sequences)
+    through the first ``layers`` layers of the stack, after a prefill and a decode step."""
+    stack = make_stack(qkv_format)[:layers]
+    params = make_params(qkv_format, is_paged)
+    table = rope_table()
+    prompts = OrderedDict({0: 5, 1: 3, 2: 4})
+    one_each = OrderedDict((seq, 1) for seq in prompts)
+    batch = {"bshd": (3, 1, 32), "sbhd": (1, 3, 32), "thd": (3, 32)}[qkv_format]
+    prefill = {"bshd": (3, 5, 32), "sbhd": (5, 3, 32), "thd": (12, 32)}[qkv_format]
+    with torch.no_grad():
+        for step, shape in ((prompts, prefill), (one_each, batch)):
+            params.pre_step(step)
+            run_stack(stack, torch.randn(shape), inference_params=params, rotary_pos_emb=table)
+        x = torch.randn(batch)
+        counter = OpCounter()
+        with counter:
+            params.pre_step(one_each)
+            run_stack(stack, x, inference_params=params, rotary_pos_emb=table)
+    return counter
+
+
+@pytest.mark.parametrize("is_paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("qkv_format", FORMATS)
+def test_decode_step_stays_within_its_op_budget(qkv_format, is_paged):
+    one, two = (decode_step_ops(qkv_format, is_paged, n).total for n in (1, 2))
+    per_layer, per_step = two - one, 2 * one - two
+    budget = OPS_PER_LAYER[qkv_format] + (OPS_PER_PAGED_LAYER if is_paged else 0)
+    assert per_layer <= budget, f"{per_layer} ops per layer"
+    assert per_step <= OPS_PER_STEP, f"{per_step} ops per step besides the layers"
+
+
+# Sequences joining and leaving in one-token steps (the write is a view of the new tokens),
+# steps of two tokens for every sequence (a narrow, no gather), and of unequal lengths.
+ONE_TOKEN_SCHEDULE = [
+    {0: 3, 1: 2},
+    {0: 1, 1: 1},
+    {1: 1, 2: 1},  # 0 leaves, 2 joins with one token
+    {2: 1, 1: 1, 3: 1},  # the order changes, 3 joins
+    {3: 2, 2: 2},  # 1 leaves; two tokens each
+    {3: 1},
+]
+
+
+@pytest.mark.parametrize("is_paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("qkv_format", FORMATS)
+def test_one_token_steps_with_sequences_joining_and_leaving(qkv_format, is_paged):
+    table = rope_table()
+    stack = make_stack(qkv_format)
+    inputs = sequence_inputs(ONE_TOKEN_SCHEDULE)
+    expected = reference_outputs(make_stack("bshd"), inputs, table)
+    params = make_params(qkv_format, is_paged)
+    for step, outs, positions in run_schedule(stack, params, inputs, qkv_format, table,
+                                              ONE_TOKEN_SCHEDULE):
+        for seq, out in outs.items():
+            start, end = positions[seq]
+            torch.testing.assert_close(out, expected[seq][start:end], atol=1e-5, rtol=1e-5,
+                                       msg=lambda m: f"step {dict(step)}, seq {seq}: {m}")
+
+
+@pytest.mark.parametrize("qkv_format", FORMATS)
+def test_new_tokens_of_a_one_token_step_are_a_view(qkv_format):
+    params = make_params(qkv_format, False)
+    manager = params.cache_manager
+    params.pre_step(OrderedDict({0: 2, 1: 1}))
+    params.pre_step(OrderedDict({1: 1, 0: 1}))
+    shape = {"bshd": (2, 3, 2, 8), "sbhd": (3, 2, 2, 8), "thd": (4, 2, 8)}[qkv_format]
+    k = torch.randn(shape)
+    new = manager._new_tokens(k, qkv_format)
+    assert new.shape == (2, 2, 8) and new.data_ptr() == k.data_ptr()  # no copy
+    first = {"bshd": k[:, 0], "sbhd": k[0], "thd": k[:2]}[qkv_format]
+    assert torch.equal(new, first)
+    if qkv_format != "thd":  # unequal step lengths: the gather, batch then position order
+        params.pre_step(OrderedDict({1: 3, 0: 1}))
+        new = manager._new_tokens(k, qkv_format)
+        kb = k if qkv_format == "bshd" else k.transpose(0, 1)
+        assert torch.equal(new, torch.cat([kb[0, :3], kb[1, :1]]))
+
+
+def test_rope_positions_and_angles_are_computed_once_a_step():
+    """The layers of a step and q and k share one positions tensor and one (cos, sin); a new
+    step starts a new memo (the positions move on)."""
+    stack = make_stack("bshd")
+    params = make_params("bshd", False)
+    table = rope_table()
+    computed = []
+    real = rope._angles
+
+    def counting(*args):
+        computed.append(args[1])
+        return real(*args)
+
+    params.pre_step(OrderedDict({0: 4, 1: 2}))
+    with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rope, "_angles", counting)
+        run_stack(stack, torch.randn(2, 4, 32), inference_params=params, rotary_pos_emb=table)
+        assert len(computed) == 1 and computed[0].tolist() == [[0, 1, 2, 3], [0, 1, 2, 3]]
+        params.pre_step(OrderedDict({0: 1, 1: 1}))
+        run_stack(stack, torch.randn(2, 1, 32), inference_params=params, rotary_pos_emb=table)
+        assert len(computed) == 2 and computed[1].tolist() == [[4], [2]]
+
+
+def test_rope_at_positions_equals_apply_rotary_pos_emb():
+    table = tfa.RotaryPositionEmbedding(8)(16)
+    starts = torch.tensor([3, 0, 7], dtype=torch.int32)
+    for fmt, shape in (("bshd", (3, 2, 2, 8)), ("sbhd", (2, 3, 2, 8)), ("thd", (6, 2, 8))):
+        t = torch.randn(shape)
+        cu = torch.tensor([0, 2, 3, 5], dtype=torch.int32)  # thd: a padding row at the end
+        positions = rope.step_positions(fmt, t, cu, starts)
+        memo = {}
+        for _ in range(2):  # the second call reads the memo
+            torch.testing.assert_close(
+                rope.apply_rotary_pos_emb_at(t, table, positions, fmt, memo=memo),
+                tfa.apply_rotary_pos_emb(t, table, fmt, start_positions=starts, cu_seqlens=cu),
+                atol=0, rtol=0)
