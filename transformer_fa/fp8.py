@@ -592,7 +592,8 @@ def fp8_matmul(inp: torch.Tensor, weight: torch.Tensor, meta: FP8Meta, gemm: int
 def _forward_state(meta: FP8Meta, recipe: Recipe, device: torch.device) -> _ForwardState:
     """The state an FP8 GEMM of this meta casts with: in a recomputation the one its forward
     recorded, else the meta's own (the meta joins the autocast's update). Each checkpointed
-    region whose forward is running records it for its recomputation."""
+    region whose forward is running records the state for its recomputation (a region
+    nested in a recomputation records the recorded one)."""
     state = _STATE
     if state.replaying is not None:
         forward_state = state.replaying.next_state(meta)
@@ -613,8 +614,8 @@ class CheckpointedRegion:
     runs the region, each FP8 GEMM's forward state: for delayed scaling the scales the
     forward cast with (the outermost autocast's exit updates them before the backward).
     ``recompute()`` re-enters those settings and casts with those scales; its amaxes go to
-    scratch and no autocast exit inside it updates scales again (TE's: the forward step's
-    bookkeeping happened once, in the forward)."""
+    scratch and its GEMMs join no autocast's update, so no autocast exit updates the forward
+    scales a second time (TE's: the step's forward bookkeeping happened in the forward)."""
 
     def __init__(self) -> None:
         state = _STATE
@@ -641,12 +642,9 @@ class CheckpointedRegion:
         saved = (state.enabled, state.calibrating, state.recipe, state.group, state.replaying)
         state.enabled, state.calibrating, state.recipe, state.group = self.autocast
         state.replaying = _Replay(self.gemms)
-        # one level deeper: an autocast inside the region does not exit the outermost one
-        state.depth += 1
         try:
             yield
         finally:
-            state.depth -= 1
             (state.enabled, state.calibrating, state.recipe, state.group,
              state.replaying) = saved
 
