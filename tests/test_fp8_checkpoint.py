@@ -20,14 +20,14 @@ def allow_fp8_on_cpu(monkeypatch):
     monkeypatch.setenv("TRANSFORMER_FA_FP8_ON_CPU", "1")
 
 
-def make_stack(checkpointed: bool, device="cpu", dtype=torch.float32):
+def make_stack(checkpointed: bool, device="cpu", dtype=torch.float32, hidden=HIDDEN):
     torch.manual_seed(0)
     kwargs = dict(params_dtype=dtype, device=device)
     return torch.nn.ModuleDict(dict(
-        linear=te.Linear(HIDDEN, HIDDEN, **kwargs),
-        ln_linear=te.LayerNormLinear(HIDDEN, HIDDEN, **kwargs),
-        mlp=te.LayerNormMLP(HIDDEN, 2 * HIDDEN, checkpoint=checkpointed, **kwargs),
-        layer=te.TransformerLayer(HIDDEN, 2 * HIDDEN, 4, hidden_dropout=0.0,
+        linear=te.Linear(hidden, hidden, **kwargs),
+        ln_linear=te.LayerNormLinear(hidden, hidden, **kwargs),
+        mlp=te.LayerNormMLP(hidden, 2 * hidden, checkpoint=checkpointed, **kwargs),
+        layer=te.TransformerLayer(hidden, 2 * hidden, 4, hidden_dropout=0.0,
                                   attention_dropout=0.0, **kwargs)))
 
 
@@ -58,16 +58,17 @@ def _forward(stack, x, recipe, checkpoint, autocast_inside):
 
 
 def train_stack(recipe, checkpoint=None, autocast_inside=False, steps=3, device="cpu",
-                dtype=torch.float32):
-    """Trains the stack ``steps`` SGD steps; for each step the output, the gradients (input
-    and parameters) and every module's FP8 state after the step. ``checkpoint``: None (no
-    checkpointing) or te.checkpoint's keywords (the MLP then checkpoints itself as well)."""
-    stack = make_stack(checkpoint is not None, device, dtype)
+                dtype=torch.float32, hidden=HIDDEN, seq=16):
+    """Trains the stack ``steps`` SGD steps on [seq, 2, hidden] inputs; for each step the
+    output, the gradients (input and parameters) and every module's FP8 state after the
+    step. ``checkpoint``: None (no checkpointing) or te.checkpoint's keywords (the MLP then
+    checkpoints itself as well)."""
+    stack = make_stack(checkpoint is not None, device, dtype, hidden)
     optimizer = torch.optim.SGD(stack.parameters(), lr=0.05)
     generator = torch.Generator(device).manual_seed(1)
     trace = []
     for _ in range(steps):
-        x = torch.randn(16, 2, HIDDEN, device=device, dtype=dtype, generator=generator,
+        x = torch.randn(seq, 2, hidden, device=device, dtype=dtype, generator=generator,
                         requires_grad=True)
         out = _forward(stack, x, recipe, checkpoint, autocast_inside)
         out.float().square().sum().backward()
