@@ -180,3 +180,24 @@ def test_recomputation_that_runs_other_fp8_gemms_is_an_error():
         out.sum().backward()
     state = fp8._STATE
     assert state.depth == 0 and state.replaying is None and not state.enabled
+
+
+def test_checkpoint_core_attention_under_the_fp8_autocast():
+    """TransformerLayer(checkpoint_core_attention=True) under an FP8 autocast: the core
+    attention (no FP8 GEMMs) recomputes after the autocast exited; training equals the
+    layer's without checkpointing."""
+    traces = []
+    for checkpointed in (True, False):
+        torch.manual_seed(0)
+        layer = te.TransformerLayer(HIDDEN, 2 * HIDDEN, 4, hidden_dropout=0.0,
+                                    attention_dropout=0.0, device="cpu")
+        x = torch.randn(16, 2, HIDDEN, requires_grad=True)
+        trace = []
+        for _ in range(2):
+            with te.autocast(recipe=DelayedScaling()):
+                out = layer(x, checkpoint_core_attention=checkpointed)
+            out.square().sum().backward()
+            trace.append([out.detach(), x.grad.clone()]
+                         + [p.grad.clone() for p in layer.parameters()])
+        traces.append(trace)
+    assert_same_training(*traces)

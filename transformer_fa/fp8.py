@@ -13,6 +13,9 @@ Scales follow the recipe:
   On CUDA all modules' updates of one pass run in one kernel launch per recipe setting.
 * ``Float8CurrentScaling``: the scale comes from the tensor's own amax, each time.
 
+Under activation checkpointing the recomputation in the backward re-enters the forward's
+autocast settings and casts with the scales the forward used (``CheckpointedRegion``).
+
 FP8 needs a GPU of compute capability 8.9+ (TE's rule). ``torch._scaled_mm`` also runs FP8 on
 CPU (slowly); ``TRANSFORMER_FA_FP8_ON_CPU=1`` allows that, for tests and numerics checks.
 """
@@ -315,7 +318,7 @@ class FP8Meta:
 
     def _recompute_state(self) -> "_ForwardState":
         """For a checkpointed region's recomputation: delayed scaling casts with a copy of
-        today's forward scales (the autocast's exit updates them before the backward
+        the current forward scales (the autocast's exit updates them before the backward
         recomputes), records its amaxes into a scratch history (not into the next step's
         row) and caches its weight casts apart. Current scaling has no state to keep."""
         if not isinstance(self.recipe, DelayedScaling):
