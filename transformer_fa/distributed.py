@@ -5,12 +5,16 @@ from typing import Callable, Dict
 
 import torch
 
+from . import fp8
+
 
 def checkpoint(function: Callable, *args, **kwargs):
     """TE's ``checkpoint``: recompute ``function(*args, **kwargs)`` in the backward
     (torch.utils.checkpoint). TE's own keywords: ``use_reentrant`` (default True, as TE),
     ``distribute_saved_activations`` (False only: no tensor parallelism here),
-    ``get_rng_state_tracker`` (its states are restored for the recomputation), ``tp_group``."""
+    ``get_rng_state_tracker`` (its states are restored for the recomputation), ``tp_group``.
+    FP8 modules inside recompute under the FP8 autocast the forward ran in, with the scales
+    it cast with (fp8.CheckpointedRegion), so the recomputation equals the forward."""
     use_reentrant = kwargs.pop("use_reentrant", True)
     if kwargs.pop("distribute_saved_activations", False):
         raise ValueError("checkpoint: distribute_saved_activations=True needs tensor "
@@ -26,27 +30,46 @@ def checkpoint(function: Callable, *args, **kwargs):
                                  f"is a tensor that requires grad; pass it positionally")
         function = functools.partial(function, **kwargs)
         kwargs = {}
-    if get_rng_state_tracker is None:
-        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=use_reentrant,
-                                                 **kwargs)
-    tracker = get_rng_state_tracker()
-    at_forward: Dict[str, torch.Tensor] = {}
+    tracker = None if get_rng_state_tracker is None else get_rng_state_tracker()
+    return torch.utils.checkpoint.checkpoint(_Recomputable(function, tracker), *args,
+                                             use_reentrant=use_reentrant, **kwargs)
 
-    def recomputable(*inner_args, **inner_kwargs):
-        # The recomputation draws the tracked random numbers the forward drew (dropout
-        # masks match), then leaves the tracker where it was.
-        if not at_forward:  # the forward
-            at_forward.update(_cloned(tracker.get_states()))
-            return function(*inner_args, **inner_kwargs)
-        current = _cloned(tracker.get_states())
-        tracker.set_states(_cloned(at_forward))
+
+class _Recomputable:
+    """The function torch's checkpoint runs: the first call is the forward, each later one a
+    recomputation in a backward pass. A recomputation runs in the forward's FP8 autocast
+    state and draws the tracked random numbers the forward drew (dropout masks match),
+    then leaves both where they were."""
+
+    def __init__(self, function: Callable, tracker) -> None:
+        self.function = function
+        self.tracker = tracker
+        # made now: a reentrant checkpoint runs the forward under no_grad
+        self.fp8 = fp8.CheckpointedRegion()
+        self.tracked_at_forward = None
+        self.forward_ran = False
+
+    def __call__(self, *args, **kwargs):
+        if not self.forward_ran:
+            self.forward_ran = True
+            if self.tracker is not None:
+                self.tracked_at_forward = _cloned(self.tracker.get_states())
+            with self.fp8.forward():
+                return self.function(*args, **kwargs)
+        with self.fp8.recompute(), self._tracked_states_at_forward():
+            return self.function(*args, **kwargs)
+
+    @contextmanager
+    def _tracked_states_at_forward(self):
+        if self.tracker is None:
+            yield
+            return
+        current = _cloned(self.tracker.get_states())
+        self.tracker.set_states(_cloned(self.tracked_at_forward))
         try:
-            return function(*inner_args, **inner_kwargs)
+            yield
         finally:
-            tracker.set_states(current)
-
-    return torch.utils.checkpoint.checkpoint(recomputable, *args, use_reentrant=use_reentrant,
-                                             **kwargs)
+            self.tracker.set_states(current)
 
 
 def _cloned(states: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

@@ -13,14 +13,18 @@ Scales follow the recipe:
   On CUDA all modules' updates of one pass run in one kernel launch per recipe setting.
 * ``Float8CurrentScaling``: the scale comes from the tensor's own amax, each time.
 
+Under activation checkpointing the recomputation in the backward re-enters the forward's
+autocast settings and casts with the scales the forward used (``CheckpointedRegion``).
+
 FP8 needs a GPU of compute capability 8.9+ (TE's rule). ``torch._scaled_mm`` also runs FP8 on
 CPU (slowly); ``TRANSFORMER_FA_FP8_ON_CPU=1`` allows that, for tests and numerics checks.
 """
+import contextlib
 import functools
 import importlib
 import io
 import os
-from typing import Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -76,6 +80,10 @@ class _AutocastState:
         self.metas_after_backward: Dict["FP8Meta", None] = {}
         # the autograd graph tasks (backward passes) that have the update queued
         self.backward_passes: Set[int] = set()
+        # activation checkpointing: the regions whose forward is running (each records the
+        # forward state of its FP8 GEMMs), and the recomputation running, if any
+        self.recording: List["CheckpointedRegion"] = []
+        self.replaying: Optional["_Replay"] = None
 
 
 _STATE = _AutocastState()
@@ -142,7 +150,8 @@ class autocast:  # noqa: N801 (TE's name)
         state.depth -= 1
         if state.depth == 0:
             metas, state.metas_to_update = state.metas_to_update, {}
-            if torch.is_grad_enabled():
+            # a reentrant checkpoint runs its training forward under no_grad
+            if torch.is_grad_enabled() or state.recording:
                 update_delayed_scales(metas, forward=True)
 
 
@@ -235,6 +244,7 @@ def update_delayed_scales(metas, forward: bool) -> None:
             history, scale, fp8_max = (meta.amax_history_fwd, meta.scale_fwd,
                                        recipe.fp8_format.value.max_fwd)
             meta.weight_cache = {}
+            meta.recompute_state = None  # the recorded regions keep theirs
         else:
             history, scale, fp8_max = (meta.amax_history_bwd, meta.scale_bwd,
                                        recipe.fp8_format.value.max_bwd)
@@ -278,6 +288,14 @@ def _reduce_amax(history: torch.Tensor, group, recipe: Recipe) -> None:
                                      group=group)
 
 
+class _ForwardState(NamedTuple):
+    """What a forward FP8 GEMM casts with: amax history [history_len, 2 * gemms], scales
+    [2 * gemms] and the weight casts' cache."""
+    amax_history: torch.Tensor
+    scale: torch.Tensor
+    weight_cache: dict
+
+
 class FP8Meta:
     """One module's FP8 state (TE's ``fp8_meta``): for each of its GEMMs a forward scale and
     amax history for the input and the weight, and a backward one for the output gradient;
@@ -290,6 +308,25 @@ class FP8Meta:
         self.scale_fwd = self.amax_history_fwd = None
         self.scale_bwd = self.amax_history_bwd = None
         self.weight_cache = {}
+        # the forward state a checkpointed region's recomputation casts with (see
+        # _recompute_state), shared by the regions recorded until the next forward update
+        self.recompute_state: Optional[_ForwardState] = None
+
+    def forward_state(self) -> "_ForwardState":
+        """The state the forward GEMMs cast with and record their amaxes into."""
+        return _ForwardState(self.amax_history_fwd, self.scale_fwd, self.weight_cache)
+
+    def _recompute_state(self) -> "_ForwardState":
+        """For a checkpointed region's recomputation: delayed scaling casts with a copy of
+        the current forward scales (the autocast's exit updates them before the backward
+        recomputes), records its amaxes into a scratch history (not into the next step's
+        row) and caches its weight casts apart. Current scaling has no state to keep."""
+        if not isinstance(self.recipe, DelayedScaling):
+            return self.forward_state()
+        if self.recompute_state is None:
+            self.recompute_state = _ForwardState(torch.zeros_like(self.amax_history_fwd),
+                                                 self.scale_fwd.clone(), {})
+        return self.recompute_state
 
     def _prepare(self, recipe: Recipe, device: torch.device) -> None:
         """(Re)make the state where the recipe's kind or history length changed."""
@@ -304,6 +341,7 @@ class FP8Meta:
             self.scale_bwd = torch.ones(n, device=device)
             self.amax_history_bwd = torch.zeros(history_len, n, device=device)
             self.weight_cache = {}
+            self.recompute_state = None
 
     def record_forward(self, recipe: Recipe, inp: torch.Tensor, weight: torch.Tensor,
                        gemm: int) -> None:
@@ -346,6 +384,7 @@ class FP8Meta:
         for key in ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd"):
             setattr(self, key, loaded[key].to(device))
         self.weight_cache = {}
+        self.recompute_state = None
 
 
 def _cast_kernels(tensor: torch.Tensor, *state: torch.Tensor):
@@ -465,16 +504,16 @@ class _FP8Matmul(torch.autograd.Function):
     transposed for the wgrad; a gradient nobody needs costs no transpose."""
 
     @staticmethod
-    def forward(ctx, inp, weight, bias, meta, gemm, recipe, grad_enabled):
+    def forward(ctx, inp, weight, bias, meta, forward_state, gemm, recipe, grad_enabled):
         fmt = recipe.fp8_format
         fp8_max = fmt.value.max_fwd
         # needs_input_grad says True under no_grad as well: grad_enabled comes from outside
         need_dgrad = grad_enabled and ctx.needs_input_grad[0]
         need_wgrad = grad_enabled and ctx.needs_input_grad[1]
         x_fp8, x_t, x_scale_inv = _quantize(inp, Format.E4M3, fp8_max, recipe,
-                                            meta.amax_history_fwd, meta.scale_fwd, 2 * gemm,
-                                            columnwise=need_wgrad)
-        w_fp8, w_t, w_scale_inv = _weight_fp8(meta, weight, gemm, recipe, fp8_max,
+                                            forward_state.amax_history, forward_state.scale,
+                                            2 * gemm, columnwise=need_wgrad)
+        w_fp8, w_t, w_scale_inv = _weight_fp8(forward_state, weight, gemm, recipe, fp8_max,
                                               transpose=need_dgrad)
         out = _scaled_mm(x_fp8, w_fp8.t(), x_scale_inv, w_scale_inv, inp.dtype, bias)
         ctx.save_for_backward(x_t, x_scale_inv, w_t, w_scale_inv)
@@ -505,11 +544,11 @@ class _FP8Matmul(torch.autograd.Function):
             grad_weight = _scaled_mm(g_t, x_t.t(), g_scale_inv, x_scale_inv, weight_dtype)
         if isinstance(recipe, DelayedScaling):
             _update_at_end_of_backward(meta)
-        return grad_inp, grad_weight, grad_bias, None, None, None, None
+        return grad_inp, grad_weight, grad_bias, None, None, None, None, None
 
 
-def _weight_fp8(meta: FP8Meta, weight: torch.Tensor, gemm: int, recipe: Recipe, fp8_max,
-                transpose: bool):
+def _weight_fp8(state: _ForwardState, weight: torch.Tensor, gemm: int, recipe: Recipe,
+                fp8_max, transpose: bool):
     """(FP8 weight, its transpose or None, inverse scale), cast once per step: cached by the
     weight's identity and version (an optimizer step bumps the version; a delayed scale update
     clears the cache). The transpose (for the dgrad) is cast with the weight where asked for;
@@ -517,14 +556,14 @@ def _weight_fp8(meta: FP8Meta, weight: torch.Tensor, gemm: int, recipe: Recipe, 
     key = (gemm, id(weight), weight._version)
     # A CUDA graph capture casts: its replays follow optimizer steps the version can't see
     capturing = weight.is_cuda and torch.cuda.is_current_stream_capturing()
-    cached = meta.weight_cache.get(gemm)
+    cached = state.weight_cache.get(gemm)
     if (not capturing and cached is not None and cached[0] == key
             and (cached[1][1] is not None or not transpose)):
         return cached[1]
-    cast = _quantize(weight, Format.E4M3, fp8_max, recipe, meta.amax_history_fwd,
-                     meta.scale_fwd, 2 * gemm + 1, columnwise=transpose)
+    cast = _quantize(weight, Format.E4M3, fp8_max, recipe, state.amax_history, state.scale,
+                     2 * gemm + 1, columnwise=transpose)
     if not capturing:  # (the capture's buffers belong to the graph)
-        meta.weight_cache[gemm] = (key, cast)
+        state.weight_cache[gemm] = (key, cast)
     return cast
 
 
@@ -534,18 +573,97 @@ def fp8_matmul(inp: torch.Tensor, weight: torch.Tensor, meta: FP8Meta, gemm: int
     input flattened to 2D for the GEMM; the bias added in the GEMM's epilogue where
     torch._scaled_mm takes it, else after the GEMM), high precision otherwise (amaxes recorded
     when calibrating)."""
-    recipe = _STATE.recipe
-    if not _STATE.enabled:
-        if _STATE.calibrating:
+    state = _STATE
+    recipe = state.recipe
+    if not state.enabled:
+        # (a recomputation's amaxes would land in the next step's row)
+        if state.calibrating and state.replaying is None:
             meta.record_forward(recipe, inp, weight, gemm)
         return torch.nn.functional.linear(inp, weight, bias)
-    meta._join(recipe, inp.device)
+    forward_state = _forward_state(meta, recipe, inp.device)
     fused_bias = bias if bias is not None and _bias_fits_epilogue(bias, inp.dtype) else None
     flat = inp.dim() == 2
     out = _FP8Matmul.apply(inp if flat else inp.reshape(-1, inp.shape[-1]), weight, fused_bias,
-                           meta, gemm, recipe, torch.is_grad_enabled())
+                           meta, forward_state, gemm, recipe, torch.is_grad_enabled())
     if not flat:
         out = out.reshape(*inp.shape[:-1], weight.shape[0])
     if bias is not None and fused_bias is None:
         out = out + bias
     return out
+
+
+def _forward_state(meta: FP8Meta, recipe: Recipe, device: torch.device) -> _ForwardState:
+    """The state an FP8 GEMM of this meta casts with: in a recomputation the one its forward
+    recorded, else the meta's own (the meta joins the autocast's update). Each checkpointed
+    region whose forward is running records the state for its recomputation (a region
+    nested in a recomputation records the recorded one)."""
+    state = _STATE
+    if state.replaying is not None:
+        forward_state = state.replaying.next_state(meta)
+        recorded = forward_state
+    else:
+        meta._join(recipe, device)
+        forward_state = meta.forward_state()
+        recorded = meta._recompute_state() if state.recording else None
+    for region in state.recording:
+        region.gemms.append((meta, recorded))
+    return forward_state
+
+
+class CheckpointedRegion:
+    """FP8 for one activation-checkpointed call (TE's checkpoint, LayerNormMLP's
+    ``checkpoint=True``). Made when the call starts, it keeps the autocast's settings (the
+    recomputation in the backward runs after the autocast exited) and, while ``forward()``
+    runs the region, each FP8 GEMM's forward state: for delayed scaling the scales the
+    forward cast with (the outermost autocast's exit updates them before the backward).
+    ``recompute()`` re-enters those settings and casts with those scales; its amaxes go to
+    scratch and its GEMMs join no autocast's update, so no autocast exit updates the forward
+    scales a second time (TE's: the step's forward bookkeeping happened in the forward)."""
+
+    def __init__(self) -> None:
+        state = _STATE
+        self.autocast = (state.enabled, state.calibrating, state.recipe, state.group)
+        # a training forward (a reentrant checkpoint runs it under no_grad)
+        self.training = torch.is_grad_enabled()
+        self.gemms: List[Tuple[FP8Meta, _ForwardState]] = []
+
+    @contextlib.contextmanager
+    def forward(self):
+        if not self.training:  # no recomputation will follow
+            yield
+            return
+        recording = _STATE.recording
+        recording.append(self)
+        try:
+            yield
+        finally:
+            recording.remove(self)
+
+    @contextlib.contextmanager
+    def recompute(self):
+        state = _STATE
+        saved = (state.enabled, state.calibrating, state.recipe, state.group, state.replaying)
+        state.enabled, state.calibrating, state.recipe, state.group = self.autocast
+        state.replaying = _Replay(self.gemms)
+        try:
+            yield
+        finally:
+            (state.enabled, state.calibrating, state.recipe, state.group,
+             state.replaying) = saved
+
+
+class _Replay:
+    """A recomputation's walk through its forward's recorded FP8 GEMMs, in order."""
+
+    def __init__(self, gemms: List[Tuple[FP8Meta, _ForwardState]]) -> None:
+        self.gemms = gemms
+        self.position = 0
+
+    def next_state(self, meta: FP8Meta) -> _ForwardState:
+        if self.position >= len(self.gemms) or self.gemms[self.position][0] is not meta:
+            raise RuntimeError(
+                f"checkpoint: the recomputation's FP8 GEMM number {self.position + 1} is not "
+                f"the forward's (the forward ran {len(self.gemms)}); the checkpointed "
+                f"function must run the same FP8 modules in the same order each time")
+        self.position += 1
+        return self.gemms[self.position - 1][1]

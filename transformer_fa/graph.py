@@ -4,7 +4,8 @@ With ``fp8_enabled=True`` (TE 2.x: ``enabled=True``) each module's forward is ca
 ``autocast(enabled=True, recipe=fp8_recipe)``: the graphs hold the FP8 casts, the amax
 records, the weight casts (redone on every replay: the optimizer changes the weights between
 replays) and the delayed-scaling updates (the forward's at the autocast's exit, the
-backward's in each GEMM's backward). All of FP8's state lives in device tensors updated in
+backward's at the end of the backward pass, from the autograd engine's callback, which runs
+on the captured pass's stream). All of FP8's state lives in device tensors updated in
 place, so a replay does what an eager step under the same autocast does.
 """
 from typing import Callable, Dict, Optional, Tuple, Union

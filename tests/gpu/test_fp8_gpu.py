@@ -632,3 +632,34 @@ def test_stack_updates_its_scales_in_one_launch_per_pass(monkeypatch):
     assert updates(forward) == (1, 0)
     assert updates(backward) == (1, 0)
     assert not fp8._STATE.metas_after_backward and not fp8._STATE.backward_passes
+
+
+# FP8 under activation checkpointing on CUDA (tests/test_fp8_checkpoint.py on CPU): a bf16
+# stack trained with te.checkpoint and LayerNormMLP(checkpoint=True) equals the same stack
+# trained without checkpointing, bit for bit, with the Triton cast and update kernels.
+from test_fp8_checkpoint import assert_same_training, train_stack  # noqa: E402
+
+
+@needs_cast_kernels
+@pytest.mark.skipif(not te.is_fp8_available(), reason="needs CUDA with FP8")
+@pytest.mark.parametrize("autocast_inside", [False, True], ids=["autocast-outside",
+                                                                "autocast-inside"])
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_fp8_checkpointed_training_equals_plain_training(recipe, use_reentrant,
+                                                         autocast_inside, monkeypatch,
+                                                         cast_calls):
+    """Outputs, all gradients, amax histories and scales after each of 3 steps. Attention
+    runs on the unfused backend: a flash or cuDNN backward may sum in a varying order, and
+    a reentrant checkpoint's forward runs without gradients, where a fused backend may run
+    another kernel than the one the plain forward runs."""
+    monkeypatch.setenv("TRANSFORMER_FA_TRITON_KERNELS", "1")
+    monkeypatch.setenv("NVTE_FLASH_ATTN", "0")
+    monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
+    sizes = dict(device="cuda", dtype=torch.bfloat16, hidden=256, seq=128)
+    want = train_stack(recipe, **sizes)
+    got = train_stack(recipe, dict(use_reentrant=use_reentrant), autocast_inside, **sizes)
+    assert cast_calls  # the kernel path ran
+    assert all(t.dtype == torch.bfloat16 for t in got[0][:3])
+    assert_same_training(got, want)

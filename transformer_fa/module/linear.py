@@ -10,9 +10,8 @@ from typing import Callable, List, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
-from torch.utils.checkpoint import checkpoint as recompute_in_backward
 
-from .. import fp8, kernels, parallel
+from .. import distributed, fp8, kernels, parallel
 from ._common import (
     FollowsParamsDtype,
     check_device,
@@ -510,7 +509,8 @@ class LayerNormMLP(_FP8State, _TensorParallel, FollowsParamsDtype, torch.nn.Modu
         check_hidden_states(inp, self.hidden_size, self.params_dtype, "inp")
         self._check_fp8_shapes(inp, *self.fc1_weight.shape[:1], *self.fc2_weight.shape)
         if self.checkpoint and torch.is_grad_enabled():
-            return recompute_in_backward(self._forward, inp, use_reentrant=False)
+            # TE's checkpoint: the recomputation runs in the forward's FP8 autocast state
+            return distributed.checkpoint(self._forward, inp, use_reentrant=False)
         return self._forward(inp)
 
     def _forward(self, inp: torch.Tensor):
