@@ -710,7 +710,6 @@ def rope_for_step(inference_params, q: torch.Tensor, k: torch.Tensor,
     them rotate by angle 0 (their outputs are never read). The positions are computed once
     a step (the first layer's call; later layers and k reuse them: ``step_memo``), and so
     are the angles of a table."""
-    b = inference_params.batch_size
     longest = max(inference_params.sequences.values(), default=0)
     padded = longest
     seq_dim = None if tensor_format == "thd" else tensor_format.index("s")
