@@ -6,6 +6,7 @@ import torch
 
 import transformer_fa as te
 from transformer_fa import fp8
+from transformer_fa.module import linear as linear_module
 from transformer_fa.common.recipe import DelayedScaling, Float8CurrentScaling, Format
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
@@ -283,7 +284,7 @@ def test_gemm_operands_are_cast_in_the_orientations_the_gemms_need(recipe):
     x = torch.randn(16, 32, requires_grad=True)
     w = torch.randn(48, 32, requires_grad=True)
     _, node, (w_fp8, cached_w_t, _) = _fp8_gemm(x, w, recipe)
-    x_t, _, w_t, _ = node.saved_tensors
+    x_t, _, w_t, _, _ = node.saved_tensors
     assert x_t.shape == (32, 16) and x_t.is_contiguous() and x_t.dtype == torch.float8_e4m3fn
     assert w_t is cached_w_t and w_t.is_contiguous()
     assert torch.equal(w_t.view(torch.uint8), w_fp8.t().view(torch.uint8))
@@ -294,9 +295,9 @@ def test_gemm_operands_are_cast_in_the_orientations_the_gemms_need(recipe):
         assert torch.equal(x_t.view(torch.uint8), x_t_again.view(torch.uint8))
 
     frozen_w = w.detach()
-    x_t, _, w_t, _ = _fp8_gemm(x, frozen_w, recipe)[1].saved_tensors
+    x_t, _, w_t, _, _ = _fp8_gemm(x, frozen_w, recipe)[1].saved_tensors
     assert x_t is None and w_t is not None
-    x_t, _, w_t, _ = _fp8_gemm(x.detach(), w, recipe)[1].saved_tensors
+    x_t, _, w_t, _, _ = _fp8_gemm(x.detach(), w, recipe)[1].saved_tensors
     assert x_t is not None and w_t is None
     with torch.no_grad():
         out, node, (_, w_t, _) = _fp8_gemm(x, w, recipe)
@@ -626,3 +627,226 @@ def test_backward_update_with_activation_checkpointing(use_reentrant):
     for a, b in zip(*states, strict=True):
         assert torch.equal(a, b)
     assert (states[0][0] != 0).sum() == 2  # rolled once per step: two amaxes kept, row 0 clear
+
+
+# GELU in FC2's FP8 input cast (LayerNormMLP, activation "gelu"): the cast reads FC1's output h
+# and casts gelu(h) computed in float32. The rule: the FP8 values are those of torch's float32
+# GELU, bit for bit except where the float32 GELU lies within its implementation slack of an
+# FP8 rounding boundary: tanh's last bits differ between implementations (the Triton
+# interpreter's, libdevice's, torch's CPU one), and the formula's 1 + tanh cancels for negative
+# h, so the slack is |h| 2**-21 absolute plus a few float32 ulps; such elements are rare. And
+# within one FP8 step of the unfused path's, which rounds gelu(h) to 16 bits before the cast.
+GELU_CAST_RTOL = 2.0 ** -20  # a few float32 ulps
+GELU_TANH_SLACK = 2.0 ** -21  # times |h|
+
+
+def assert_fp8_of_gelu(got: torch.Tensor, h: torch.Tensor, scale: torch.Tensor,
+                       fp8_max: float) -> None:
+    """``got`` (FP8) is fp8(clamp(gelu(h) * scale)) of torch's float32 tanh GELU by the rule:
+    between the casts of the product moved by the slack either way, equal but for a few
+    elements; NaNs where the product is NaN."""
+    gelu = fp8._gelu_float32(h)
+    exact = gelu * scale
+    slack = torch.where(h.isfinite(), h.float().abs() * GELU_TANH_SLACK
+                        + gelu.abs() * GELU_CAST_RTOL, 0.0) * scale
+
+    def cast(values):
+        return values.clamp(-fp8_max, fp8_max).to(got.dtype).float()
+
+    low, high = cast(exact - slack), cast(exact + slack)
+    values = got.float()
+    nan = exact.isnan()
+    assert torch.equal(values.isnan(), nan)
+    assert ((low <= values) & (values <= high))[~nan].all()
+    assert (values != cast(exact))[~nan].sum() <= 2 + exact.numel() // 100
+
+
+def assert_within_one_fp8_step(got: torch.Tensor, want: torch.Tensor) -> None:
+    """FP8 tensors of one dtype whose values differ by at most one FP8 step (a rounding to 16
+    bits before the cast moves the value by less than one), with the same NaNs and signs."""
+    nan = got.float().isnan()
+    assert got.dtype == want.dtype and torch.equal(nan, want.float().isnan())
+    a, b = got.view(torch.uint8)[~nan].int(), want.view(torch.uint8)[~nan].int()
+    magnitude_a, magnitude_b = a & 0x7F, b & 0x7F
+    assert ((magnitude_a - magnitude_b).abs() <= 1).all()
+    nonzero = (magnitude_a > 0) & (magnitude_b > 0)
+    assert torch.equal((a >> 7)[nonzero], (b >> 7)[nonzero])
+
+
+def _gelu_input(shape, dtype, seed=0):
+    """GELU's interesting range (its minimum near -0.75, tails), a few large values, +-inf and
+    NaN (gelu(-inf) is NaN, torch's)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g) * 3
+    flat = x.view(-1)
+    flat[:6] = torch.tensor([float("inf"), float("-inf"), float("nan"), 1e4, -1e4, 0.0])
+    return x.to(dtype)
+
+
+def _quantize_e4m3(tensor, recipe, **options):
+    """(FP8, transpose, inverse scale) of _quantize in slot 1 (scale 4), and the history."""
+    history, scales = torch.zeros(1, 2), torch.tensor([0.5, 4.0])
+    return fp8._quantize(tensor, Format.E4M3, E4M3_MAX, recipe, history, scales, 1,
+                         columnwise=True, **options), history
+
+
+def _gelu_tanh(x):
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_gelu_cast_casts_the_float32_gelu(dtype, recipe):
+    """The PyTorch path of _quantize(gelu=True) is the cast of the float32 GELU (casts,
+    inverse scale and amax bit for bit), within one FP8 step of the cast of gelu(h) rounded
+    to h's dtype (the unfused path), with infs and NaNs and without."""
+    h = _gelu_input((48, 40), dtype)
+    for finite in (False, True):
+        if finite:
+            h = h.nan_to_num(0.0, 0.0, 0.0)
+        fused, fused_history = _quantize_e4m3(h, recipe, gelu=True)
+        float32, float32_history = _quantize_e4m3(fp8._gelu_float32(h), recipe)
+        unfused, _ = _quantize_e4m3(_gelu_tanh(h), recipe)
+        for a, b, c in zip(fused[:2], float32[:2], unfused[:2]):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+            assert_within_one_fp8_step(a, c)
+        torch.testing.assert_close(fused[2], float32[2], rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(fused_history, float32_history, rtol=0, atol=0,
+                                   equal_nan=True)
+        if isinstance(recipe, DelayedScaling):
+            assert fused_history[0, 1].isnan() != finite  # gelu(-inf) is NaN
+    scale = (torch.tensor(4.0) if isinstance(recipe, DelayedScaling) else
+             fp8.compute_scale(fp8._gelu_float32(h).abs().max(), torch.ones(()), E4M3_MAX))
+    assert_fp8_of_gelu(fused[0], h, scale, E4M3_MAX)
+
+
+def test_the_gelu_rule_can_fail():
+    """The rule's helpers refuse a cast of plain h, and values two FP8 steps apart."""
+    h = _gelu_input((48, 40), torch.bfloat16).nan_to_num(0.0, 0.0, 0.0)
+    plain = _quantize_e4m3(h, DelayedScaling())[0][0]
+    with pytest.raises(AssertionError):
+        assert_fp8_of_gelu(plain, h, torch.tensor(4.0), E4M3_MAX)
+    fused = _quantize_e4m3(h, DelayedScaling(), gelu=True)[0][0]
+    two_up = (fused.view(torch.uint8) + 2).view(torch.float8_e4m3fn)
+    with pytest.raises(AssertionError):
+        assert_within_one_fp8_step(two_up[10:20], fused[10:20])
+
+
+def _unfused_fc1_and_activation(self, inp):
+    """LayerNormMLP's FC1 and activation as before the fusion: torch's GELU on FC1's output."""
+    fc1_out, _ = linear_module.parallel_linear(inp, self.fc1_weight, self.fc1_bias,
+                                               fp8_meta=self.fp8_meta, gemm=0)
+    return self.activation_fn(fc1_out), None
+
+
+def _train_fp8(make, recipe, dtype, steps=3):
+    """(each step's output, [each step's input and parameter gradients, then the FP8
+    state]) of a few training steps."""
+    torch.manual_seed(0)
+    module = make().to(dtype)
+    opt = torch.optim.SGD(module.parameters(), lr=1e-4)
+    torch.manual_seed(1)
+    outputs, got = [], []
+    for _ in range(steps):
+        x = torch.randn(16, 2, 64, dtype=dtype, requires_grad=True)
+        with te.autocast(recipe=recipe):
+            out = module(x)
+        out.float().square().sum().backward()
+        outputs.append(out)
+        got += [x.grad] + [p.grad.clone() for p in module.parameters()]
+        opt.step()
+        opt.zero_grad()
+    metas = [m.fp8_meta for m in module.modules() if hasattr(m, "fp8_meta")]
+    return outputs, got + [t for m in metas for t in (m.amax_history_fwd, m.scale_fwd,
+                                              m.amax_history_bwd, m.scale_bwd)
+                  if t is not None]
+
+
+_GELU_MODULES = {
+    "LayerNormMLP": lambda: te.LayerNormMLP(64, 128, device="cpu"),
+    "TransformerLayer": lambda: te.TransformerLayer(64, 128, 4, hidden_dropout=0.0,
+                                                    attention_dropout=0.0, device="cpu"),
+}
+
+
+@pytest.mark.parametrize("module", list(_GELU_MODULES))
+@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_fused_gelu_trains_as_the_unfused_path(module, recipe, monkeypatch):
+    """float32 (torch's GELU is the cast's float32 GELU): outputs, gradients and FP8 state of
+    three steps bit for bit as with torch's GELU before the cast; bfloat16 (the unfused path
+    rounds gelu(h) to bfloat16 first, which moves some FC2 inputs by one FP8 step): the
+    outputs close (the gradients differ by FP8 noise: one step of an E5M2 gradient is 25%)."""
+    make = _GELU_MODULES[module]
+    fused = {dtype: _train_fp8(make, recipe, dtype) for dtype in (torch.float32,
+                                                                  torch.bfloat16)}
+    monkeypatch.setattr(te.LayerNormMLP, "_fc1_and_activation", _unfused_fc1_and_activation)
+    unfused = {dtype: _train_fp8(make, recipe, dtype) for dtype in (torch.float32,
+                                                                    torch.bfloat16)}
+    for got, want in zip(fused[torch.float32], unfused[torch.float32], strict=True):
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+    for a, b in zip(fused[torch.bfloat16][0], unfused[torch.bfloat16][0], strict=True):
+        assert (a.float() - b.float()).norm() <= 0.03 * b.float().norm()
+
+
+def aten_ops(fn):
+    """(the aten ops fn() runs, as (name, dtype of the first argument), fn's result)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append((func.overloadpacket.__name__, getattr(args[0], "dtype", None)
+                               if args else None))
+            return func(*args, **(kwargs or {}))
+
+    with Ops() as ops:
+        result = fn()
+    return ops.names, result
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_fp8_mlp_applies_gelu_in_fc2s_input_cast(recipe, monkeypatch):
+    """Inside an FP8 autocast FC2's input cast applies the GELU to FC1's output: no GELU of
+    bfloat16 runs in the MLP's forward (the PyTorch path's cast computes it in float32; the
+    kernels' in their cast, tests/test_triton_kernels.py) and one gelu_backward in its
+    backward; outside, torch's GELU of bfloat16."""
+    casts = []
+    real = fp8._quantize
+    monkeypatch.setattr(fp8, "_quantize", lambda tensor, *a, gelu=False, **k:
+                        casts.append((tuple(tensor.shape), gelu)) or real(tensor, *a,
+                                                                          gelu=gelu, **k))
+    torch.manual_seed(0)
+    mlp = te.LayerNormMLP(32, 64, device="cpu", params_dtype=torch.bfloat16)
+    x = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+    with te.autocast(recipe=recipe):
+        forward_ops, out = aten_ops(lambda: mlp(x))
+    assert ("gelu", torch.bfloat16) not in forward_ops
+    assert forward_ops.count(("gelu", torch.float32)) == 1
+    assert casts.count(((16, 64), True)) == 1  # FC2's input: FC1's output
+    assert sum(gelu for _, gelu in casts) == 1
+    backward_ops, _ = aten_ops(lambda: out.float().sum().backward())
+    assert backward_ops.count(("gelu_backward", torch.bfloat16)) == 1
+    assert mlp.fc1_weight.grad is not None and x.grad is not None
+    forward_ops, _ = aten_ops(lambda: mlp(x))
+    assert [op for op in forward_ops if op[0] == "gelu"] == [("gelu", torch.bfloat16)]
+
+
+def test_fp8_matmul_activation_argument():
+    """Only "gelu" (or None) is an activation; outside an FP8 autocast the GELU runs before
+    the high-precision GEMM, as in parallel_linear without FP8."""
+    x, w = torch.randn(16, 32), torch.randn(48, 32)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        fp8.fp8_matmul(x, w, fp8.FP8Meta(), activation="relu")
+    want = torch.nn.functional.linear(_gelu_tanh(x), w)
+    assert torch.equal(fp8.fp8_matmul(x, w, fp8.FP8Meta(), activation="gelu"), want)
+    assert torch.equal(linear_module.parallel_linear(x, w, None, activation="gelu")[0], want)
+    with te.autocast():
+        out = fp8.fp8_matmul(x, w, fp8.FP8Meta(), activation="gelu")
+    assert (out - want).norm() < 0.1 * want.norm()

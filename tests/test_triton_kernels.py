@@ -20,6 +20,7 @@ from transformer_fa.attention.rope import apply_rotary_pos_emb
 from transformer_fa.common.recipe import DelayedScaling, Float8CurrentScaling, Format
 from transformer_fa.module import linear as linear_module
 from transformer_fa.module.layernorm import apply_norm
+from test_fp8 import GELU_CAST_RTOL, assert_fp8_of_gelu, assert_within_one_fp8_step, aten_ops
 from test_fp8_bias_grad import assert_bias_grad_close
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -675,6 +676,139 @@ def test_fp8_cast_refuses_bad_arguments():
                       scale_from_amax=torch.ones((), dtype=torch.float64))
     with pytest.raises(ValueError, match="scale must be a one-element float32"):
         fp8_cast.cast(x, torch.ones(3), torch.float8_e4m3fn, 448.0)
+    with pytest.raises(ValueError, match="gelu=True casts an activation"):
+        fp8_cast.cast(x, torch.ones(()), torch.float8_e4m3fn, 448.0, gelu=True, dbias=True)
+
+
+# The cast's gelu option (GELU in FC2's FP8 input cast) by the rule of tests/test_fp8.py: the
+# cast of torch's float32 GELU, but for float32 values within a few ulps of an FP8 rounding
+# boundary (the interpreter's tanh is not torch's to the last bit), and within one FP8 step of
+# the unfused cast (gelu(h) rounded to h's dtype first).
+def _gelu_scale(x, recipe, scales, fp8_max):
+    """The scale the PyTorch path casts gelu(x) with (slot 1)."""
+    if isinstance(recipe, DelayedScaling):
+        return scales[1]
+    amax = fp8._gelu_float32(x).abs().amax()
+    return fp8.compute_scale(amax, torch.ones_like(amax), fp8_max)
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt", [Format.E4M3, Format.E5M2])
+@pytest.mark.parametrize("shape", [(1, 3), (37, 45), (130, 257)])
+@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_fp8_gelu_cast_matches_pytorch(dtype, fmt, shape, recipe, fp8_kernels_on_cpu):
+    """_quantize(gelu=True) through the kernel: every orientation of the cast of gelu(x), the
+    inverse scale and the recorded amax by the rule, with infs and NaNs (gelu(-inf) is NaN)
+    and without; ragged shapes leave tiles partly masked."""
+    fp8_max = {Format.E4M3: 448.0, Format.E5M2: 57344.0}[fmt]
+    x = _fp8_input(shape, dtype)
+    history = torch.tensor([[2.0, 3.0, 4.0], [5.0, 6.0, 7.0]])
+    scales = torch.tensor([0.5, 0.375, 2.0])
+    for finite in (False, True):
+        if finite:
+            x = torch.nan_to_num(x.float(), nan=1.0, posinf=2e3, neginf=-7.0).to(dtype)
+        scale = _gelu_scale(x, recipe, scales, fp8_max)
+        for rowwise, columnwise in _ORIENTATIONS:
+            (got, got_history), (want, want_history) = _quantize_both(
+                x, fmt, recipe, history, scales, rowwise=rowwise, columnwise=columnwise,
+                gelu=True)
+            for a, b, asked in zip(got[:2], want[:2], (rowwise, columnwise)):
+                assert (a is None and b is None) == (not asked)
+            if rowwise:
+                assert_fp8_of_gelu(got[0], x, scale, fp8_max)
+            if columnwise:
+                assert_fp8_of_gelu(got[1].t(), x, scale, fp8_max)
+                assert got[1].is_contiguous()
+            if rowwise and columnwise:
+                _same_bits(got[1], got[0].t().contiguous())
+            for a, b in ((got[2], want[2]), (got_history, want_history)):
+                torch.testing.assert_close(a, b, rtol=GELU_CAST_RTOL, atol=0, equal_nan=True)
+        if isinstance(recipe, DelayedScaling):
+            assert got_history[0, 1].isnan() == fp8._gelu_float32(x).isnan().any()
+            assert got_history[0, 0] == 2 and got_history[0, 2] == 4  # others untouched
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_fp8_gelu_cast_within_one_step_of_the_unfused_cast(dtype, recipe, fp8_kernels_on_cpu):
+    """The kernel's cast of gelu(h) against its cast of torch's gelu(h) in h's dtype."""
+    g = torch.Generator().manual_seed(1)
+    h = (torch.randn(130, 257, generator=g) * 3).to(dtype)
+    history, scales = torch.zeros(1, 2), torch.tensor([1.0, 16.0])
+    fused = fp8._quantize(h, Format.E4M3, 448.0, recipe, history, scales.clone(), 1,
+                          columnwise=True, gelu=True)
+    unfused = fp8._quantize(torch.nn.functional.gelu(h, approximate="tanh"), Format.E4M3,
+                            448.0, recipe, history, scales.clone(), 1, columnwise=True)
+    for a, b in zip(fused[:2], unfused[:2]):
+        assert_within_one_fp8_step(a, b)
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fp8_gelu_amax_pass(dtype, fp8_kernels_on_cpu):
+    """fold_amax(gelu=True): max|gelu(x)| (by the rule), a larger recorded amax kept, NaN
+    from gelu(-inf) (and from a NaN) propagated; without gelu max|x|."""
+    x = (torch.randn(37, 300, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
+    x[3, 4] = -100.0  # x's amax, gelu's is near 0 there
+    amax = torch.zeros(1)
+    fp8_cast.fold_amax(x, amax, gelu=True)
+    want = fp8._gelu_float32(x).abs().max()
+    torch.testing.assert_close(amax[0], want, rtol=GELU_CAST_RTOL, atol=0)
+    assert want < x.float().abs().max()  # gelu's amax is not x's (negative x)
+    fp8_cast.fold_amax(x, amax)
+    assert amax[0] == x.float().abs().max()
+    big = torch.full((1,), 1e4)
+    fp8_cast.fold_amax(x, big, gelu=True)
+    assert big[0] == 1e4
+    for special in (float("-inf"), float("nan")):
+        y = x.clone()
+        y[5, 7] = special
+        fp8_cast.fold_amax(y, big, gelu=True)
+        assert big[0].isnan()
+        big.fill_(1e4)
+
+
+@interpreter_only
+@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_fp8_mlp_casts_gelu_in_the_kernel(recipe, fp8_kernels_on_cpu, monkeypatch):
+    """LayerNormMLP in FP8 with the kernels: no GELU op in the forward (FC2's input cast, and
+    current scaling's amax pass, apply it in the kernel: the cast of FC1's output by the
+    rule), one gelu_backward in the backward."""
+    gelu_casts, gelu_amaxes = [], []
+    real_cast, real_fold = fp8_cast.cast, fp8_cast.fold_amax
+
+    def cast(x, *args, gelu=False, **options):
+        result = real_cast(x, *args, gelu=gelu, **options)
+        if gelu:
+            # (the delayed scale is a view of the state the autocast's exit updates)
+            gelu_casts.append((x.clone(), *(None if t is None else t.clone() for t in (
+                options["scale"], options.get("scale_from_amax"))), result))
+        return result
+
+    monkeypatch.setattr(fp8_cast, "cast", cast)
+    monkeypatch.setattr(fp8_cast, "fold_amax", lambda x, amax, gelu=False: (
+        gelu_amaxes.append(gelu), real_fold(x, amax, gelu=gelu)))
+    torch.manual_seed(0)
+    mlp = te.LayerNormMLP(32, 64, device="cpu", params_dtype=torch.bfloat16)
+    x = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+    with te.autocast(recipe=recipe):
+        forward_ops, out = aten_ops(lambda: mlp(x))
+    backward_ops, _ = aten_ops(lambda: out.float().square().sum().backward())
+    assert not [op for op in forward_ops if op[0] == "gelu"]
+    assert backward_ops.count(("gelu_backward", torch.bfloat16)) == 1
+    assert len(gelu_casts) == 1 and x.grad is not None
+    h, scale, amax, (data, data_t, _, _) = gelu_casts[0]
+    assert h.shape == (16, 64)  # FC1's output
+    if amax is not None:  # current scaling: the amax pass of gelu(h)
+        assert gelu_amaxes.count(True) == 1
+        scale = fp8.compute_scale(amax, torch.ones(()), 448.0)
+    assert_fp8_of_gelu(data, h, scale, 448.0)
+    _same_bits(data_t, data.t().contiguous())
 
 
 # The delayed-scaling update (kernels/fp8_scale.py) against fp8.update_amax_history's PyTorch

@@ -409,14 +409,21 @@ def _as_2d(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() > 2 else tensor
 
 
-def _amax(tensor: torch.Tensor) -> torch.Tensor:
-    """max|tensor| as a float32 scalar (NaN if the tensor has one, as torch.amax)."""
+def _gelu_float32(tensor: torch.Tensor) -> torch.Tensor:
+    """tanh GELU computed in float32 and kept there: what the cast kernel's ``gelu`` option
+    casts (no rounding to the input's dtype in between)."""
+    return torch.nn.functional.gelu(tensor.float(), approximate="tanh")
+
+
+def _amax(tensor: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+    """max|tensor| (with ``gelu``: max|gelu(tensor)|) as a float32 scalar (NaN if the tensor
+    has one, as torch.amax)."""
     tensor = _as_2d(tensor.detach())
     cast_kernels = _cast_kernels(tensor)
     if cast_kernels is None:
-        return tensor.abs().amax().float()
+        return (_gelu_float32(tensor) if gelu else tensor).abs().amax().float()
     amax = torch.zeros((), dtype=torch.float32, device=tensor.device)
-    cast_kernels.fold_amax(tensor, amax)
+    cast_kernels.fold_amax(tensor, amax, gelu=gelu)
     return amax
 
 
@@ -432,7 +439,8 @@ def _record_amax(history: torch.Tensor, slot: int, tensor: torch.Tensor) -> None
 
 def _quantize(tensor: torch.Tensor, fmt: Format, fp8_max: float, recipe: Recipe,
               history: torch.Tensor, scales: torch.Tensor, slot: int,
-              rowwise: bool = True, columnwise: bool = False, dbias: bool = False):
+              rowwise: bool = True, columnwise: bool = False, dbias: bool = False,
+              gelu: bool = False):
     """(FP8 tensor, its transpose, the inverse scale) of a 2D tensor: the FP8 tensor row-major
     (None unless ``rowwise``) and its transpose contiguous (None unless ``columnwise``), the
     orientations torch._scaled_mm's operands need; with ``dbias`` a fourth item, the column
@@ -440,7 +448,12 @@ def _quantize(tensor: torch.Tensor, fmt: Format, fp8_max: float, recipe: Recipe,
     with the stored scale; current scaling casts with the scale from this tensor's amax. On
     CUDA the Triton kernels read the tensor once for the cast, the transpose, the delayed
     amax and the column sums (current scaling: one more read for the amax; the cast kernel
-    computes the scale), with the PyTorch path's results (the sums: up to summation order)."""
+    computes the scale), with the PyTorch path's results (the sums: up to summation order).
+    With ``gelu`` all of it is of ``gelu(tensor)`` (tanh GELU) computed in float32, which the
+    kernel applies as it reads the tensor: an MLP's FP8 GEMM after its GELU casts the GELU's
+    input and the GELU's output is never written in high precision (TE's activation cast).
+    The kernel's float32 GELU is torch's up to its tanh's last bits, so its FP8 values are the
+    PyTorch path's except where the float32 value lies on an FP8 rounding boundary."""
     tensor = tensor.detach()
     fp8_dtype = _FP8_DTYPES[fmt]
     delayed = isinstance(recipe, DelayedScaling)
@@ -449,11 +462,13 @@ def _quantize(tensor: torch.Tensor, fmt: Format, fp8_max: float, recipe: Recipe,
         # one launch records the delayed amax or computes the current scale from the amax,
         # casts, writes the inverse scale and sums the columns
         scaling = (dict(scale=scales[slot], amax=history[0, slot:slot + 1]) if delayed
-                   else dict(scale=None, scale_from_amax=_amax(tensor)))
+                   else dict(scale=None, scale_from_amax=_amax(tensor, gelu)))
         quantized = cast_kernels.cast(tensor, fp8_dtype=fp8_dtype, fp8_max=fp8_max,
                                       rowwise=rowwise, columnwise=columnwise, dbias=dbias,
-                                      **scaling)
+                                      gelu=gelu, **scaling)
         return quantized if dbias else quantized[:3]
+    if gelu:
+        tensor = _gelu_float32(tensor)
     if delayed:
         scale = scales[slot]
         _record_amax(history, slot, tensor)
@@ -501,10 +516,14 @@ class _FP8Matmul(torch.autograd.Function):
     cast once, in the orientations its GEMMs need (torch._scaled_mm: first operand row-major,
     second column-major): the forward keeps the input's transpose for the wgrad and the
     weight's for the dgrad, the backward casts the output gradient row-major for the dgrad and
-    transposed for the wgrad; a gradient nobody needs costs no transpose."""
+    transposed for the wgrad; a gradient nobody needs costs no transpose.
+    With ``activation="gelu"`` it is gelu(inp) @ weight^T: the input's cast applies the GELU
+    (``_quantize(gelu=True)``), the backward turns the dgrad GEMM's gradient of gelu(inp)
+    into inp's with torch's gelu_backward (as autograd through torch's gelu would)."""
 
     @staticmethod
-    def forward(ctx, inp, weight, bias, meta, forward_state, gemm, recipe, grad_enabled):
+    def forward(ctx, inp, weight, bias, meta, forward_state, gemm, recipe, grad_enabled,
+                activation):
         fmt = recipe.fp8_format
         fp8_max = fmt.value.max_fwd
         # needs_input_grad says True under no_grad as well: grad_enabled comes from outside
@@ -512,11 +531,14 @@ class _FP8Matmul(torch.autograd.Function):
         need_wgrad = grad_enabled and ctx.needs_input_grad[1]
         x_fp8, x_t, x_scale_inv = _quantize(inp, Format.E4M3, fp8_max, recipe,
                                             forward_state.amax_history, forward_state.scale,
-                                            2 * gemm, columnwise=need_wgrad)
+                                            2 * gemm, columnwise=need_wgrad,
+                                            gelu=activation == "gelu")
         w_fp8, w_t, w_scale_inv = _weight_fp8(forward_state, weight, gemm, recipe, fp8_max,
                                               transpose=need_dgrad)
         out = _scaled_mm(x_fp8, w_fp8.t(), x_scale_inv, w_scale_inv, inp.dtype, bias)
-        ctx.save_for_backward(x_t, x_scale_inv, w_t, w_scale_inv)
+        # GELU's backward reads its input
+        gelu_input = inp if activation == "gelu" and need_dgrad else None
+        ctx.save_for_backward(x_t, x_scale_inv, w_t, w_scale_inv, gelu_input)
         ctx.meta, ctx.gemm, ctx.recipe = meta, gemm, recipe
         ctx.dtypes = (inp.dtype, weight.dtype)
         ctx.needs = (need_dgrad, need_wgrad,
@@ -525,7 +547,7 @@ class _FP8Matmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x_t, x_scale_inv, w_t, w_scale_inv = ctx.saved_tensors
+        x_t, x_scale_inv, w_t, w_scale_inv, gelu_input = ctx.saved_tensors
         meta, gemm, recipe = ctx.meta, ctx.gemm, ctx.recipe
         need_dgrad, need_wgrad, need_bgrad = ctx.needs
         fmt = recipe.fp8_format
@@ -540,11 +562,14 @@ class _FP8Matmul(torch.autograd.Function):
         grad_bias = quantized[3] if need_bgrad else None
         if need_dgrad:  # g @ W: W column-major is W^T row-major
             grad_inp = _scaled_mm(g_fp8, w_t.t(), g_scale_inv, w_scale_inv, inp_dtype)
+            if gelu_input is not None:
+                grad_inp = torch.ops.aten.gelu_backward(grad_inp, gelu_input,
+                                                        approximate="tanh")
         if need_wgrad:  # g^T @ x: x column-major is x^T row-major
             grad_weight = _scaled_mm(g_t, x_t.t(), g_scale_inv, x_scale_inv, weight_dtype)
         if isinstance(recipe, DelayedScaling):
             _update_at_end_of_backward(meta)
-        return grad_inp, grad_weight, grad_bias, None, None, None, None, None
+        return grad_inp, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def _weight_fp8(state: _ForwardState, weight: torch.Tensor, gemm: int, recipe: Recipe,
@@ -567,15 +592,25 @@ def _weight_fp8(state: _ForwardState, weight: torch.Tensor, gemm: int, recipe: R
     return cast
 
 
+_ACTIVATIONS = (None, "gelu")
+
+
 def fp8_matmul(inp: torch.Tensor, weight: torch.Tensor, meta: FP8Meta, gemm: int = 0,
-               bias: Optional[torch.Tensor] = None):
+               bias: Optional[torch.Tensor] = None, activation: Optional[str] = None):
     """inp @ weight^T [+ bias] under the current autocast's recipe: FP8 with enabled=True (the
     input flattened to 2D for the GEMM; the bias added in the GEMM's epilogue where
     torch._scaled_mm takes it, else after the GEMM), high precision otherwise (amaxes recorded
-    when calibrating)."""
+    when calibrating). ``activation="gelu"``: gelu(inp) @ weight^T (tanh GELU), in FP8 with
+    the GELU applied by the input's cast (see _quantize), so gelu(inp) is never written in
+    high precision."""
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"fp8_matmul: activation must be one of {_ACTIVATIONS}, got "
+                         f"{activation!r}")
     state = _STATE
     recipe = state.recipe
     if not state.enabled:
+        if activation == "gelu":
+            inp = torch.nn.functional.gelu(inp, approximate="tanh")
         # (a recomputation's amaxes would land in the next step's row)
         if state.calibrating and state.replaying is None:
             meta.record_forward(recipe, inp, weight, gemm)
@@ -584,7 +619,8 @@ def fp8_matmul(inp: torch.Tensor, weight: torch.Tensor, meta: FP8Meta, gemm: int
     fused_bias = bias if bias is not None and _bias_fits_epilogue(bias, inp.dtype) else None
     flat = inp.dim() == 2
     out = _FP8Matmul.apply(inp if flat else inp.reshape(-1, inp.shape[-1]), weight, fused_bias,
-                           meta, forward_state, gemm, recipe, torch.is_grad_enabled())
+                           meta, forward_state, gemm, recipe, torch.is_grad_enabled(),
+                           activation)
     if not flat:
         out = out.reshape(*inp.shape[:-1], weight.shape[0])
     if bias is not None and fused_bias is None:

@@ -26,7 +26,7 @@ from triton.language.extra import libdevice
 
 from . import KERNEL_DTYPES
 
-# torch's constants of the tanh GELU backward (ActivationGeluKernel), as float32
+# torch's constants of the tanh GELU (ActivationGeluKernel), as float32
 _BETA = tl.constexpr(math.sqrt(2.0) * (2.0 / math.sqrt(math.pi)) * 0.5)
 _KAPPA = tl.constexpr(0.044715)
 _THREE_KAPPA = tl.constexpr((torch.tensor(3.0) * torch.tensor(0.044715)).item())  # in float32
@@ -45,6 +45,14 @@ else:
     @triton.jit
     def _tanh(x):
         return libdevice.tanh(x)
+
+
+@triton.jit
+def gelu_tanh(x):
+    """gelu(x) = x/2 (1 + tanh(beta (x + kappa x^3))) in float32, in torch's steps (its CUDA
+    kernel's; the FP8 cast applies it to its input, kernels/fp8_cast.py)."""
+    x_cube = x * x * x
+    return 0.5 * x * (1.0 + _tanh((x + x_cube * _KAPPA) * _BETA))
 
 
 @triton.jit

@@ -22,6 +22,13 @@ so that the sums are deterministic: each row block writes its float32 column sum
 workspace, and a small second kernel adds the row blocks (in a fixed order) and rounds once to
 x's dtype. With dbias alone (no FP8 output) the kernel still records the amax and writes the
 inverse scale.
+
+With ``gelu`` the kernel applies tanh GELU (torch's formula, in float32) to the loaded values
+first, as TE's activation casts do: the FP8 GEMM after an MLP's GELU reads the GELU's input h
+and writes ``fp8(gelu(h))`` (its amax, for delayed scaling; the amax pass of current scaling
+takes the same option), so ``gelu(h)`` in 16 bits is never written. The FP8 values are those
+of the float32 GELU: torch's unfused path rounds gelu(h) to x's dtype before the cast, which
+can move an FP8 value by one step where that rounding crosses an FP8 rounding boundary.
 """
 from typing import Optional, Tuple
 
@@ -29,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .bias_grad import gelu_tanh
 from .fp8_scale_math import NO_FLUSH_TO_ZERO, div_rn, scale_from_amax
 
 
@@ -36,14 +44,16 @@ from .fp8_scale_math import NO_FLUSH_TO_ZERO, div_rn, scale_from_amax
 def _cast_kernel(X, OUT, OUT_T, SCALE, SCALE_INV, AMAX_BITS, COL_SUMS, n_rows, n_cols,
                  stride_r, stride_c, fp8_max, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
                  SCALE_FROM_AMAX: tl.constexpr, WRITE_SCALE_INV: tl.constexpr,
-                 RECORD_AMAX: tl.constexpr, DBIAS: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_C: tl.constexpr):
+                 RECORD_AMAX: tl.constexpr, DBIAS: tl.constexpr, GELU: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     # 64-bit offsets: rows * cols may pass 2**31
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
     x = tl.load(X + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask,
                 other=0.0).to(tl.float32)
+    if GELU:
+        x = gelu_tanh(x)  # gelu(0) = 0 in the masked lanes
     if RECORD_AMAX:
         bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |x|, masked lanes are 0
         tl.atomic_max(AMAX_BITS, tl.max(tl.max(bits, axis=1), axis=0))
@@ -108,9 +118,9 @@ def _check_scalar(x: torch.Tensor, scalar: torch.Tensor, name: str) -> None:
 
 
 def _launch(x, out, out_t, scale, scale_from_amax, scale_inv, amax, fp8_max, tile,
-            dbias: bool = False) -> Optional[torch.Tensor]:
-    """One cast kernel; with ``dbias`` it returns its workspace of column sums, float32
-    [row blocks, n_cols]."""
+            dbias: bool = False, gelu: bool = False) -> Optional[torch.Tensor]:
+    """One cast kernel (of gelu(x) with ``gelu``); with ``dbias`` it returns its workspace of
+    column sums, float32 [row blocks, n_cols]."""
     block_r, block_c, num_warps = tile
     rowwise = out is not None
     n_rows, n_cols = x.shape
@@ -127,7 +137,7 @@ def _launch(x, out, out_t, scale, scale_from_amax, scale_inv, amax, fp8_max, til
         n_rows, n_cols, x.stride(0), x.stride(1), fp8_max,
         ROWWISE=rowwise, COLUMNWISE=out_t is not None, SCALE_FROM_AMAX=scale_from_amax,
         WRITE_SCALE_INV=scale_inv is not None, RECORD_AMAX=amax is not None, DBIAS=dbias,
-        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps, **NO_FLUSH_TO_ZERO)
+        GELU=gelu, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps, **NO_FLUSH_TO_ZERO)
     return col_sums
 
 
@@ -145,8 +155,9 @@ def _sum_row_blocks(col_sums: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def cast(x: torch.Tensor, scale: Optional[torch.Tensor], fp8_dtype: torch.dtype,
          fp8_max: float, rowwise: bool = True, columnwise: bool = False,
          amax: Optional[torch.Tensor] = None, scale_from_amax: Optional[torch.Tensor] = None,
-         dbias: bool = False) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor],
-                                       torch.Tensor, Optional[torch.Tensor]]:
+         dbias: bool = False, gelu: bool = False
+         ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor,
+                    Optional[torch.Tensor]]:
     """(row-major [M, N] or None, transposed [N, M] or None, inverse scale, column sums [N] or
     None): ``fp8(clamp(x * scale))`` of the 2D ``x``, in one read, ``1 / scale`` as a 0-dim
     float32 tensor, and with ``dbias`` ``x.sum(0)`` in x's dtype (summed in float32, in a
@@ -154,7 +165,12 @@ def cast(x: torch.Tensor, scale: Optional[torch.Tensor], fp8_dtype: torch.dtype,
     ``scale``: a float32 device scalar; or None and ``scale_from_amax``, x's amax (current
     scaling; fold_amax's): the kernel casts with ``fp8.compute_scale(amax, 1, fp8_max)``.
     ``amax``: a one-element float32 slot (e.g. ``history[0, i:i + 1]``) that gets
-    ``max(amax, max|x|)`` in place."""
+    ``max(amax, max|x|)`` in place.
+    ``gelu``: all of the above of ``gelu(x)`` (tanh GELU in float32) instead of x, except the
+    column sums (a gradient's; its cast takes no activation)."""
+    if gelu and dbias:
+        raise ValueError("cast: gelu=True casts an activation, dbias=True sums a gradient; "
+                         "not both")
     if not (rowwise or columnwise or dbias):
         raise ValueError("cast: ask for rowwise and/or columnwise output, or dbias "
                          "(fold_amax gives the amax alone)")
@@ -177,17 +193,20 @@ def cast(x: torch.Tensor, scale: Optional[torch.Tensor], fp8_dtype: torch.dtype,
         # Both stores in one kernel gave wrong bytes from float32 inputs (Triton 3.6, sm90;
         # bfloat16 and float16 inputs are right): two passes for float32, the column sums in
         # the second (its square tiles).
-        _launch(x, out, None, source, from_amax, scale_inv, amax, fp8_max, _ROW_TILE)
+        _launch(x, out, None, source, from_amax, scale_inv, amax, fp8_max, _ROW_TILE,
+                gelu=gelu)
         col_sums = _launch(x, None, out_t, source, from_amax, None, None, fp8_max,
-                           _TRANSPOSE_TILE, dbias=dbias)
+                           _TRANSPOSE_TILE, dbias=dbias, gelu=gelu)
     else:
         col_sums = _launch(x, out, out_t, source, from_amax, scale_inv, amax, fp8_max,
-                           _TRANSPOSE_TILE if columnwise or dbias else _ROW_TILE, dbias=dbias)
+                           _TRANSPOSE_TILE if columnwise or dbias else _ROW_TILE, dbias=dbias,
+                           gelu=gelu)
     return out, out_t, scale_inv, _sum_row_blocks(col_sums, x.dtype) if dbias else None
 
 
-def fold_amax(x: torch.Tensor, amax: torch.Tensor) -> None:
-    """``amax = max(amax, max|x|)`` in place, for the 2D ``x`` and a one-element float32
-    ``amax``: the one read pass of current scaling (and of calibration)."""
+def fold_amax(x: torch.Tensor, amax: torch.Tensor, gelu: bool = False) -> None:
+    """``amax = max(amax, max|x|)`` (with ``gelu``: ``max|gelu(x)|``) in place, for the 2D
+    ``x`` and a one-element float32 ``amax``: the one read pass of current scaling (and of
+    calibration)."""
     _check_scalar(x, amax, "amax")
-    _launch(x, None, None, None, False, None, amax, 0.0, _ROW_TILE)
+    _launch(x, None, None, None, False, None, amax, 0.0, _ROW_TILE, gelu=gelu)
