@@ -663,3 +663,149 @@ def test_fp8_checkpointed_training_equals_plain_training(recipe, use_reentrant,
     assert cast_calls  # the kernel path ran
     assert all(t.dtype == torch.bfloat16 for t in got[0][:3])
     assert_same_training(got, want)
+
+
+# GELU in FC2's FP8 input cast (LayerNormMLP, activation "gelu"; kernels/fp8_cast.py's gelu
+# option) by the rule of tests/test_fp8.py: the cast of torch's float32 GELU, but for values
+# within the tanh's slack of an FP8 rounding boundary, and within one FP8 step of the unfused
+# cast (torch's GELU rounded to 16 bits first).
+from test_fp8 import (  # noqa: E402
+    GELU_CAST_RTOL,
+    assert_fp8_of_gelu,
+    assert_within_one_fp8_step,
+)
+
+
+def _gelu_scale(x, recipe, scales, fp8_max):
+    """The scale the PyTorch path casts gelu(x) with (slot 1)."""
+    if isinstance(recipe, DelayedScaling):
+        return scales[1]
+    amax = fp8._gelu_float32(x).abs().amax()
+    return fp8.compute_scale(amax, torch.ones_like(amax), fp8_max)
+
+
+@needs_cast_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("fmt", [Format.E4M3, Format.E5M2])
+@pytest.mark.parametrize("shape", [(1, 16), (1000, 3000), (4096, 1024)])
+@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+@pytest.mark.parametrize("finite", [True, False], ids=["finite", "inf-nan"])
+def test_gelu_cast_kernel_by_the_rule(dtype, fmt, shape, recipe, finite, monkeypatch,
+                                      cast_calls):
+    """_quantize(gelu=True) with the kernel, each orientation: the casts by the rule, the
+    transpose the row-major cast's, the inverse scale and the amax history within a few
+    float32 ulps of the PyTorch path's; 1000 x 3000 leaves every tile edge ragged."""
+    x = _fp8_input(shape, dtype)
+    if finite:
+        x = torch.nan_to_num(x.float(), nan=1.0, posinf=2e3, neginf=-7.0).to(dtype)
+    scales = torch.tensor([0.5, 0.375, 2.0], device="cuda")
+    scale = _gelu_scale(x, recipe, scales, FP8_MAX[fmt])
+    for rowwise, columnwise in ((True, True), (True, False), (False, True)):
+        cast_calls.clear()
+        got, want = _quantize_with_and_without_kernels(monkeypatch, x, fmt, recipe, scales,
+                                                       rowwise=rowwise, columnwise=columnwise,
+                                                       gelu=True)
+        assert len(cast_calls) == 1  # the kernel ran (once), the reference did not
+        for a, b, asked in zip(got[:2], want[:2], (rowwise, columnwise)):
+            assert (a is None and b is None) == (not asked)
+        if rowwise:
+            assert_fp8_of_gelu(got[0], x, scale, FP8_MAX[fmt])
+        if columnwise:
+            assert got[1].is_contiguous()
+            assert_fp8_of_gelu(got[1].t(), x, scale, FP8_MAX[fmt])
+        if rowwise and columnwise:
+            _assert_same_fp8(got[1], got[0].t().contiguous())
+        for a, b in ((got[2], want[2]), (got[3], want[3])):  # inverse scale, amax history
+            torch.testing.assert_close(a, b, rtol=GELU_CAST_RTOL, atol=0, equal_nan=True)
+
+
+@needs_cast_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_gelu_cast_kernel_within_one_step_of_the_unfused_cast(dtype, recipe, monkeypatch):
+    """The kernel's cast of gelu(h) against its cast of torch's gelu(h) in h's dtype."""
+    monkeypatch.setenv("TRANSFORMER_FA_TRITON_KERNELS", "1")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    h = (torch.randn(4096, 1024, generator=g, device="cuda") * 3).to(dtype)
+    casts = []
+    for tensor, gelu in ((h, True), (torch.nn.functional.gelu(h, approximate="tanh"), False)):
+        history = torch.zeros(1, 2, device="cuda")
+        scales = torch.tensor([1.0, 16.0], device="cuda")
+        casts.append(fp8._quantize(tensor, Format.E4M3, 448.0, recipe, history, scales, 1,
+                                   columnwise=True, gelu=gelu))
+    for a, b in zip(casts[0][:2], casts[1][:2]):
+        assert_within_one_fp8_step(a, b)
+
+
+def _profiled_names(fn):
+    """The names of the ops (aten::...) and GPU kernels fn() runs (run it once before)."""
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events()]
+
+
+@needs_cast_kernels
+@pytest.mark.skipif(not te.is_fp8_available(), reason="needs CUDA with FP8")
+@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_fp8_mlp_forward_runs_no_gelu(recipe, monkeypatch):
+    """LayerNormMLP (gelu) in FP8: no aten::gelu in the forward (FC2's input cast applies it)
+    and one aten::gelu_backward in the backward; outside FP8 the forward runs aten::gelu."""
+    monkeypatch.setenv("TRANSFORMER_FA_TRITON_KERNELS", "1")
+    torch.manual_seed(0)
+    mlp = te.LayerNormMLP(1024, 4096, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def forward():
+        with te.fp8_autocast(fp8_recipe=recipe):
+            return mlp(x)
+
+    forward().sum().backward()  # compiles the kernels
+    outputs = []
+    forward_names = _profiled_names(lambda: outputs.append(forward()))
+    assert "aten::gelu" not in forward_names
+    assert any("_cast_kernel" in name for name in forward_names)
+    backward_names = _profiled_names(lambda: outputs[0].float().sum().backward())
+    assert backward_names.count("aten::gelu_backward") == 1
+    assert "aten::gelu" in _profiled_names(lambda: mlp(x))
+
+
+@needs_cast_kernels
+@pytest.mark.skipif(not te.is_fp8_available(), reason="needs CUDA with FP8")
+@pytest.mark.parametrize("params_dtype, rtol", [(torch.float32, 0.01), (torch.bfloat16, 0.05)])
+@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_fp8_mlp_fused_gelu_trains_like_the_unfused_path(params_dtype, rtol, recipe,
+                                                         monkeypatch):
+    """Three FP8 training steps of a LayerNormMLP with the fused GELU cast and with torch's
+    GELU before FC2's cast: the outputs close (float32: the same float32 GELU up to the
+    rule's rare boundary elements; bfloat16: the unfused path rounds it to bfloat16)."""
+    from test_fp8 import _unfused_fc1_and_activation
+
+    monkeypatch.setenv("TRANSFORMER_FA_TRITON_KERNELS", "1")
+    results = []
+    for fused in (True, False):
+        with pytest.MonkeyPatch.context() as patch:
+            if not fused:
+                patch.setattr(te.LayerNormMLP, "_fc1_and_activation",
+                              _unfused_fc1_and_activation)
+            torch.manual_seed(0)
+            mlp = te.LayerNormMLP(512, 2048, params_dtype=params_dtype, device="cuda")
+            opt = torch.optim.SGD(mlp.parameters(), lr=1e-4)
+            outputs = []
+            for _ in range(3):
+                x = torch.randn(4, 256, 512, device="cuda", dtype=params_dtype)
+                with te.fp8_autocast(fp8_recipe=recipe):
+                    out = mlp(x)
+                out.float().square().sum().backward()
+                opt.step()
+                opt.zero_grad()
+                outputs.append(out.detach())
+        results.append(outputs)
+    for a, b in zip(*results):
+        assert (a.float() - b.float()).norm() <= rtol * b.float().norm()
