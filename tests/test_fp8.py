@@ -646,9 +646,75 @@ def assert_fp8_of_gelu(got: torch.Tensor, h: torch.Tensor, scale: torch.Tensor,
     between the casts of the product moved by the slack either way, equal but for a few
     elements; NaNs where the product is NaN."""
     gelu = fp8._gelu_float32(h)
-    exact = gelu * scale
     slack = torch.where(h.isfinite(), h.float().abs() * GELU_TANH_SLACK
-                        + gelu.abs() * GELU_CAST_RTOL, 0.0) * scale
+                        + gelu.abs() * GELU_CAST_RTOL, 0.0)
+    _assert_fp8_within_slack(got, gelu, slack, scale, fp8_max)
+
+
+def dgelu_slack(dy: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """The backward's slack: gelu'(h) moves by (0.5 + beta |h| (1 + 3 kappa h^2)) per unit
+    of tanh's error (the derivative's derivative in tanh), times |dy|; a few float32 ulps."""
+    h, dy = h.float(), dy.float()
+    dgelu = fp8._cast_source(dy, False, h)
+    per_tanh = 0.5 + 0.8 * h.abs() * (1 + 0.135 * h * h)
+    return torch.where(h.isfinite() & dy.isfinite(), (dy.abs() * per_tanh) * GELU_TANH_SLACK
+                       + dgelu.abs() * GELU_CAST_RTOL, 0.0)
+
+
+def assert_fp8_of_dgelu(got: torch.Tensor, dy: torch.Tensor, h: torch.Tensor,
+                        scale: torch.Tensor, fp8_max: float) -> None:
+    """``got`` is the FP8 cast of torch's float32 gelu_backward(dy, h) by the rule."""
+    dgelu = fp8._cast_source(dy, False, h)
+    _assert_fp8_within_slack(got, dgelu, dgelu_slack(dy, h), scale, fp8_max)
+
+
+def assert_dgelu_column_sums(got: torch.Tensor, dy: torch.Tensor, h: torch.Tensor) -> None:
+    """``got`` (dy's dtype) is the column sums of the float32 gelu_backward(dy, h) values,
+    rounded once: within the slack's sum, a float32 sum's error in any order and the final
+    rounding of the float64 sum."""
+    dgelu = fp8._cast_source(dy, False, h).double()
+    exact = dgelu.sum(0)
+    n = dgelu.shape[0]
+    bound = (2 * torch.finfo(got.dtype).eps * exact.abs() + dgelu_slack(dy, h).double().sum(0)
+             + 4 * n ** 0.5 * 2.0 ** -24 * dgelu.abs().sum(0))
+    assert got.dtype == dy.dtype
+    assert ((got.double() - exact).abs() <= bound).all()
+
+
+def assert_amax_of_dgelu(amax: torch.Tensor, dy: torch.Tensor, h: torch.Tensor) -> None:
+    """An amax of gelu_backward(dy, h) within the slack of torch's float32 one."""
+    dgelu, slack = fp8._cast_source(dy, False, h).abs(), dgelu_slack(dy, h)
+    assert (dgelu - slack).max() <= amax <= (dgelu + slack).max()
+
+
+def dgelu_cast_scale(dy, h, recipe, scales, fold_amax, fp8_max):
+    """The scale a cast of gelu_backward(dy, h) in slot 1 casts with: the delayed scale, or
+    (current scaling) the scale from the amax kernel's amax (checked against torch's)."""
+    if isinstance(recipe, DelayedScaling):
+        return scales[1]
+    amax = torch.zeros(1, device=dy.device)
+    fold_amax(dy, amax, dgelu_input=h)
+    assert_amax_of_dgelu(amax[0], dy, h)
+    return fp8.compute_scale(amax[0], torch.ones((), device=dy.device), fp8_max)
+
+
+def assert_dgelu_cast(got, dy, h, scale, fp8_max, rowwise, columnwise) -> None:
+    """_quantize(dy, ..., dbias=True, dgelu_input=h)'s result by the rule: the orientations
+    asked for (the transpose the row-major cast's, bit for bit) and the column sums."""
+    if rowwise:
+        assert_fp8_of_dgelu(got[0], dy, h, scale, fp8_max)
+    if columnwise:
+        assert got[1].is_contiguous()
+        assert_fp8_of_dgelu(got[1].t(), dy, h, scale, fp8_max)
+    if rowwise and columnwise:
+        assert torch.equal(got[1].view(torch.uint8), got[0].t().contiguous().view(torch.uint8))
+    assert (got[0] is None) != rowwise and (got[1] is None) != columnwise
+    assert_dgelu_column_sums(got[3], dy, h)
+
+
+def _assert_fp8_within_slack(got, values, slack, scale, fp8_max):
+    exact = values * scale
+    slack = slack * scale
 
     def cast(values):
         return values.clamp(-fp8_max, fp8_max).to(got.dtype).float()
@@ -850,3 +916,27 @@ def test_fp8_matmul_activation_argument():
     with te.autocast():
         out = fp8.fp8_matmul(x, w, fp8.FP8Meta(), activation="gelu")
     assert (out - want).norm() < 0.1 * want.norm()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_dgelu_cast_casts_the_float32_dgelu(dtype, recipe):
+    """The PyTorch path of _quantize(dgelu_input=h): the cast of torch's gelu_backward in
+    float32 (casts, inverse scale, amax bit for bit), its column sums rounded once to dy's
+    dtype; within one FP8 step of the cast of gelu_backward in dy's dtype (the unfused
+    path)."""
+    h = _gelu_input((48, 40), dtype, seed=1).nan_to_num(0.0, 0.0, 0.0)
+    dy = _gelu_input((48, 40), dtype, seed=2).nan_to_num(0.0, 0.0, 0.0)
+    dgelu = fp8._cast_source(dy, False, h)
+    (fused, fused_history), (float32, float32_history), (unfused, _) = (
+        _quantize_e4m3(dy, recipe, dgelu_input=h, dbias=True),
+        _quantize_e4m3(dgelu, recipe, dbias=True),
+        _quantize_e4m3(torch.ops.aten.gelu_backward(dy, h, approximate="tanh"), recipe,
+                       dbias=True))
+    for a, b, c in zip(fused[:2], float32[:2], unfused[:2]):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        assert_within_one_fp8_step(a, c)
+    assert torch.equal(fused[2], float32[2]) and torch.equal(fused_history, float32_history)
+    assert fused[3].dtype == dtype and torch.equal(fused[3], dgelu.sum(0).to(dtype))
+    assert_dgelu_column_sums(fused[3], dy, h)

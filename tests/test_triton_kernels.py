@@ -20,7 +20,15 @@ from transformer_fa.attention.rope import apply_rotary_pos_emb
 from transformer_fa.common.recipe import DelayedScaling, Float8CurrentScaling, Format
 from transformer_fa.module import linear as linear_module
 from transformer_fa.module.layernorm import apply_norm
-from test_fp8 import GELU_CAST_RTOL, assert_fp8_of_gelu, assert_within_one_fp8_step, aten_ops
+from test_fp8 import (
+    GELU_CAST_RTOL,
+    assert_amax_of_dgelu,
+    assert_dgelu_cast,
+    assert_fp8_of_gelu,
+    assert_within_one_fp8_step,
+    aten_ops,
+    dgelu_cast_scale,
+)
 from test_fp8_bias_grad import assert_bias_grad_close
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -678,6 +686,14 @@ def test_fp8_cast_refuses_bad_arguments():
         fp8_cast.cast(x, torch.ones(3), torch.float8_e4m3fn, 448.0)
     with pytest.raises(ValueError, match="gelu=True casts an activation"):
         fp8_cast.cast(x, torch.ones(()), torch.float8_e4m3fn, 448.0, gelu=True, dbias=True)
+    with pytest.raises(ValueError, match="gelu=True casts GELU's output, dgelu_input"):
+        fp8_cast.cast(x, torch.ones(()), torch.float8_e4m3fn, 448.0, gelu=True,
+                      dgelu_input=x)
+    with pytest.raises(ValueError, match="dgelu_input must be a float32, bfloat16 or float16 "
+                                         "tensor of x's shape"):
+        fp8_cast.fold_amax(x, torch.zeros(1), dgelu_input=x.t())
+    with pytest.raises(ValueError, match="dgelu_input must be"):
+        fp8_cast.cast(x, torch.ones(()), torch.float8_e4m3fn, 448.0, dgelu_input=x.double())
 
 
 # The cast's gelu option (GELU in FC2's FP8 input cast) by the rule of tests/test_fp8.py: the
@@ -791,8 +807,8 @@ def test_fp8_mlp_casts_gelu_in_the_kernel(recipe, fp8_kernels_on_cpu, monkeypatc
         return result
 
     monkeypatch.setattr(fp8_cast, "cast", cast)
-    monkeypatch.setattr(fp8_cast, "fold_amax", lambda x, amax, gelu=False: (
-        gelu_amaxes.append(gelu), real_fold(x, amax, gelu=gelu)))
+    monkeypatch.setattr(fp8_cast, "fold_amax", lambda x, amax, **options: (
+        gelu_amaxes.append(options.get("gelu", False)), real_fold(x, amax, **options)))
     torch.manual_seed(0)
     mlp = te.LayerNormMLP(32, 64, device="cpu", params_dtype=torch.bfloat16)
     x = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
@@ -809,6 +825,33 @@ def test_fp8_mlp_casts_gelu_in_the_kernel(recipe, fp8_kernels_on_cpu, monkeypatc
         scale = fp8.compute_scale(amax, torch.ones(()), 448.0)
     assert_fp8_of_gelu(data, h, scale, 448.0)
     _same_bits(data_t, data.t().contiguous())
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 3), (37, 45), (300, 257)])
+@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_fp8_dgelu_cast_matches_pytorch(dtype, shape, recipe, fp8_kernels_on_cpu):
+    """_quantize(dgelu_input=h, dbias=True) through the kernel, each orientation and dbias
+    alone: the casts of gelu_backward(dy, h) in float32 by the rule, the transpose the
+    row-major cast's, the column sums of the float32 values, the amax within the slack;
+    ragged shapes, 300 rows: three row blocks of the sums' workspace. h a strided view."""
+    g = torch.Generator().manual_seed(3)
+    h = (torch.randn(shape[1], shape[0], generator=g) * 3).to(dtype).t()
+    dy = (torch.randn(*shape, generator=g) * torch.logspace(-4, 2, shape[1])).to(dtype)
+    history = torch.tensor([[2.0, 3.0, 4.0], [5.0, 6.0, 7.0]])
+    scales = torch.tensor([0.5, 0.375, 2.0])
+    scale = dgelu_cast_scale(dy, h, recipe, scales, fp8_cast.fold_amax, 57344.0)
+    for rowwise, columnwise in (*_ORIENTATIONS, (False, False)):
+        got_history = history.clone()
+        got = fp8._quantize(dy, Format.E5M2, 57344.0, recipe, got_history, scales.clone(), 1,
+                            rowwise=rowwise, columnwise=columnwise, dbias=True,
+                            dgelu_input=h)
+        assert_dgelu_cast(got, dy, h, scale, 57344.0, rowwise, columnwise)
+        if isinstance(recipe, DelayedScaling):
+            assert_amax_of_dgelu(got_history[0, 1], dy, h)
+            torch.testing.assert_close(got[2], 1 / scales[1], rtol=0, atol=0)
 
 
 # The delayed-scaling update (kernels/fp8_scale.py) against fp8.update_amax_history's PyTorch

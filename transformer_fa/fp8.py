@@ -415,16 +415,36 @@ def _gelu_float32(tensor: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.gelu(tensor.float(), approximate="tanh")
 
 
-def _amax(tensor: torch.Tensor, gelu: bool = False) -> torch.Tensor:
-    """max|tensor| (with ``gelu``: max|gelu(tensor)|) as a float32 scalar (NaN if the tensor
-    has one, as torch.amax)."""
+def _cast_source(tensor: torch.Tensor, gelu: bool,
+                 dgelu_input: Optional[torch.Tensor]) -> torch.Tensor:
+    """What the PyTorch path casts: the tensor, or in float32 gelu(tensor) (``gelu``), or
+    GELU's input gradient from its output gradient ``tensor`` and input ``dgelu_input``
+    (torch's gelu_backward)."""
+    if gelu:
+        return _gelu_float32(tensor)
+    if dgelu_input is not None:
+        return torch.ops.aten.gelu_backward(tensor.float(), dgelu_input.float(),
+                                            approximate="tanh")
+    return tensor
+
+
+def _amax(tensor: torch.Tensor, gelu: bool = False,
+          dgelu_input: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """max|tensor| (of _cast_source's tensor) as a float32 scalar (NaN if the tensor has one,
+    as torch.amax)."""
     tensor = _as_2d(tensor.detach())
-    cast_kernels = _cast_kernels(tensor)
+    if dgelu_input is not None:
+        dgelu_input = _as_2d(dgelu_input.detach())
+    cast_kernels = _cast_kernels(tensor, *_present(dgelu_input))
     if cast_kernels is None:
-        return (_gelu_float32(tensor) if gelu else tensor).abs().amax().float()
+        return _cast_source(tensor, gelu, dgelu_input).abs().amax().float()
     amax = torch.zeros((), dtype=torch.float32, device=tensor.device)
-    cast_kernels.fold_amax(tensor, amax, gelu=gelu)
+    cast_kernels.fold_amax(tensor, amax, gelu=gelu, dgelu_input=dgelu_input)
     return amax
+
+
+def _present(*tensors: Optional[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
+    return tuple(t for t in tensors if t is not None)
 
 
 def _record_amax(history: torch.Tensor, slot: int, tensor: torch.Tensor) -> None:
@@ -440,7 +460,7 @@ def _record_amax(history: torch.Tensor, slot: int, tensor: torch.Tensor) -> None
 def _quantize(tensor: torch.Tensor, fmt: Format, fp8_max: float, recipe: Recipe,
               history: torch.Tensor, scales: torch.Tensor, slot: int,
               rowwise: bool = True, columnwise: bool = False, dbias: bool = False,
-              gelu: bool = False):
+              gelu: bool = False, dgelu_input: Optional[torch.Tensor] = None):
     """(FP8 tensor, its transpose, the inverse scale) of a 2D tensor: the FP8 tensor row-major
     (None unless ``rowwise``) and its transpose contiguous (None unless ``columnwise``), the
     orientations torch._scaled_mm's operands need; with ``dbias`` a fourth item, the column
@@ -453,22 +473,27 @@ def _quantize(tensor: torch.Tensor, fmt: Format, fp8_max: float, recipe: Recipe,
     kernel applies as it reads the tensor: an MLP's FP8 GEMM after its GELU casts the GELU's
     input and the GELU's output is never written in high precision (TE's activation cast).
     The kernel's float32 GELU is torch's up to its tanh's last bits, so its FP8 values are the
-    PyTorch path's except where the float32 value lies on an FP8 rounding boundary."""
+    PyTorch path's except where the float32 value lies on an FP8 rounding boundary.
+    With a ``dgelu_input`` h, ``tensor`` is the gradient of gelu(h) and all of it (the column
+    sums too, before rounding) is of GELU's input gradient in float32 (TE's dgelu cast): the
+    GEMM before the GELU casts its output gradient without dh written in high precision."""
     tensor = tensor.detach()
+    if dgelu_input is not None:
+        dgelu_input = dgelu_input.detach()
     fp8_dtype = _FP8_DTYPES[fmt]
     delayed = isinstance(recipe, DelayedScaling)
-    cast_kernels = _cast_kernels(tensor, history, scales)
+    cast_kernels = _cast_kernels(tensor, history, scales, *_present(dgelu_input))
     if cast_kernels is not None:
         # one launch records the delayed amax or computes the current scale from the amax,
         # casts, writes the inverse scale and sums the columns
         scaling = (dict(scale=scales[slot], amax=history[0, slot:slot + 1]) if delayed
-                   else dict(scale=None, scale_from_amax=_amax(tensor, gelu)))
+                   else dict(scale=None, scale_from_amax=_amax(tensor, gelu, dgelu_input)))
         quantized = cast_kernels.cast(tensor, fp8_dtype=fp8_dtype, fp8_max=fp8_max,
                                       rowwise=rowwise, columnwise=columnwise, dbias=dbias,
-                                      gelu=gelu, **scaling)
+                                      gelu=gelu, dgelu_input=dgelu_input, **scaling)
         return quantized if dbias else quantized[:3]
-    if gelu:
-        tensor = _gelu_float32(tensor)
+    dtype = tensor.dtype
+    tensor = _cast_source(tensor, gelu, dgelu_input)
     if delayed:
         scale = scales[slot]
         _record_amax(history, slot, tensor)
@@ -479,7 +504,7 @@ def _quantize(tensor: torch.Tensor, fmt: Format, fp8_max: float, recipe: Recipe,
     data_t = data.t().contiguous() if columnwise else None
     data = data.contiguous() if rowwise else None
     quantized = data, data_t, scale.reciprocal().reshape(())
-    return (*quantized, tensor.sum(0)) if dbias else quantized
+    return (*quantized, tensor.sum(0).to(dtype)) if dbias else quantized
 
 
 def check_fp8_gemm_shape(inp: torch.Tensor, features: Tuple[int, ...], owner: str) -> None:

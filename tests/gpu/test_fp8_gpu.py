@@ -671,8 +671,11 @@ def test_fp8_checkpointed_training_equals_plain_training(recipe, use_reentrant,
 # cast (torch's GELU rounded to 16 bits first).
 from test_fp8 import (  # noqa: E402
     GELU_CAST_RTOL,
+    assert_amax_of_dgelu,
+    assert_dgelu_cast,
     assert_fp8_of_gelu,
     assert_within_one_fp8_step,
+    dgelu_cast_scale,
 )
 
 
@@ -737,6 +740,37 @@ def test_gelu_cast_kernel_within_one_step_of_the_unfused_cast(dtype, recipe, mon
                                    columnwise=True, gelu=gelu))
     for a, b in zip(casts[0][:2], casts[1][:2]):
         assert_within_one_fp8_step(a, b)
+
+
+@needs_cast_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 16), (1000, 3000), (4096, 1024)])
+@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_dgelu_cast_kernel_by_the_rule(dtype, shape, recipe, monkeypatch, cast_calls):
+    """_quantize(dgelu_input=h, dbias=True) with the kernel (the backward of GELU in the
+    gradient cast of the GEMM before it), each orientation and dbias alone: the casts of
+    torch's float32 gelu_backward(dy, h) by the rule, the transpose the row-major cast's,
+    the column sums of the float32 values, the amax within the slack of torch's."""
+    monkeypatch.setenv("TRANSFORMER_FA_TRITON_KERNELS", "1")
+    from transformer_fa.kernels import fp8_cast
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    h = (torch.randn(shape[1], shape[0], generator=g, device="cuda") * 3).to(dtype).t()
+    dy = torch.randn(*shape, generator=g, device="cuda")
+    dy = (dy * torch.logspace(-4, 2, shape[1], device="cuda")).to(dtype)
+    scales = torch.tensor([0.5, 0.375, 2.0], device="cuda")
+    scale = dgelu_cast_scale(dy, h, recipe, scales, fp8_cast.fold_amax, 57344.0)
+    for rowwise, columnwise in ((True, True), (True, False), (False, True), (False, False)):
+        history = torch.zeros(1, 3, device="cuda")
+        cast_calls.clear()
+        got = fp8._quantize(dy, Format.E5M2, 57344.0, recipe, history, scales.clone(), 1,
+                            rowwise=rowwise, columnwise=columnwise, dbias=True,
+                            dgelu_input=h)
+        assert len(cast_calls) == 1
+        assert_dgelu_cast(got, dy, h, scale, 57344.0, rowwise, columnwise)
+        if isinstance(recipe, DelayedScaling):
+            assert_amax_of_dgelu(history[0, 1], dy, h)
 
 
 def _profiled_names(fn):

@@ -56,7 +56,7 @@ def gelu_tanh(x):
 
 
 @triton.jit
-def _gelu_tanh_grad(dy, x):
+def gelu_tanh_grad(dy, x):
     """dy * gelu'(x) for gelu(x) = x/2 (1 + tanh(beta (x + kappa x^3))), in torch's steps."""
     # (the tensor operand first: the interpreter keeps constexpr * tensor a constexpr;
     # the products are the same, IEEE multiplication commutes)
@@ -91,7 +91,7 @@ def _partial_column_sums_kernel(G, H, DH, PARTIAL, n_rows, n_cols, stride_g, str
         if DGELU:
             h = tl.load(H + rows[:, None] * stride_h + cols[None, :], mask=mask,
                         other=0.0).to(tl.float32)
-            g = _gelu_tanh_grad(g, h)  # 0 where masked (dy = 0)
+            g = gelu_tanh_grad(g, h)  # 0 where masked (dy = 0)
             tl.store(DH + rows[:, None] * n_cols + cols[None, :], g.to(DH.dtype.element_ty),
                      mask=mask)
         acc += g

@@ -29,6 +29,10 @@ and writes ``fp8(gelu(h))`` (its amax, for delayed scaling; the amax pass of cur
 takes the same option), so ``gelu(h)`` in 16 bits is never written. The FP8 values are those
 of the float32 GELU: torch's unfused path rounds gelu(h) to x's dtype before the cast, which
 can move an FP8 value by one step where that rounding crosses an FP8 rounding boundary.
+With a ``dgelu_input`` h (the backward of that GELU) it casts ``dgelu(x, h) = x * gelu'(h)``
+instead (torch's gelu_backward formula in float32, kernels/bias_grad.py's), and sums those
+float32 values into the column sums: the gradient cast of the GEMM before the GELU reads the
+GELU's output gradient and input, and dh in 16 bits is never written (TE's dgelu cast).
 """
 from typing import Optional, Tuple
 
@@ -36,16 +40,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .bias_grad import gelu_tanh
+from . import KERNEL_DTYPES
+from .bias_grad import gelu_tanh, gelu_tanh_grad
 from .fp8_scale_math import NO_FLUSH_TO_ZERO, div_rn, scale_from_amax
 
 
 @triton.jit
-def _cast_kernel(X, OUT, OUT_T, SCALE, SCALE_INV, AMAX_BITS, COL_SUMS, n_rows, n_cols,
-                 stride_r, stride_c, fp8_max, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
+def _cast_kernel(X, H, OUT, OUT_T, SCALE, SCALE_INV, AMAX_BITS, COL_SUMS, n_rows, n_cols,
+                 stride_r, stride_c, stride_hr, stride_hc, fp8_max, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
                  SCALE_FROM_AMAX: tl.constexpr, WRITE_SCALE_INV: tl.constexpr,
                  RECORD_AMAX: tl.constexpr, DBIAS: tl.constexpr, GELU: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                 DGELU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     # 64-bit offsets: rows * cols may pass 2**31
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -54,6 +59,10 @@ def _cast_kernel(X, OUT, OUT_T, SCALE, SCALE_INV, AMAX_BITS, COL_SUMS, n_rows, n
                 other=0.0).to(tl.float32)
     if GELU:
         x = gelu_tanh(x)  # gelu(0) = 0 in the masked lanes
+    if DGELU:
+        h = tl.load(H + rows[:, None] * stride_hr + cols[None, :] * stride_hc, mask=mask,
+                    other=0.0).to(tl.float32)
+        x = gelu_tanh_grad(x, h)  # 0 in the masked lanes (x = 0 there)
     if RECORD_AMAX:
         bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |x|, masked lanes are 0
         tl.atomic_max(AMAX_BITS, tl.max(tl.max(bits, axis=1), axis=0))
@@ -118,9 +127,10 @@ def _check_scalar(x: torch.Tensor, scalar: torch.Tensor, name: str) -> None:
 
 
 def _launch(x, out, out_t, scale, scale_from_amax, scale_inv, amax, fp8_max, tile,
-            dbias: bool = False, gelu: bool = False) -> Optional[torch.Tensor]:
-    """One cast kernel (of gelu(x) with ``gelu``); with ``dbias`` it returns its workspace of
-    column sums, float32 [row blocks, n_cols]."""
+            dbias: bool = False, gelu: bool = False,
+            dgelu_input: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """One cast kernel (of gelu(x) with ``gelu``, of dgelu(x, h) with a ``dgelu_input`` h);
+    with ``dbias`` it returns its workspace of column sums, float32 [row blocks, n_cols]."""
     block_r, block_c, num_warps = tile
     rowwise = out is not None
     n_rows, n_cols = x.shape
@@ -130,14 +140,15 @@ def _launch(x, out, out_t, scale, scale_from_amax, scale_inv, amax, fp8_max, til
     # pointers a variant does not use get a stand-in (the constexprs keep them unused); OUT
     # is always an FP8 output where there is one, as the kernel converts to OUT's dtype
     out = out_t if out is None else out
+    h = x if dgelu_input is None else dgelu_input
     _cast_kernel[grid](
-        x, x if out is None else out, x if out_t is None else out_t,
+        x, h, x if out is None else out, x if out_t is None else out_t,
         x if scale is None else scale, x if scale_inv is None else scale_inv,
         x if amax is None else amax.view(torch.int32), x if col_sums is None else col_sums,
-        n_rows, n_cols, x.stride(0), x.stride(1), fp8_max,
+        n_rows, n_cols, x.stride(0), x.stride(1), h.stride(0), h.stride(1), fp8_max,
         ROWWISE=rowwise, COLUMNWISE=out_t is not None, SCALE_FROM_AMAX=scale_from_amax,
         WRITE_SCALE_INV=scale_inv is not None, RECORD_AMAX=amax is not None, DBIAS=dbias,
-        GELU=gelu, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps, **NO_FLUSH_TO_ZERO)
+        GELU=gelu, DGELU=dgelu_input is not None, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps, **NO_FLUSH_TO_ZERO)
     return col_sums
 
 
@@ -155,7 +166,7 @@ def _sum_row_blocks(col_sums: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def cast(x: torch.Tensor, scale: Optional[torch.Tensor], fp8_dtype: torch.dtype,
          fp8_max: float, rowwise: bool = True, columnwise: bool = False,
          amax: Optional[torch.Tensor] = None, scale_from_amax: Optional[torch.Tensor] = None,
-         dbias: bool = False, gelu: bool = False
+         dbias: bool = False, gelu: bool = False, dgelu_input: Optional[torch.Tensor] = None
          ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor,
                     Optional[torch.Tensor]]:
     """(row-major [M, N] or None, transposed [N, M] or None, inverse scale, column sums [N] or
@@ -167,10 +178,14 @@ def cast(x: torch.Tensor, scale: Optional[torch.Tensor], fp8_dtype: torch.dtype,
     ``amax``: a one-element float32 slot (e.g. ``history[0, i:i + 1]``) that gets
     ``max(amax, max|x|)`` in place.
     ``gelu``: all of the above of ``gelu(x)`` (tanh GELU in float32) instead of x, except the
-    column sums (a gradient's; its cast takes no activation)."""
+    column sums (a gradient's; its cast takes no activation).
+    ``dgelu_input``: GELU's input h (x's shape) where x is the gradient of gelu(h): all of the
+    above of ``dgelu(x, h) = x * gelu'(h)`` in float32, the column sums too (summed before
+    any rounding, rounded once to x's dtype)."""
     if gelu and dbias:
         raise ValueError("cast: gelu=True casts an activation, dbias=True sums a gradient; "
                          "not both")
+    _check_dgelu_input(x, gelu, dgelu_input)
     if not (rowwise or columnwise or dbias):
         raise ValueError("cast: ask for rowwise and/or columnwise output, or dbias "
                          "(fold_amax gives the amax alone)")
@@ -194,19 +209,34 @@ def cast(x: torch.Tensor, scale: Optional[torch.Tensor], fp8_dtype: torch.dtype,
         # bfloat16 and float16 inputs are right): two passes for float32, the column sums in
         # the second (its square tiles).
         _launch(x, out, None, source, from_amax, scale_inv, amax, fp8_max, _ROW_TILE,
-                gelu=gelu)
+                gelu=gelu, dgelu_input=dgelu_input)
         col_sums = _launch(x, None, out_t, source, from_amax, None, None, fp8_max,
-                           _TRANSPOSE_TILE, dbias=dbias, gelu=gelu)
+                           _TRANSPOSE_TILE, dbias=dbias, gelu=gelu, dgelu_input=dgelu_input)
     else:
         col_sums = _launch(x, out, out_t, source, from_amax, scale_inv, amax, fp8_max,
                            _TRANSPOSE_TILE if columnwise or dbias else _ROW_TILE, dbias=dbias,
-                           gelu=gelu)
+                           gelu=gelu, dgelu_input=dgelu_input)
     return out, out_t, scale_inv, _sum_row_blocks(col_sums, x.dtype) if dbias else None
 
 
-def fold_amax(x: torch.Tensor, amax: torch.Tensor, gelu: bool = False) -> None:
-    """``amax = max(amax, max|x|)`` (with ``gelu``: ``max|gelu(x)|``) in place, for the 2D
-    ``x`` and a one-element float32 ``amax``: the one read pass of current scaling (and of
-    calibration)."""
+def _check_dgelu_input(x: torch.Tensor, gelu: bool, h: Optional[torch.Tensor]) -> None:
+    if h is None:
+        return
+    if gelu:
+        raise ValueError("cast: gelu=True casts GELU's output, dgelu_input its gradient; "
+                         "not both")
+    if h.shape != x.shape or h.device != x.device or h.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"dgelu_input must be a float32, bfloat16 or float16 tensor of x's "
+                         f"shape {list(x.shape)} on {x.device}, got {h.dtype} "
+                         f"{list(h.shape)} on {h.device}")
+
+
+def fold_amax(x: torch.Tensor, amax: torch.Tensor, gelu: bool = False,
+              dgelu_input: Optional[torch.Tensor] = None) -> None:
+    """``amax = max(amax, max|x|)`` (with ``gelu``: ``max|gelu(x)|``; with a ``dgelu_input``
+    h: ``max|dgelu(x, h)|``) in place, for the 2D ``x`` and a one-element float32 ``amax``:
+    the one read pass of current scaling (and of calibration)."""
     _check_scalar(x, amax, "amax")
-    _launch(x, None, None, None, False, None, amax, 0.0, _ROW_TILE, gelu=gelu)
+    _check_dgelu_input(x, gelu, dgelu_input)
+    _launch(x, None, None, None, False, None, amax, 0.0, _ROW_TILE, gelu=gelu,
+            dgelu_input=dgelu_input)
