@@ -6,7 +6,6 @@ import torch
 
 import transformer_fa as te
 from transformer_fa import fp8
-from transformer_fa.module import linear as linear_module
 from transformer_fa.common.recipe import DelayedScaling, Float8CurrentScaling, Format
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
@@ -284,7 +283,7 @@ def test_gemm_operands_are_cast_in_the_orientations_the_gemms_need(recipe):
     x = torch.randn(16, 32, requires_grad=True)
     w = torch.randn(48, 32, requires_grad=True)
     _, node, (w_fp8, cached_w_t, _) = _fp8_gemm(x, w, recipe)
-    x_t, _, w_t, _, _ = node.saved_tensors
+    x_t, _, w_t, _ = node.saved_tensors
     assert x_t.shape == (32, 16) and x_t.is_contiguous() and x_t.dtype == torch.float8_e4m3fn
     assert w_t is cached_w_t and w_t.is_contiguous()
     assert torch.equal(w_t.view(torch.uint8), w_fp8.t().view(torch.uint8))
@@ -295,9 +294,9 @@ def test_gemm_operands_are_cast_in_the_orientations_the_gemms_need(recipe):
         assert torch.equal(x_t.view(torch.uint8), x_t_again.view(torch.uint8))
 
     frozen_w = w.detach()
-    x_t, _, w_t, _, _ = _fp8_gemm(x, frozen_w, recipe)[1].saved_tensors
+    x_t, _, w_t, _ = _fp8_gemm(x, frozen_w, recipe)[1].saved_tensors
     assert x_t is None and w_t is not None
-    x_t, _, w_t, _, _ = _fp8_gemm(x.detach(), w, recipe)[1].saved_tensors
+    x_t, _, w_t, _ = _fp8_gemm(x.detach(), w, recipe)[1].saved_tensors
     assert x_t is not None and w_t is None
     with torch.no_grad():
         out, node, (_, w_t, _) = _fp8_gemm(x, w, recipe)
@@ -799,11 +798,20 @@ def test_the_gelu_rule_can_fail():
         assert_within_one_fp8_step(two_up[10:20], fused[10:20])
 
 
-def _unfused_fc1_and_activation(self, inp):
-    """LayerNormMLP's FC1 and activation as before the fusion: torch's GELU on FC1's output."""
-    fc1_out, _ = linear_module.parallel_linear(inp, self.fc1_weight, self.fc1_bias,
-                                               fp8_meta=self.fp8_meta, gemm=0)
-    return self.activation_fn(fc1_out), None
+def unfuse_fp8_gelu(patch) -> None:
+    """LayerNormMLP's FP8 path without the fusion: FC1's FP8 GEMM, torch's GELU, FC2's."""
+    patch.setattr(te.LayerNormMLP, "_fuses_fp8_gelu", lambda self: False)
+
+
+def with_and_without_fp8_gelu_fusion(run):
+    """[run() with LayerNormMLP's FP8 GELU fusion, run() without it]."""
+    results = []
+    for fused in (True, False):
+        with pytest.MonkeyPatch.context() as patch:
+            if not fused:
+                unfuse_fp8_gelu(patch)
+            results.append(run())
+    return results
 
 
 def _train_fp8(make, recipe, dtype, steps=3):
@@ -847,7 +855,7 @@ def test_fused_gelu_trains_as_the_unfused_path(module, recipe, monkeypatch):
     make = _GELU_MODULES[module]
     fused = {dtype: _train_fp8(make, recipe, dtype) for dtype in (torch.float32,
                                                                   torch.bfloat16)}
-    monkeypatch.setattr(te.LayerNormMLP, "_fc1_and_activation", _unfused_fc1_and_activation)
+    unfuse_fp8_gelu(monkeypatch)
     unfused = {dtype: _train_fp8(make, recipe, dtype) for dtype in (torch.float32,
                                                                     torch.bfloat16)}
     for got, want in zip(fused[torch.float32], unfused[torch.float32], strict=True):
@@ -878,16 +886,19 @@ def aten_ops(fn):
 
 @pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()],
                          ids=["delayed", "current"])
-def test_fp8_mlp_applies_gelu_in_fc2s_input_cast(recipe, monkeypatch):
-    """Inside an FP8 autocast FC2's input cast applies the GELU to FC1's output: no GELU of
-    bfloat16 runs in the MLP's forward (the PyTorch path's cast computes it in float32; the
-    kernels' in their cast, tests/test_triton_kernels.py) and one gelu_backward in its
-    backward; outside, torch's GELU of bfloat16."""
+def test_fp8_mlp_applies_gelu_in_its_casts(recipe, monkeypatch):
+    """Inside an FP8 autocast FC2's input cast applies the GELU to FC1's output and FC1's
+    gradient cast its backward to FC2's input gradient: no GELU nor gelu_backward of
+    bfloat16 runs in the MLP (the PyTorch path's casts compute them in float32; the kernels'
+    in their casts, tests/test_triton_kernels.py); outside, torch's GELU of bfloat16."""
     casts = []
     real = fp8._quantize
-    monkeypatch.setattr(fp8, "_quantize", lambda tensor, *a, gelu=False, **k:
-                        casts.append((tuple(tensor.shape), gelu)) or real(tensor, *a,
-                                                                          gelu=gelu, **k))
+
+    def spy(tensor, *args, gelu=False, dgelu_input=None, **options):
+        casts.append((tuple(tensor.shape), gelu, dgelu_input))
+        return real(tensor, *args, gelu=gelu, dgelu_input=dgelu_input, **options)
+
+    monkeypatch.setattr(fp8, "_quantize", spy)
     torch.manual_seed(0)
     mlp = te.LayerNormMLP(32, 64, device="cpu", params_dtype=torch.bfloat16)
     x = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
@@ -895,27 +906,59 @@ def test_fp8_mlp_applies_gelu_in_fc2s_input_cast(recipe, monkeypatch):
         forward_ops, out = aten_ops(lambda: mlp(x))
     assert ("gelu", torch.bfloat16) not in forward_ops
     assert forward_ops.count(("gelu", torch.float32)) == 1
-    assert casts.count(((16, 64), True)) == 1  # FC2's input: FC1's output
-    assert sum(gelu for _, gelu in casts) == 1
+    assert [shape for shape, gelu, _ in casts if gelu] == [(16, 64)]  # FC1's output
+    casts.clear()
     backward_ops, _ = aten_ops(lambda: out.float().sum().backward())
-    assert backward_ops.count(("gelu_backward", torch.bfloat16)) == 1
+    assert ("gelu_backward", torch.bfloat16) not in backward_ops
+    assert backward_ops.count(("gelu_backward", torch.float32)) == 1
+    # FC1's output gradient cast, with FC1's output h
+    dgelu_casts = [(shape, h) for shape, _, h in casts if h is not None]
+    assert len(dgelu_casts) == 1 and dgelu_casts[0][0] == dgelu_casts[0][1].shape == (16, 64)
     assert mlp.fc1_weight.grad is not None and x.grad is not None
     forward_ops, _ = aten_ops(lambda: mlp(x))
     assert [op for op in forward_ops if op[0] == "gelu"] == [("gelu", torch.bfloat16)]
 
 
-def test_fp8_matmul_activation_argument():
-    """Only "gelu" (or None) is an activation; outside an FP8 autocast the GELU runs before
-    the high-precision GEMM, as in parallel_linear without FP8."""
-    x, w = torch.randn(16, 32), torch.randn(48, 32)
-    with pytest.raises(ValueError, match="activation must be one of"):
-        fp8.fp8_matmul(x, w, fp8.FP8Meta(), activation="relu")
-    want = torch.nn.functional.linear(_gelu_tanh(x), w)
-    assert torch.equal(fp8.fp8_matmul(x, w, fp8.FP8Meta(), activation="gelu"), want)
-    assert torch.equal(linear_module.parallel_linear(x, w, None, activation="gelu")[0], want)
-    with te.autocast():
-        out = fp8.fp8_matmul(x, w, fp8.FP8Meta(), activation="gelu")
-    assert (out - want).norm() < 0.1 * want.norm()
+@pytest.mark.parametrize("options", [dict(params_dtype=torch.float32),
+                                     dict(params_dtype=torch.bfloat16, return_bias=True),
+                                     dict(params_dtype=torch.bfloat16, bias=False)],
+                         ids=["float32", "return-bias", "no-bias"])
+@pytest.mark.parametrize("frozen", ["none", "input", "fc1", "fc2", "all-but-fc2-bias"])
+def test_fp8_gelu_mlp_gradients_where_needed(options, frozen, monkeypatch):
+    """The fused Function gives the gradients autograd asks for, the unfused path's: biases
+    outside the epilogue (float32 activations: FC1's bias added to h in the Function, FC2's
+    after it), a returned bias, no bias; frozen inputs and weights (no gradient computed)."""
+    if frozen == "all-but-fc2-bias" and options.get("bias") is False:
+        pytest.skip("nothing would need a gradient")
+    dtype = options["params_dtype"]
+
+    def run():
+        torch.manual_seed(0)
+        mlp = te.LayerNormMLP(32, 64, device="cpu", **options)
+        x = torch.randn(16, 32, dtype=dtype, requires_grad=frozen != "input")
+        frozen_names = {"fc1": ["fc1_weight", "fc1_bias"], "fc2": ["fc2_weight"],
+                        "all-but-fc2-bias": [n for n, _ in mlp.named_parameters()
+                                             if n != "fc2_bias"]}.get(frozen, [])
+        for name in frozen_names:
+            if getattr(mlp, name, None) is not None:
+                getattr(mlp, name).requires_grad_(False)
+        if frozen == "all-but-fc2-bias":
+            x.requires_grad_(False)
+        with te.autocast():
+            out = mlp(x)
+        if options.get("return_bias"):
+            out, bias = out
+            out = out + bias
+        out.float().square().sum().backward()
+        return [out, x.grad] + [p.grad for p in mlp.parameters()]
+
+    fused, unfused = with_and_without_fp8_gelu_fusion(run)
+    for a, b in zip(fused, unfused, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None and dtype == torch.float32:
+            assert torch.equal(a, b)
+        elif a is not None:
+            assert (a.float() - b.float()).norm() <= 0.1 * b.float().norm() + 1e-3
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -794,16 +794,21 @@ def test_fp8_gelu_amax_pass(dtype, fp8_kernels_on_cpu):
 def test_fp8_mlp_casts_gelu_in_the_kernel(recipe, fp8_kernels_on_cpu, monkeypatch):
     """LayerNormMLP in FP8 with the kernels: no GELU op in the forward (FC2's input cast, and
     current scaling's amax pass, apply it in the kernel: the cast of FC1's output by the
-    rule), one gelu_backward in the backward."""
-    gelu_casts, gelu_amaxes = [], []
+    rule), no gelu_backward op in the backward (FC1's gradient cast takes FC1's output and
+    the gradient of the GELU's output: the cast of their gelu_backward by the rule)."""
+    gelu_casts, dgelu_casts, gelu_amaxes = [], [], []
     real_cast, real_fold = fp8_cast.cast, fp8_cast.fold_amax
 
     def cast(x, *args, gelu=False, **options):
         result = real_cast(x, *args, gelu=gelu, **options)
+        # (a delayed scale is a view of the state the autocast's exit or the backward's end
+        # updates)
+        scales = tuple(None if t is None else t.clone()
+                       for t in (options["scale"], options.get("scale_from_amax")))
+        if options.get("dgelu_input") is not None:
+            dgelu_casts.append((x, options["dgelu_input"], options["dbias"], *scales, result))
         if gelu:
-            # (the delayed scale is a view of the state the autocast's exit updates)
-            gelu_casts.append((x.clone(), *(None if t is None else t.clone() for t in (
-                options["scale"], options.get("scale_from_amax"))), result))
+            gelu_casts.append((x.clone(), *scales, result))
         return result
 
     monkeypatch.setattr(fp8_cast, "cast", cast)
@@ -816,7 +821,7 @@ def test_fp8_mlp_casts_gelu_in_the_kernel(recipe, fp8_kernels_on_cpu, monkeypatc
         forward_ops, out = aten_ops(lambda: mlp(x))
     backward_ops, _ = aten_ops(lambda: out.float().square().sum().backward())
     assert not [op for op in forward_ops if op[0] == "gelu"]
-    assert backward_ops.count(("gelu_backward", torch.bfloat16)) == 1
+    assert not [op for op in backward_ops if op[0] == "gelu_backward"]
     assert len(gelu_casts) == 1 and x.grad is not None
     h, scale, amax, (data, data_t, _, _) = gelu_casts[0]
     assert h.shape == (16, 64)  # FC1's output
@@ -825,6 +830,13 @@ def test_fp8_mlp_casts_gelu_in_the_kernel(recipe, fp8_kernels_on_cpu, monkeypatc
         scale = fp8.compute_scale(amax, torch.ones(()), 448.0)
     assert_fp8_of_gelu(data, h, scale, 448.0)
     _same_bits(data_t, data.t().contiguous())
+    assert len(dgelu_casts) == 1
+    dy, h_saved, dbias, scale, amax, result = dgelu_casts[0]
+    assert torch.equal(h_saved, h) and dbias
+    if amax is not None:  # current scaling: the amax pass of dgelu(dy, h)
+        assert_amax_of_dgelu(amax, dy, h)
+        scale = fp8.compute_scale(amax, torch.ones(()), 57344.0)
+    assert_dgelu_cast(result, dy, h, scale, 57344.0, True, True)
 
 
 @interpreter_only

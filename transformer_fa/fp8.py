@@ -536,34 +536,64 @@ def _bias_fits_epilogue(bias: torch.Tensor, out_dtype: torch.dtype) -> bool:
             and bias.dim() == 1 and bias.is_contiguous())
 
 
+def _gemm_forward(inp, weight, bias, forward_state: "_ForwardState", gemm: int,
+                  recipe: Recipe, need_dgrad: bool, need_wgrad: bool, gelu: bool = False):
+    """One FP8 GEMM's forward: (inp @ weight^T [+ bias, in the epilogue], what its backward
+    reads: the input's FP8 transpose (for the wgrad) and inverse scale, the weight's (for
+    the dgrad)). With ``gelu`` the input's cast applies tanh GELU (``_quantize``)."""
+    fp8_max = recipe.fp8_format.value.max_fwd
+    x_fp8, x_t, x_scale_inv = _quantize(inp, Format.E4M3, fp8_max, recipe,
+                                        forward_state.amax_history, forward_state.scale,
+                                        2 * gemm, columnwise=need_wgrad, gelu=gelu)
+    w_fp8, w_t, w_scale_inv = _weight_fp8(forward_state, weight, gemm, recipe, fp8_max,
+                                          transpose=need_dgrad)
+    out = _scaled_mm(x_fp8, w_fp8.t(), x_scale_inv, w_scale_inv, inp.dtype, bias)
+    return out, (x_t, x_scale_inv, w_t, w_scale_inv)
+
+
+def _gemm_backward(grad_out, saved, meta: "FP8Meta", gemm: int, recipe: Recipe, needs,
+                   dtypes, dgelu_input: Optional[torch.Tensor] = None):
+    """One FP8 GEMM's (input, weight, bias) gradients, None where ``needs`` (dgrad, wgrad,
+    bias gradient) says no, from one cast of the output gradient: row-major for the dgrad,
+    transposed for the wgrad, the bias gradient from the cast's column sums. With a
+    ``dgelu_input`` h (this GEMM's output went through a GELU) ``grad_out`` is gelu(h)'s
+    gradient and the cast takes GELU's backward first (``_quantize``)."""
+    x_t, x_scale_inv, w_t, w_scale_inv = saved
+    need_dgrad, need_wgrad, need_bgrad = needs
+    inp_dtype, weight_dtype = dtypes
+    fmt = recipe.fp8_format
+    grad_fmt = Format.E5M2 if fmt == Format.HYBRID else Format.E4M3
+    quantized = _quantize(grad_out, grad_fmt, fmt.value.max_bwd, recipe,
+                          meta.amax_history_bwd, meta.scale_bwd, gemm,
+                          rowwise=need_dgrad, columnwise=need_wgrad, dbias=need_bgrad,
+                          dgelu_input=dgelu_input)
+    g_fp8, g_t, g_scale_inv = quantized[:3]
+    grad_inp = grad_weight = None
+    grad_bias = quantized[3] if need_bgrad else None
+    if need_dgrad:  # g @ W: W column-major is W^T row-major
+        grad_inp = _scaled_mm(g_fp8, w_t.t(), g_scale_inv, w_scale_inv, inp_dtype)
+    if need_wgrad:  # g^T @ x: x column-major is x^T row-major
+        grad_weight = _scaled_mm(g_t, x_t.t(), g_scale_inv, x_scale_inv, weight_dtype)
+    if isinstance(recipe, DelayedScaling):
+        _update_at_end_of_backward(meta)
+    return grad_inp, grad_weight, grad_bias
+
+
 class _FP8Matmul(torch.autograd.Function):
     """inp @ weight^T with FP8 operands; dgrad and wgrad GEMMs in FP8 as well. Each operand is
     cast once, in the orientations its GEMMs need (torch._scaled_mm: first operand row-major,
     second column-major): the forward keeps the input's transpose for the wgrad and the
     weight's for the dgrad, the backward casts the output gradient row-major for the dgrad and
-    transposed for the wgrad; a gradient nobody needs costs no transpose.
-    With ``activation="gelu"`` it is gelu(inp) @ weight^T: the input's cast applies the GELU
-    (``_quantize(gelu=True)``), the backward turns the dgrad GEMM's gradient of gelu(inp)
-    into inp's with torch's gelu_backward (as autograd through torch's gelu would)."""
+    transposed for the wgrad; a gradient nobody needs costs no transpose."""
 
     @staticmethod
-    def forward(ctx, inp, weight, bias, meta, forward_state, gemm, recipe, grad_enabled,
-                activation):
-        fmt = recipe.fp8_format
-        fp8_max = fmt.value.max_fwd
+    def forward(ctx, inp, weight, bias, meta, forward_state, gemm, recipe, grad_enabled):
         # needs_input_grad says True under no_grad as well: grad_enabled comes from outside
         need_dgrad = grad_enabled and ctx.needs_input_grad[0]
         need_wgrad = grad_enabled and ctx.needs_input_grad[1]
-        x_fp8, x_t, x_scale_inv = _quantize(inp, Format.E4M3, fp8_max, recipe,
-                                            forward_state.amax_history, forward_state.scale,
-                                            2 * gemm, columnwise=need_wgrad,
-                                            gelu=activation == "gelu")
-        w_fp8, w_t, w_scale_inv = _weight_fp8(forward_state, weight, gemm, recipe, fp8_max,
-                                              transpose=need_dgrad)
-        out = _scaled_mm(x_fp8, w_fp8.t(), x_scale_inv, w_scale_inv, inp.dtype, bias)
-        # GELU's backward reads its input
-        gelu_input = inp if activation == "gelu" and need_dgrad else None
-        ctx.save_for_backward(x_t, x_scale_inv, w_t, w_scale_inv, gelu_input)
+        out, saved = _gemm_forward(inp, weight, bias, forward_state, gemm, recipe, need_dgrad,
+                                   need_wgrad)
+        ctx.save_for_backward(*saved)
         ctx.meta, ctx.gemm, ctx.recipe = meta, gemm, recipe
         ctx.dtypes = (inp.dtype, weight.dtype)
         ctx.needs = (need_dgrad, need_wgrad,
@@ -572,29 +602,50 @@ class _FP8Matmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x_t, x_scale_inv, w_t, w_scale_inv, gelu_input = ctx.saved_tensors
-        meta, gemm, recipe = ctx.meta, ctx.gemm, ctx.recipe
-        need_dgrad, need_wgrad, need_bgrad = ctx.needs
-        fmt = recipe.fp8_format
-        grad_fmt = Format.E5M2 if fmt == Format.HYBRID else Format.E4M3
-        # the bias gradient (the sum over the tokens) comes from the cast's read of grad_out
-        quantized = _quantize(grad_out, grad_fmt, fmt.value.max_bwd, recipe,
-                              meta.amax_history_bwd, meta.scale_bwd, gemm,
-                              rowwise=need_dgrad, columnwise=need_wgrad, dbias=need_bgrad)
-        g_fp8, g_t, g_scale_inv = quantized[:3]
-        inp_dtype, weight_dtype = ctx.dtypes
-        grad_inp = grad_weight = None
-        grad_bias = quantized[3] if need_bgrad else None
-        if need_dgrad:  # g @ W: W column-major is W^T row-major
-            grad_inp = _scaled_mm(g_fp8, w_t.t(), g_scale_inv, w_scale_inv, inp_dtype)
-            if gelu_input is not None:
-                grad_inp = torch.ops.aten.gelu_backward(grad_inp, gelu_input,
-                                                        approximate="tanh")
-        if need_wgrad:  # g^T @ x: x column-major is x^T row-major
-            grad_weight = _scaled_mm(g_t, x_t.t(), g_scale_inv, x_scale_inv, weight_dtype)
-        if isinstance(recipe, DelayedScaling):
-            _update_at_end_of_backward(meta)
-        return grad_inp, grad_weight, grad_bias, None, None, None, None, None, None
+        grads = _gemm_backward(grad_out, ctx.saved_tensors, ctx.meta, ctx.gemm, ctx.recipe,
+                               ctx.needs, ctx.dtypes)
+        return *grads, None, None, None, None, None
+
+
+class _FP8GeluMLP(torch.autograd.Function):
+    """gelu(inp @ w1^T + b1) @ w2^T [+ b2]: two FP8 GEMMs (the meta's 0 and 1) and the tanh
+    GELU between them, as TE's fused MLP: FC2's input cast applies the GELU to FC1's output
+    h, and FC1's output-gradient cast applies GELU's backward to FC2's input gradient and h,
+    so neither gelu(h) nor dh is written in high precision. ``b2``: only a bias the GEMM's
+    epilogue takes; ``b1`` goes into the epilogue where it fits, else is added to h."""
+
+    @staticmethod
+    def forward(ctx, inp, w1, b1, w2, b2, meta, forward_states, recipe, grad_enabled):
+        def need(i):
+            return grad_enabled and ctx.needs_input_grad[i]
+
+        fc1_needs = (need(0), need(1), b1 is not None and need(2))
+        # FC1's gradients all start from FC2's dgrad
+        fc2_needs = (any(fc1_needs), need(3), b2 is not None and need(4))
+        b1_in_gemm = b1 is not None and _bias_fits_epilogue(b1, inp.dtype)
+        h, fc1_saved = _gemm_forward(inp, w1, b1 if b1_in_gemm else None, forward_states[0],
+                                     0, recipe, *fc1_needs[:2])
+        if b1 is not None and not b1_in_gemm:
+            h = h + b1
+        out, fc2_saved = _gemm_forward(h, w2, b2, forward_states[1], 1, recipe,
+                                       *fc2_needs[:2], gelu=True)
+        ctx.save_for_backward(*fc1_saved, *fc2_saved, h if fc2_needs[0] else None)
+        ctx.meta, ctx.recipe, ctx.needs = meta, recipe, (fc1_needs, fc2_needs)
+        ctx.dtypes = ((inp.dtype, w1.dtype), (h.dtype, w2.dtype))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        saved = ctx.saved_tensors
+        (fc1_needs, fc2_needs), (fc1_dtypes, fc2_dtypes) = ctx.needs, ctx.dtypes
+        grad_gelu, grad_w2, grad_b2 = _gemm_backward(grad_out, saved[4:8], ctx.meta, 1,
+                                                     ctx.recipe, fc2_needs, fc2_dtypes)
+        grad_inp = grad_w1 = grad_b1 = None
+        if any(fc1_needs):
+            grad_inp, grad_w1, grad_b1 = _gemm_backward(grad_gelu, saved[:4], ctx.meta, 0,
+                                                        ctx.recipe, fc1_needs, fc1_dtypes,
+                                                        dgelu_input=saved[8])
+        return grad_inp, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None, None
 
 
 def _weight_fp8(state: _ForwardState, weight: torch.Tensor, gemm: int, recipe: Recipe,
@@ -617,25 +668,15 @@ def _weight_fp8(state: _ForwardState, weight: torch.Tensor, gemm: int, recipe: R
     return cast
 
 
-_ACTIVATIONS = (None, "gelu")
-
-
 def fp8_matmul(inp: torch.Tensor, weight: torch.Tensor, meta: FP8Meta, gemm: int = 0,
-               bias: Optional[torch.Tensor] = None, activation: Optional[str] = None):
+               bias: Optional[torch.Tensor] = None):
     """inp @ weight^T [+ bias] under the current autocast's recipe: FP8 with enabled=True (the
     input flattened to 2D for the GEMM; the bias added in the GEMM's epilogue where
     torch._scaled_mm takes it, else after the GEMM), high precision otherwise (amaxes recorded
-    when calibrating). ``activation="gelu"``: gelu(inp) @ weight^T (tanh GELU), in FP8 with
-    the GELU applied by the input's cast (see _quantize), so gelu(inp) is never written in
-    high precision."""
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"fp8_matmul: activation must be one of {_ACTIVATIONS}, got "
-                         f"{activation!r}")
+    when calibrating)."""
     state = _STATE
     recipe = state.recipe
     if not state.enabled:
-        if activation == "gelu":
-            inp = torch.nn.functional.gelu(inp, approximate="tanh")
         # (a recomputation's amaxes would land in the next step's row)
         if state.calibrating and state.replaying is None:
             meta.record_forward(recipe, inp, weight, gemm)
@@ -644,12 +685,30 @@ def fp8_matmul(inp: torch.Tensor, weight: torch.Tensor, meta: FP8Meta, gemm: int
     fused_bias = bias if bias is not None and _bias_fits_epilogue(bias, inp.dtype) else None
     flat = inp.dim() == 2
     out = _FP8Matmul.apply(inp if flat else inp.reshape(-1, inp.shape[-1]), weight, fused_bias,
-                           meta, forward_state, gemm, recipe, torch.is_grad_enabled(),
-                           activation)
+                           meta, forward_state, gemm, recipe, torch.is_grad_enabled())
     if not flat:
         out = out.reshape(*inp.shape[:-1], weight.shape[0])
     if bias is not None and fused_bias is None:
         out = out + bias
+    return out
+
+
+def fp8_gelu_mlp(inp: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: Optional[torch.Tensor],
+                 fc2_weight: torch.Tensor, fc2_bias: Optional[torch.Tensor],
+                 meta: FP8Meta) -> torch.Tensor:
+    """gelu(inp @ fc1_weight^T + fc1_bias) @ fc2_weight^T [+ fc2_bias] (tanh GELU) inside an
+    enabled FP8 autocast, FC1 and FC2 the meta's GEMMs 0 and 1 (LayerNormMLP's), with the
+    GELU in FC2's input cast and its backward in FC1's gradient cast (_FP8GeluMLP)."""
+    recipe = _STATE.recipe
+    # one forward state per GEMM, in the GEMMs' order (a recomputation replays them)
+    forward_states = [_forward_state(meta, recipe, inp.device) for _ in range(2)]
+    fused_bias = (fc2_bias if fc2_bias is not None and _bias_fits_epilogue(fc2_bias, inp.dtype)
+                  else None)
+    out = _FP8GeluMLP.apply(inp.reshape(-1, inp.shape[-1]), fc1_weight, fc1_bias, fc2_weight,
+                            fused_bias, meta, forward_states, recipe, torch.is_grad_enabled())
+    out = out.reshape(*inp.shape[:-1], fc2_weight.shape[0])
+    if fc2_bias is not None and fused_bias is None:
+        out = out + fc2_bias
     return out
 
 

@@ -27,27 +27,27 @@ from .layernorm import apply_norm, make_norm_params
 
 
 def parallel_linear(inp, weight, bias, return_bias=False, row_group=None,
-                    sequence_parallel=False, fp8_meta=None, gemm=0, activation=None):
+                    sequence_parallel=False, fp8_meta=None, gemm=0):
     """(x W^T [+ b], bias or None): the bias is returned instead of added if ``return_bias``.
     With a ``row_group`` (row-parallel) the partial outputs are summed over the group first
     (reduce-scattered along the first dim with ``sequence_parallel``), then the bias added.
     Inside an FP8 (or calibrating) autocast, x W^T is ``fp8.fp8_matmul`` with the module's
     ``fp8_meta``, which adds the bias (in its GEMM's epilogue where it can) unless the bias
-    is returned or must wait for the reduction.
-    ``activation="gelu"``: x is gelu(inp) (tanh GELU), which an FP8 GEMM's input cast applies
-    (fp8.fp8_matmul)."""
+    is returned or must wait for the reduction."""
     quantized = fp8_meta is not None and fp8.fp8_active()
-    if activation is not None and not quantized:
-        inp, activation = gelu(inp), None
     if not return_bias and row_group is None:  # the bias goes into the GEMM
         if quantized:
-            return fp8.fp8_matmul(inp, weight, fp8_meta, gemm, bias=bias,
-                                  activation=activation), None
+            return fp8.fp8_matmul(inp, weight, fp8_meta, gemm, bias=bias), None
         if kernels.use_bias_grad_kernels(inp, weight, bias):
             return _LinearBiasGrad.apply(inp, weight, bias), None
         return F.linear(inp, weight, bias), None
-    out = (fp8.fp8_matmul(inp, weight, fp8_meta, gemm, activation=activation) if quantized
-           else F.linear(inp, weight))
+    out = fp8.fp8_matmul(inp, weight, fp8_meta, gemm) if quantized else F.linear(inp, weight)
+    return reduce_and_add_bias(out, bias, return_bias, row_group, sequence_parallel)
+
+
+def reduce_and_add_bias(out, bias, return_bias, row_group, sequence_parallel):
+    """parallel_linear's end for a GEMM output without its bias: the row-parallel reduction,
+    then the bias added or returned."""
     if row_group is not None:
         out = parallel.row_parallel_output(out, row_group, sequence_parallel)
     if bias is None:
@@ -532,26 +532,36 @@ class LayerNormMLP(_FP8State, _TensorParallel, FollowsParamsDtype, torch.nn.Modu
         if self.set_parallel_mode:
             gathered = parallel.column_parallel_input(ln_out, self.tp_group,
                                                       self.sequence_parallel)
-        hidden, fc2_activation = self._fc1_and_activation(gathered)
         row_group = self.tp_group if self.set_parallel_mode else None
-        out, bias = parallel_linear(hidden, self.fc2_weight, self.fc2_bias, self.return_bias,
-                                    row_group, self.sequence_parallel, self.fp8_meta, gemm=1,
-                                    activation=fc2_activation)
+        if self._fuses_fp8_gelu():
+            # the bias goes into the GEMMs unless returned or reduced first
+            fc2_bias = None if self.return_bias or row_group is not None else self.fc2_bias
+            out = fp8.fp8_gelu_mlp(gathered, self.fc1_weight, self.fc1_bias, self.fc2_weight,
+                                   fc2_bias, self.fp8_meta)
+            out, bias = reduce_and_add_bias(out, None if fc2_bias is not None else self.fc2_bias,
+                                            self.return_bias, row_group, self.sequence_parallel)
+        else:
+            hidden = self._fc1_and_activation(gathered)
+            out, bias = parallel_linear(hidden, self.fc2_weight, self.fc2_bias,
+                                        self.return_bias, row_group, self.sequence_parallel,
+                                        self.fp8_meta, gemm=1)
         if self.return_layernorm_output_gathered:
             ln_out = gathered
         return pack_outputs(out, bias, ln_out, self.return_bias, self.return_layernorm_output)
 
-    def _fc1_and_activation(self, inp: torch.Tensor) -> Tuple[torch.Tensor, Optional[str]]:
-        """(FC2's input, the activation FC2 applies to it): inside an FP8 autocast a GELU
-        is left to FC2's FP8 input cast (TE's fused activation cast), else FC1 applies it."""
+    def _fuses_fp8_gelu(self) -> bool:
+        """Inside an FP8 autocast FC1, GELU and FC2 run as one FP8 Function with the GELU in
+        FC2's input cast and its backward in FC1's gradient cast (fp8.fp8_gelu_mlp; TE's
+        fused activation casts)."""
+        return self.activation == "gelu" and fp8.fp8_enabled()
+
+    def _fc1_and_activation(self, inp: torch.Tensor) -> torch.Tensor:
         if (self.activation == "gelu" and not fp8.fp8_active()
                 and kernels.use_bias_grad_kernels(inp, self.fc1_weight, self.fc1_bias)):
-            return _LinearGelu.apply(inp, self.fc1_weight, self.fc1_bias), None
+            return _LinearGelu.apply(inp, self.fc1_weight, self.fc1_bias)
         fc1_out, _ = parallel_linear(inp, self.fc1_weight, self.fc1_bias,
                                      fp8_meta=self.fp8_meta, gemm=0)
-        if self.activation == "gelu" and fp8.fp8_enabled():
-            return fc1_out, "gelu"
-        return self.activation_fn(fc1_out), None
+        return self.activation_fn(fc1_out)
 
     def extra_repr(self) -> str:
         return (
