@@ -289,6 +289,8 @@ def test_make_graphed_callables():
         te.make_graphed_callables(lin, (torch.randn(2, H),), _order=[1])
     with pytest.raises(TypeError, match="fp8_recipe"):
         te.make_graphed_callables(lin, (torch.randn(2, H),), fp8_enabled=True, fp8_recipe="x")
+    with pytest.raises(TypeError, match="graphs modules"):
+        te.make_graphed_callables(lambda x: lin(x), (torch.randn(2, H),), fp8_enabled=True)
     for unsupported in (dict(fp8_calibrating=True), dict(calibrating=True),
                         dict(fp8_group=object()), dict(fp8_weight_caching=True),
                         dict(cache_quantized_params=True)):

@@ -65,6 +65,13 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
     if sample_kwargs:
         raise ValueError("make_graphed_callables: sample_kwargs is not supported (torch's "
                          "CUDA graph capture takes positional tensors); pass them in sample_args")
+    single = not isinstance(modules, tuple)
+    callables = (modules,) if single else modules
+    if use_fp8:
+        for m in callables:
+            if not isinstance(m, torch.nn.Module):
+                raise TypeError(f"make_graphed_callables(fp8_enabled=True) graphs modules "
+                                f"(their parameters get gradients), got {type(m).__name__}")
     if not torch.cuda.is_available():
         raise RuntimeError("make_graphed_callables needs CUDA (CUDA graphs), which is not "
                            "available on this machine")
@@ -72,12 +79,6 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
         available, reason = fp8.is_fp8_available(return_reason=True)
         if not available:
             raise ValueError(f"make_graphed_callables(fp8_enabled=True): {reason}")
-        single = not isinstance(modules, tuple)
-        callables = (modules,) if single else modules
-        for m in callables:
-            if not isinstance(m, torch.nn.Module):
-                raise TypeError(f"make_graphed_callables(fp8_enabled=True) graphs modules "
-                                f"(their parameters get gradients), got {type(m).__name__}")
         wrapped = tuple(_FP8Forward(m, recipe) for m in callables)
         modules = wrapped[0] if single else wrapped
     return torch.cuda.make_graphed_callables(

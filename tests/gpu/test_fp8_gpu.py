@@ -97,6 +97,18 @@ def _quantize_with_and_without_kernels(monkeypatch, x, fmt, recipe, scales=None,
     return results
 
 
+def _assert_same_casts(got, want, rowwise, columnwise):
+    """_quantize_with_and_without_kernels' two results: the casts asked for bit for bit (the
+    others None), the inverse scale and the amax history (the last item) too."""
+    for a, b, asked in zip(got[:2], want[:2], (rowwise, columnwise)):
+        if asked:
+            _assert_same_fp8(a, b)
+        else:
+            assert a is None and b is None
+    _assert_same_floats(got[2], want[2])  # inverse scale
+    _assert_same_floats(got[-1], want[-1])  # amax history
+
+
 @needs_cast_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("fmt", [Format.E4M3, Format.E5M2])
@@ -116,13 +128,7 @@ def test_cast_kernel_matches_pytorch_bitwise(dtype, fmt, shape, recipe, finite, 
         got, want = _quantize_with_and_without_kernels(monkeypatch, x, fmt, recipe,
                                                        rowwise=rowwise, columnwise=columnwise)
         assert len(cast_calls) == 1  # the kernels ran (once), the reference did not
-        for a, b, asked in zip(got[:2], want[:2], (rowwise, columnwise)):
-            if asked:
-                _assert_same_fp8(a, b)
-            else:
-                assert a is None and b is None
-        _assert_same_floats(got[2], want[2])  # inverse scale
-        _assert_same_floats(got[3], want[3])  # amax history
+        _assert_same_casts(got, want, rowwise, columnwise)
     if finite and isinstance(recipe, DelayedScaling):
         assert got[3][0, 1] == x.float().abs().max()
 
@@ -151,13 +157,7 @@ def test_cast_kernel_column_sums(dtype, shape, recipe, finite, monkeypatch, cast
                                                        rowwise=rowwise, columnwise=columnwise,
                                                        dbias=True)
         assert len(cast_calls) == 1  # the kernels ran (once), the reference did not
-        for a, b, asked in zip(got[:2], want[:2], (rowwise, columnwise)):
-            if asked:
-                _assert_same_fp8(a, b)
-            else:
-                assert a is None and b is None
-        _assert_same_floats(got[2], want[2])  # inverse scale
-        _assert_same_floats(got[4], want[4])  # amax history
+        _assert_same_casts(got, want, rowwise, columnwise)
         _assert_same_floats(want[3], x.sum(0))  # the PyTorch path: torch's sum
         assert got[3].dtype == dtype and got[3].shape == (shape[1],)
         assert_bias_grad_close(got[3], x)
