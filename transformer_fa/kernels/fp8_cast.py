@@ -204,10 +204,10 @@ def cast(x: torch.Tensor, scale: Optional[torch.Tensor], fp8_dtype: torch.dtype,
     if columnwise:
         out_t = torch.empty((n_cols, n_rows), dtype=fp8_dtype, device=x.device)
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
-    if x.dtype == torch.float32 and rowwise and columnwise:
-        # Both stores in one kernel gave wrong bytes from float32 inputs (Triton 3.6, sm90;
-        # bfloat16 and float16 inputs are right): two passes for float32, the column sums in
-        # the second (its square tiles).
+    if rowwise and columnwise and (x.dtype == torch.float32 or dgelu_input is not None):
+        # Both stores in one kernel gave wrong transposed bytes (NaNs among them) from float32
+        # inputs and from the dgelu cast of 16-bit ones (Triton 3.6, sm90; the other 16-bit
+        # casts are right): two passes there, the column sums in the second (its square tiles).
         _launch(x, out, None, source, from_amax, scale_inv, amax, fp8_max, _ROW_TILE,
                 gelu=gelu, dgelu_input=dgelu_input)
         col_sums = _launch(x, None, out_t, source, from_amax, None, None, fp8_max,
