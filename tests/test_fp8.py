@@ -631,8 +631,8 @@ def test_backward_update_with_activation_checkpointing(use_reentrant):
 # GELU in FC2's FP8 input cast (LayerNormMLP, activation "gelu"): the cast reads FC1's output h
 # and casts gelu(h) computed in float32. The rule: the FP8 values are those of torch's float32
 # GELU, bit for bit except where the float32 GELU lies within its implementation slack of an
-# FP8 rounding boundary: tanh's last bits differ between implementations (the Triton
-# interpreter's, libdevice's, torch's CPU one), and the formula's 1 + tanh cancels for negative
+# FP8 rounding boundary: tanh's last bits differ between implementations (the kernels'
+# exp-based one, torch's CUDA and CPU ones), and the formula's 1 + tanh cancels for negative
 # h, so the slack is |h| 2**-21 absolute plus a few float32 ulps; such elements are rare. And
 # within one FP8 step of the unfused path's, which rounds gelu(h) to 16 bits before the cast.
 GELU_CAST_RTOL = 2.0 ** -20  # a few float32 ulps

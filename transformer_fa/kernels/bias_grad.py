@@ -16,13 +16,11 @@ and h instead of gelu_backward's, then the sum's second read of dh.
 """
 import functools
 import math
-import os
 from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from . import KERNEL_DTYPES
 
@@ -32,19 +30,16 @@ _KAPPA = tl.constexpr(0.044715)
 _THREE_KAPPA = tl.constexpr((torch.tensor(3.0) * torch.tensor(0.044715)).item())  # in float32
 
 
-if os.environ.get("TRITON_INTERPRET", "0") == "1":
-    @triton.jit
-    def _tanh(x):
-        """The interpreter has no libdevice: tanh from exp(-2|x|) <= 1 (absolute error about
-        float32's eps, also near +-1), for the CPU tests; the GPU runs libdevice's tanhf,
-        as torch's kernel does."""
-        e = tl.exp(-2.0 * tl.abs(x))
-        t = (1.0 - e) / (1.0 + e)
-        return tl.where(x < 0, -t, t)
-else:
-    @triton.jit
-    def _tanh(x):
-        return libdevice.tanh(x)
+@triton.jit
+def _tanh(x):
+    """tanh from exp(-2|x|) <= 1: absolute error about float32's eps (also near +-1), within
+    the rule the FP8 casts are tested by (tests/test_fp8.py's GELU slack), and the same
+    formula in the interpreter (which has no libdevice). libdevice's tanhf made the GELU casts
+    compute-bound: gelu cast of 8192x8192 bf16, both orientations, 0.43 ms with it, 0.19 ms
+    with this (H100, 2026-11-25)."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
 
 
 @triton.jit
