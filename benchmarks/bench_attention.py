@@ -419,7 +419,7 @@ class Bench:
                         recipe, True) for name, recipe in recipes.items()]
         for model_name, block, recipe, graphed in blocks:
             rec = dict(model=model_name, dtype=str(dtype).split(".")[-1], layers=layers, b=b,
-                       s=s, hidden=hidden, heads=heads, ffn=ffn, step_ms=None,
+                       s=s, hidden=hidden, heads=heads, ffn=ffn, step_ms=None, step_ms_each=None,
                        tokens_per_s=None, peak_mem_gb=None, attn_backend=None, reason=None)
             try:
                 if time.monotonic() > self.deadline:
@@ -447,8 +447,9 @@ class Bench:
                     torch.cuda.reset_peak_memory_stats()
                 for _ in range(2):
                     step()
-                ms = self.host_us(step, calls=steps, trials=1) / 1e3
-                rec.update(step_ms=round(ms, 2), tokens_per_s=round(b * s / ms * 1e3))
+                ms, each = timing.steps_ms(step, steps, self.device)
+                rec.update(step_ms=round(ms, 2), tokens_per_s=round(b * s / ms * 1e3),
+                           step_ms_each=[round(t, 2) for t in each])
                 if self.device == "cuda":
                     rec["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 3)
                 rec["attn_backend"] = next((m.last_backend for m in model.modules()

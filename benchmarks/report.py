@@ -162,7 +162,9 @@ def varlen_section(varlen, padded):
 
 def layer_section(layer):
     ref = next((r["tokens_per_s"] for r in layer if r["model"].startswith("torch")), None)
-    rows = [[r["model"], r["attn_backend"] or "–", fmt(r["step_ms"], 1), fmt(r["tokens_per_s"]),
+    rows = [[r["model"], r["attn_backend"] or "–", fmt(r["step_ms"], 1),
+             fmt(max(r["step_ms_each"]), 1) if r.get("step_ms_each") else "–",
+             fmt(r["tokens_per_s"]),
              fmt(r["tokens_per_s"] / ref, 2) + "x" if r["tokens_per_s"] and ref else "–",
              fmt(r["peak_mem_gb"], 1)] for r in layer]
     x = layer[0]
@@ -170,8 +172,10 @@ def layer_section(layer):
         f"TransformerLayer training step: {x['layers']} layers, hidden {x['hidden']}, "
         f"{x['heads']} heads, ffn {x['ffn']}, b={x['b']}, s={x['s']}, {x['dtype']}",
         "Forward + backward + AdamW step; the same pre-LayerNorm GPT block in plain PyTorch "
-        "(F.scaled_dot_product_attention, causal) is the reference.",
-        table(["model", "attention", "step ms", "tokens/s", "vs torch", "peak GB"], rows),
+        "(F.scaled_dot_product_attention, causal) is the reference. Step ms: the mean of the "
+        "timed steps (wall time); slowest step: the longest step's span on the GPU timeline.",
+        table(["model", "attention", "step ms", "slowest step ms", "tokens/s", "vs torch",
+               "peak GB"], rows),
         layer, label="model")
 
 

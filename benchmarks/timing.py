@@ -6,6 +6,8 @@ tools/flash_kernel_check.py.
   the same procedure written out here otherwise). On CPU (smoke tests): one call's wall time.
 - ``host_us``: host time per call, best of several trials of a loop of calls.
 - ``once_ms``: one run timed with CUDA events (long single runs).
+- ``steps_ms``: a loop of calls (training steps): the mean wall time per call, and each call's
+  span of the GPU timeline, so that one slow call (a compilation, a collection) shows.
 """
 import statistics
 import time
@@ -90,3 +92,31 @@ def host_us(fn, calls=50, trials=5, warmup=0, busy_gpu=False, device="cuda") -> 
             stop = time.perf_counter()
         best = min(best, (stop - start) / calls)
     return best * 1e6
+
+
+def steps_ms(fn, calls, device="cuda"):
+    """(mean wall ms per call, [ms of each call]) of one loop of ``calls`` calls, synchronized
+    before and after. Each call's time is its span between CUDA events recorded at the call
+    boundaries (no sync inside the loop, so the loop runs as an untimed one would; where the
+    host is the limit a span is the host's time for that call). On CPU each call's wall time."""
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(calls + 1)]
+    else:
+        marks = []
+    start = time.perf_counter()
+    for i in range(calls):
+        if cuda:
+            marks[i].record()
+        else:
+            marks.append(time.perf_counter())
+        fn()
+    if cuda:
+        marks[calls].record()
+        torch.cuda.synchronize()
+        each = [marks[i].elapsed_time(marks[i + 1]) for i in range(calls)]
+    else:
+        marks.append(time.perf_counter())
+        each = [(marks[i + 1] - marks[i]) * 1e3 for i in range(calls)]
+    return (time.perf_counter() - start) * 1e3 / calls, each
