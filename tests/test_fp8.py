@@ -688,6 +688,15 @@ def assert_amax_of_dgelu(amax: torch.Tensor, dy: torch.Tensor, h: torch.Tensor) 
     assert (dgelu - slack).max() <= amax <= (dgelu + slack).max()
 
 
+def gelu_cast_scale(x, recipe, scales, fp8_max):
+    """The scale a cast of gelu(x) in slot 1 casts with: the delayed scale, or (current
+    scaling) the scale from the float32 GELU's amax (the PyTorch path's)."""
+    if isinstance(recipe, DelayedScaling):
+        return scales[1]
+    amax = fp8._gelu_float32(x).abs().amax()
+    return fp8.compute_scale(amax, torch.ones_like(amax), fp8_max)
+
+
 def dgelu_cast_scale(dy, h, recipe, scales, fold_amax, fp8_max):
     """The scale a cast of gelu_backward(dy, h) in slot 1 casts with: the delayed scale, or
     (current scaling) the scale from the amax kernel's amax (checked against torch's)."""

@@ -28,6 +28,7 @@ from test_fp8 import (
     assert_within_one_fp8_step,
     aten_ops,
     dgelu_cast_scale,
+    gelu_cast_scale,
 )
 from test_fp8_bias_grad import assert_bias_grad_close
 
@@ -404,11 +405,10 @@ def test_fp8_cast_column_sums(dtype, shape, recipe, fp8_kernels_on_cpu):
             assert got[0][3].dtype == dtype and got[0][3].shape == (shape[1],)
 
 
-@interpreter_only
-def test_fp8_cast_column_sums_over_many_row_blocks(fp8_kernels_on_cpu):
-    """8400 rows: 66 row blocks, more than the second pass adds in one step."""
-    x = torch.randn(8400, 20, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    for rowwise, columnwise in ((False, False), (True, True)):
+def _assert_dbias_casts_alike(x, orientations):
+    """The E4M3 delayed-scaling cast of x with the column sums, kernel against PyTorch, for
+    each (rowwise, columnwise) of ``orientations``."""
+    for rowwise, columnwise in orientations:
         got, want = _quantize_both(x, Format.E4M3, DelayedScaling(), torch.zeros(1, 2),
                                    torch.ones(2), rowwise=rowwise, columnwise=columnwise,
                                    dbias=True)
@@ -416,15 +416,18 @@ def test_fp8_cast_column_sums_over_many_row_blocks(fp8_kernels_on_cpu):
 
 
 @interpreter_only
+def test_fp8_cast_column_sums_over_many_row_blocks(fp8_kernels_on_cpu):
+    """8400 rows: 66 row blocks, more than the second pass adds in one step."""
+    x = torch.randn(8400, 20, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    _assert_dbias_casts_alike(x, ((False, False), (True, True)))
+
+
+@interpreter_only
 def test_fp8_cast_column_sums_of_strided_inputs(fp8_kernels_on_cpu):
     """A transposed view, a strided slice and a broadcast (stride-0) gradient, read in place."""
     base = _fp8_input((140, 70), torch.bfloat16).nan_to_num(0.0, 0.0, 0.0)
     for x in (base.t(), base[:, 3:50:2], torch.ones(1, 48).expand(260, 48) * 3):
-        for rowwise, columnwise in ((True, True), (True, False)):
-            got, want = _quantize_both(x, Format.E4M3, DelayedScaling(), torch.zeros(1, 2),
-                                       torch.ones(2), rowwise=rowwise, columnwise=columnwise,
-                                       dbias=True)
-            _assert_quantized_alike(got, want, x)
+        _assert_dbias_casts_alike(x, ((True, True), (True, False)))
 
 
 @interpreter_only
@@ -452,24 +455,6 @@ def test_fp8_cast_sums_columns_in_one_launch_only_when_asked(dtype, fp8_kernels_
         assert (col_sums is None) != dbias
 
 
-def _backward_ops(fn):
-    """The aten ops that run in fn()."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
-    with Ops() as ops:
-        fn()
-    return ops.names
-
-
 @interpreter_only
 @pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()],
                          ids=["delayed", "current"])
@@ -495,7 +480,7 @@ def test_fp8_linear_bias_grad_from_the_cast(recipe, frozen, fp8_kernels_on_cpu, 
         with te.autocast(recipe=recipe):
             out = lin(x)
         casts.clear()
-        ops = _backward_ops(lambda: out.backward(dy))
+        ops = [name for name, _ in aten_ops(lambda: out.backward(dy))[0]]
         if enabled:
             assert casts == [True] and "sum" not in ops, ops
         results.append([x.grad, lin.weight.grad, lin.fp8_meta.amax_history_bwd,
@@ -700,14 +685,6 @@ def test_fp8_cast_refuses_bad_arguments():
 # cast of torch's float32 GELU, but for float32 values within a few ulps of an FP8 rounding
 # boundary (the interpreter's tanh is not torch's to the last bit), and within one FP8 step of
 # the unfused cast (gelu(h) rounded to h's dtype first).
-def _gelu_scale(x, recipe, scales, fp8_max):
-    """The scale the PyTorch path casts gelu(x) with (slot 1)."""
-    if isinstance(recipe, DelayedScaling):
-        return scales[1]
-    amax = fp8._gelu_float32(x).abs().amax()
-    return fp8.compute_scale(amax, torch.ones_like(amax), fp8_max)
-
-
 @interpreter_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fmt", [Format.E4M3, Format.E5M2])
@@ -725,7 +702,7 @@ def test_fp8_gelu_cast_matches_pytorch(dtype, fmt, shape, recipe, fp8_kernels_on
     for finite in (False, True):
         if finite:
             x = torch.nan_to_num(x.float(), nan=1.0, posinf=2e3, neginf=-7.0).to(dtype)
-        scale = _gelu_scale(x, recipe, scales, fp8_max)
+        scale = gelu_cast_scale(x, recipe, scales, fp8_max)
         for rowwise, columnwise in _ORIENTATIONS:
             (got, got_history), (want, want_history) = _quantize_both(
                 x, fmt, recipe, history, scales, rowwise=rowwise, columnwise=columnwise,

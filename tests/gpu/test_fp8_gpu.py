@@ -676,15 +676,8 @@ from test_fp8 import (  # noqa: E402
     assert_fp8_of_gelu,
     assert_within_one_fp8_step,
     dgelu_cast_scale,
+    gelu_cast_scale,
 )
-
-
-def _gelu_scale(x, recipe, scales, fp8_max):
-    """The scale the PyTorch path casts gelu(x) with (slot 1)."""
-    if isinstance(recipe, DelayedScaling):
-        return scales[1]
-    amax = fp8._gelu_float32(x).abs().amax()
-    return fp8.compute_scale(amax, torch.ones_like(amax), fp8_max)
 
 
 @needs_cast_kernels
@@ -703,7 +696,7 @@ def test_gelu_cast_kernel_by_the_rule(dtype, fmt, shape, recipe, finite, monkeyp
     if finite:
         x = torch.nan_to_num(x.float(), nan=1.0, posinf=2e3, neginf=-7.0).to(dtype)
     scales = torch.tensor([0.5, 0.375, 2.0], device="cuda")
-    scale = _gelu_scale(x, recipe, scales, FP8_MAX[fmt])
+    scale = gelu_cast_scale(x, recipe, scales, FP8_MAX[fmt])
     for rowwise, columnwise in ((True, True), (True, False), (False, True)):
         cast_calls.clear()
         got, want = _quantize_with_and_without_kernels(monkeypatch, x, fmt, recipe, scales,
