@@ -10,9 +10,9 @@ result directly). No atomics: the result depends only on the shape and the GPU's
 which sets the chunks.
 
 ``dgelu_column_sum`` reads dy and GELU's input h in the same pass, writes dh = dy * gelu'(h)
-(torch's tanh-approximation formula, in float32) in h's dtype and sums the float32 dh values,
-before their rounding, into the bias gradient (as TE's dgelu + dbias kernel): one read of dy
-and h instead of gelu_backward's, then the sum's second read of dh.
+(torch's tanh-approximation formula in float32, tanh from _tanh) in h's dtype and sums the
+float32 dh values, before their rounding, into the bias gradient (as TE's dgelu + dbias
+kernel): one read of dy and h instead of gelu_backward's, then the sum's second read of dh.
 """
 import functools
 import math
@@ -186,8 +186,9 @@ def column_sum(g2d: torch.Tensor) -> torch.Tensor:
 
 def dgelu_column_sum(dy: torch.Tensor, h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(dh, db) for y = gelu(h) (the tanh approximation): dh = dy * gelu'(h) computed in
-    float32 as torch's gelu_backward, in h's dtype (contiguous); db = the column sums of the
-    float32 dh values (before dh's rounding), rounded once to h's dtype."""
+    float32 by torch's gelu_backward formula (its tanh within a few ulps of torch's), in h's
+    dtype (contiguous); db = the column sums of the float32 dh values (before dh's rounding),
+    rounded once to h's dtype."""
     dy, h = _check_2d(dy, "dy"), _check_2d(h, "h")
     if dy.shape != h.shape or dy.device != h.device:
         raise ValueError(f"dy and h must have one shape and device, got {tuple(dy.shape)} on "
