@@ -155,3 +155,18 @@ def test_rope_at_positions_equals_apply_rotary_pos_emb():
                 rope.apply_rotary_pos_emb_at(t, table, positions, fmt, memo=memo),
                 tfa.apply_rotary_pos_emb(t, table, fmt, start_positions=starts, cu_seqlens=cu),
                 atol=0, rtol=0)
+
+
+def test_rope_memo_keeps_interleaved_and_half_pairings_apart():
+    """Layers of one step may pair channels differently: the memo's sine (signed by the
+    pairing) must not be shared between them."""
+    table = tfa.RotaryPositionEmbedding(8)(16)
+    starts = torch.tensor([3, 0], dtype=torch.int32)
+    t = torch.randn(2, 1, 2, 8)
+    positions = rope.step_positions("bshd", t, torch.tensor([0, 1, 2], dtype=torch.int32), starts)
+    memo = {}
+    for interleaved in (False, True, False):
+        torch.testing.assert_close(
+            rope.apply_rotary_pos_emb_at(t, table, positions, "bshd", interleaved, memo=memo),
+            tfa.apply_rotary_pos_emb(t, table, "bshd", interleaved=interleaved,
+                                     start_positions=starts), atol=0, rtol=0)
