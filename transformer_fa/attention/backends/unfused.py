@@ -116,12 +116,13 @@ def run(inputs: AttentionInputs, params: AttentionParams):
 
     keep = masks.keep_mask(p.attn_mask_type, p.window_size, seqlens_q, seqlens_kv, sq, skv,
                            inputs.attention_mask, p.bottom_right_diagonal)
-    scores = scores.masked_fill(~keep, float("-inf"))
+    # In place: scores is the scaling's (or a bias's) new tensor, which no backward reads.
+    scores.masked_fill_(~keep, float("-inf"))
     max_logit = _max_logit(scores, q.dtype) if p.return_max_logit else None
     row_alive = keep.any(-1, keepdim=True)
     # Fully masked rows would be softmax(-inf...) = NaN: give them zeros instead, with a
     # gradient that stays finite.
-    scores = scores.masked_fill(~row_alive, 0.0)
+    scores.masked_fill_(~row_alive, 0.0)
     probs = _softmax(scores, p.softmax_type, inputs.softmax_offset) * row_alive
     if p.attention_dropout > 0.0:
         probs = F.dropout(probs, p=p.attention_dropout, training=True)
