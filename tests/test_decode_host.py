@@ -170,3 +170,39 @@ def test_rope_memo_keeps_interleaved_and_half_pairings_apart():
             rope.apply_rotary_pos_emb_at(t, table, positions, "bshd", interleaved, memo=memo),
             tfa.apply_rotary_pos_emb(t, table, "bshd", interleaved=interleaved,
                                      start_positions=starts), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("is_paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("qkv_format", FORMATS)
+def test_attention_call_over_the_cache_is_decided_once_a_step(monkeypatch, qkv_format, is_paged):
+    """The layers of one step with equal attention calls share one backend decision
+    (InferenceParams.step_memo); a layer whose call differs (another softmax_scale) gets
+    its own, and a new step decides again. Outputs match separate InferenceParams."""
+    from transformer_fa.attention import selection
+    decided = []
+    real = selection.select
+    monkeypatch.setattr(selection, "select", lambda *a: decided.append(a) or real(*a))
+    scales = (None, None, 0.5)  # layers 1 and 2 alike, layer 3 another scale
+    modules = [tfa.DotProductAttention(4, 8, num_gqa_groups=2, qkv_format=qkv_format,
+                                       layer_number=i + 1, softmax_scale=s)
+               for i, s in enumerate(scales)]
+    shared = make_params(qkv_format, is_paged)
+    alone = [make_params(qkv_format, is_paged) for _ in modules]
+    for m, params in zip(modules, alone):
+        shared.allocate_memory(m.layer_number)
+        params.allocate_memory(m.layer_number)
+    steps = (OrderedDict({0: 3, 1: 2}), OrderedDict({0: 1, 1: 1}), OrderedDict({0: 1, 1: 1}))
+    for step in steps:
+        rows = {"bshd": (2, max(step.values())), "sbhd": (max(step.values()), 2),
+                "thd": (sum(step.values()),)}[qkv_format]
+        q, k, v = (torch.randn(*rows, h, 8) for h in (4, 2, 2))
+        for params in (shared, *alone):
+            params.pre_step(step)
+        decided.clear()
+        with torch.no_grad():
+            outs = [m(q, k, v, inference_params=shared) for m in modules]
+        assert len(decided) == 2, "layer 2 reuses layer 1's decision, layer 3 decides"
+        with torch.no_grad():
+            for m, params, out in zip(modules, alone, outs):
+                torch.testing.assert_close(out, m(q, k, v, inference_params=params),
+                                           atol=0, rtol=0)
