@@ -206,3 +206,36 @@ def test_attention_call_over_the_cache_is_decided_once_a_step(monkeypatch, qkv_f
             for m, params, out in zip(modules, alone, outs):
                 torch.testing.assert_close(out, m(q, k, v, inference_params=params),
                                            atol=0, rtol=0)
+
+
+def test_thd_step_of_equal_lengths_attends_as_bshd(monkeypatch):
+    """A thd step adding the same number of tokens to every sequence, with no rows past
+    them, is attended as the bshd step (a view: no padding of q and of the output); rows
+    past the step's tokens keep the thd call and come back as zeros."""
+    from transformer_fa.attention.backends import unfused
+    formats = []
+    real = unfused.run
+    monkeypatch.setattr(unfused, "run", lambda inputs, p: formats.append(p.q_format)
+                        or real(inputs, p))
+    modules = {fmt: tfa.DotProductAttention(4, 8, num_gqa_groups=2, qkv_format=fmt,
+                                            layer_number=1) for fmt in ("thd", "bshd")}
+    params = {fmt: make_params(fmt, False) for fmt in modules}
+    for p in params.values():
+        p.allocate_memory(1)
+    for step in (OrderedDict({0: 3, 1: 3}), OrderedDict({0: 1, 1: 1})):
+        q, k, v = (torch.randn(2, max(step.values()), h, 8) for h in (4, 2, 2))
+        for p in params.values():
+            p.pre_step(step)
+        formats.clear()
+        with torch.no_grad():
+            thd = modules["thd"](*(t.flatten(0, 1) for t in (q, k, v)),
+                                 inference_params=params["thd"])
+            bshd = modules["bshd"](q, k, v, inference_params=params["bshd"])
+        assert formats == ["bshd", "bshd"]
+        torch.testing.assert_close(thd, bshd.flatten(0, 1), atol=0, rtol=0)
+    params["thd"].pre_step(OrderedDict({0: 1, 1: 1}))
+    formats.clear()
+    q, k, v = (torch.randn(3, h, 8) for h in (4, 2, 2))  # a row past the step's 2 tokens
+    with torch.no_grad():
+        out = modules["thd"](q, k, v, inference_params=params["thd"])
+    assert formats == ["thd"] and out.shape == (3, 32) and not out[2].any()

@@ -192,8 +192,9 @@ class DotProductAttention(torch.nn.Module):
                 dict(again, cu_seqlens_q_padded=cu_seqlens_q_padded,
                      cu_seqlens_kv_padded=cu_seqlens_kv_padded))
             with lengths_checked_on_host():  # the cache's lengths: built by pre_step()
-                return self._attend(q, k_cache, v_cache, **cache_args, checked=True,
-                                    step_memo=inference_params.step_memo)
+                result = self._attend(q, k_cache, v_cache, **cache_args, checked=True,
+                                      step_memo=inference_params.step_memo)
+            return inference.thd_rows_of(result, query_layer, q)
         if checkpoint_core_attention and torch.is_grad_enabled():
             # TE's activation checkpointing: recompute attention in the backward.
             return checkpoint(self.forward, query_layer, key_layer, value_layer,
