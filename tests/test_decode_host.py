@@ -17,11 +17,13 @@ FORMATS = ("bshd", "sbhd", "thd")
 
 # Measured on 2026-11-25 (CPU, unfused backend, the 2-layer stack of kv_cache_cases,
 # 3 sequences, one token each), ops per layer / per step besides the layers:
-# bshd and sbhd 113 / 21, thd 138 / 30; paged: 5 more per layer, 4 more per step. Before the
-# decode step's host work was cut: bshd 139 / 29, thd 188 / 29, paged 144-193 / 59.
-OPS_PER_LAYER = {"bshd": 125, "sbhd": 125, "thd": 150}
+# bshd and sbhd 103 / 24-25, thd 97 / 33 (a one-token thd step attends as bshd); paged: 5
+# more per layer, 4 more per step. The step's share grew by 3 (RoPE's signed sine, made
+# once a step, saves 4 ops per layer). Before: bshd and sbhd 113 / 21-22, thd 138 / 30;
+# before the first cut: bshd 139 / 29, thd 188 / 29, paged 144-193 / 59.
+OPS_PER_LAYER = {"bshd": 115, "sbhd": 115, "thd": 109}
 OPS_PER_PAGED_LAYER = 5  # the page table's view and slices
-OPS_PER_STEP = 38
+OPS_PER_STEP = 41
 
 
 class OpCounter(TorchDispatchMode):
