@@ -17,11 +17,13 @@ FORMATS = ("bshd", "sbhd", "thd")
 
 # Measured on 2026-11-25 (CPU, unfused backend, the 2-layer stack of kv_cache_cases,
 # 3 sequences, one token each), ops per layer / per step besides the layers:
-# bshd and sbhd 113 / 21, thd 138 / 30; paged: 5 more per layer, 4 more per step. Before the
-# decode step's host work was cut: bshd 139 / 29, thd 188 / 29, paged 144-193 / 59.
-OPS_PER_LAYER = {"bshd": 125, "sbhd": 125, "thd": 150}
+# bshd and sbhd 103 / 24-25, thd 97 / 33 (a one-token thd step attends as bshd); paged: 5
+# more per layer, 4 more per step. The step's share grew by 3 (RoPE's signed sine, made
+# once a step, saves 4 ops per layer). Before: bshd and sbhd 113 / 21-22, thd 138 / 30;
+# before the first cut: bshd 139 / 29, thd 188 / 29, paged 144-193 / 59.
+OPS_PER_LAYER = {"bshd": 115, "sbhd": 115, "thd": 109}
 OPS_PER_PAGED_LAYER = 5  # the page table's view and slices
-OPS_PER_STEP = 38
+OPS_PER_STEP = 41
 
 
 class OpCounter(TorchDispatchMode):
@@ -155,3 +157,87 @@ def test_rope_at_positions_equals_apply_rotary_pos_emb():
                 rope.apply_rotary_pos_emb_at(t, table, positions, fmt, memo=memo),
                 tfa.apply_rotary_pos_emb(t, table, fmt, start_positions=starts, cu_seqlens=cu),
                 atol=0, rtol=0)
+
+
+def test_rope_memo_keeps_interleaved_and_half_pairings_apart():
+    """Layers of one step may pair channels differently: the memo's sine (signed by the
+    pairing) must not be shared between them."""
+    table = tfa.RotaryPositionEmbedding(8)(16)
+    starts = torch.tensor([3, 0], dtype=torch.int32)
+    t = torch.randn(2, 1, 2, 8)
+    positions = rope.step_positions("bshd", t, torch.tensor([0, 1, 2], dtype=torch.int32), starts)
+    memo = {}
+    for interleaved in (False, True, False):
+        torch.testing.assert_close(
+            rope.apply_rotary_pos_emb_at(t, table, positions, "bshd", interleaved, memo=memo),
+            tfa.apply_rotary_pos_emb(t, table, "bshd", interleaved=interleaved,
+                                     start_positions=starts), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("is_paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("qkv_format", FORMATS)
+def test_attention_call_over_the_cache_is_decided_once_a_step(monkeypatch, qkv_format, is_paged):
+    """The layers of one step with equal attention calls share one backend decision
+    (InferenceParams.step_memo); a layer whose call differs (another softmax_scale) gets
+    its own, and a new step decides again. Outputs match separate InferenceParams."""
+    from transformer_fa.attention import selection
+    decided = []
+    real = selection.select
+    monkeypatch.setattr(selection, "select", lambda *a: decided.append(a) or real(*a))
+    scales = (None, None, 0.5)  # layers 1 and 2 alike, layer 3 another scale
+    modules = [tfa.DotProductAttention(4, 8, num_gqa_groups=2, qkv_format=qkv_format,
+                                       layer_number=i + 1, softmax_scale=s)
+               for i, s in enumerate(scales)]
+    shared = make_params(qkv_format, is_paged)
+    alone = [make_params(qkv_format, is_paged) for _ in modules]
+    for m, params in zip(modules, alone):
+        shared.allocate_memory(m.layer_number)
+        params.allocate_memory(m.layer_number)
+    steps = (OrderedDict({0: 3, 1: 2}), OrderedDict({0: 1, 1: 1}), OrderedDict({0: 1, 1: 1}))
+    for step in steps:
+        rows = {"bshd": (2, max(step.values())), "sbhd": (max(step.values()), 2),
+                "thd": (sum(step.values()),)}[qkv_format]
+        q, k, v = (torch.randn(*rows, h, 8) for h in (4, 2, 2))
+        for params in (shared, *alone):
+            params.pre_step(step)
+        decided.clear()
+        with torch.no_grad():
+            outs = [m(q, k, v, inference_params=shared) for m in modules]
+        assert len(decided) == 2, "layer 2 reuses layer 1's decision, layer 3 decides"
+        with torch.no_grad():
+            for m, params, out in zip(modules, alone, outs):
+                torch.testing.assert_close(out, m(q, k, v, inference_params=params),
+                                           atol=0, rtol=0)
+
+
+def test_thd_step_of_equal_lengths_attends_as_bshd(monkeypatch):
+    """A thd step adding the same number of tokens to every sequence, with no rows past
+    them, is attended as the bshd step (a view: no padding of q and of the output); rows
+    past the step's tokens keep the thd call and come back as zeros."""
+    from transformer_fa.attention.backends import unfused
+    formats = []
+    real = unfused.run
+    monkeypatch.setattr(unfused, "run", lambda inputs, p: formats.append(p.q_format)
+                        or real(inputs, p))
+    modules = {fmt: tfa.DotProductAttention(4, 8, num_gqa_groups=2, qkv_format=fmt,
+                                            layer_number=1) for fmt in ("thd", "bshd")}
+    params = {fmt: make_params(fmt, False) for fmt in modules}
+    for p in params.values():
+        p.allocate_memory(1)
+    for step in (OrderedDict({0: 3, 1: 3}), OrderedDict({0: 1, 1: 1})):
+        q, k, v = (torch.randn(2, max(step.values()), h, 8) for h in (4, 2, 2))
+        for p in params.values():
+            p.pre_step(step)
+        formats.clear()
+        with torch.no_grad():
+            thd = modules["thd"](*(t.flatten(0, 1) for t in (q, k, v)),
+                                 inference_params=params["thd"])
+            bshd = modules["bshd"](q, k, v, inference_params=params["bshd"])
+        assert formats == ["bshd", "bshd"]
+        torch.testing.assert_close(thd, bshd.flatten(0, 1), atol=0, rtol=0)
+    params["thd"].pre_step(OrderedDict({0: 1, 1: 1}))
+    formats.clear()
+    q, k, v = (torch.randn(3, h, 8) for h in (4, 2, 2))  # a row past the step's 2 tokens
+    with torch.no_grad():
+        out = modules["thd"](q, k, v, inference_params=params["thd"])
+    assert formats == ["thd"] and out.shape == (3, 32) and not out[2].any()

@@ -246,10 +246,10 @@ class TransformerLayer(FollowsParamsDtype, torch.nn.Module):
         the dropout, which the GEMM epilogue makes unnecessary."""
         if bias is not None:
             out = out + bias
-        forked = (self.sequence_parallel and self.get_rng_state_tracker is not None
-                  and self.hidden_dropout > 0.0 and self.training)
-        with self.get_rng_state_tracker().fork() if forked else nullcontext():
-            out = F.dropout(out, p=self.hidden_dropout, training=self.training)
+        if self.training and self.hidden_dropout > 0.0:  # else the identity: no call at all
+            forked = self.sequence_parallel and self.get_rng_state_tracker is not None
+            with self.get_rng_state_tracker().fork() if forked else nullcontext():
+                out = F.dropout(out, p=self.hidden_dropout, training=True)
         if drop_path is not None:
             out = drop_path(out)
         return residual + out

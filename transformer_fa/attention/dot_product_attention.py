@@ -1,6 +1,7 @@
 """DotProductAttention: validates a call, describes it once, and runs the selected backend."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from contextlib import nullcontext
@@ -191,7 +192,9 @@ class DotProductAttention(torch.nn.Module):
                 dict(again, cu_seqlens_q_padded=cu_seqlens_q_padded,
                      cu_seqlens_kv_padded=cu_seqlens_kv_padded))
             with lengths_checked_on_host():  # the cache's lengths: built by pre_step()
-                return self._attend(q, k_cache, v_cache, **cache_args, checked=True)
+                result = self._attend(q, k_cache, v_cache, **cache_args, checked=True,
+                                      step_memo=inference_params.step_memo)
+            return inference.thd_rows_of(result, query_layer, q)
         if checkpoint_core_attention and torch.is_grad_enabled():
             # TE's activation checkpointing: recompute attention in the backward.
             return checkpoint(self.forward, query_layer, key_layer, value_layer,
@@ -225,13 +228,16 @@ class DotProductAttention(torch.nn.Module):
     def _attend(self, q, k, v, attention_mask, qkv_format, cu_seqlens_q, cu_seqlens_kv,
                 max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size, bottom_right_diagonal,
                 core_attention_bias_type, core_attention_bias, alibi_slopes, softcap,
-                page_table=None, checked=False):
+                page_table=None, checked=False, step_memo=None):
         """The rest of forward for one plain call: validate, describe, select and run.
         ``page_table`` (the KV cache's, not a forward argument): k and v are the page pools
         ``[total_pages, page_size, h_kv, d]`` of a paged cache (bshd) read through it (see
         ``AttentionInputs.page_table``); the call then carries cu_seqlens_kv. ``checked``:
         q, k and v were validated already (the KV cache's call: attention_over_cache checked
-        q and the new k, v, and the cache's own checks tie them to its k, v)."""
+        q and the new k, v, and the cache's own checks tie them to its k, v). ``step_memo``
+        (the KV cache's call: ``InferenceParams.step_memo``, emptied by every pre_step):
+        keeps the decision for the next layer of the step with an equal call; its lengths
+        are not read on the host, so the decision depends on their metadata only."""
         softcap = self.softcap if softcap is None else _check_softcap(softcap)
         if self.softmax_offset is not None and self.softmax_offset.device != q.device:
             raise ValueError(f"softmax_offset (softmax_type={self.softmax_type!r}) is on "
@@ -241,7 +247,25 @@ class DotProductAttention(torch.nn.Module):
             attn_mask_type = masks.normalize_mask_type(attn_mask_type)
         if bottom_right_diagonal is None:
             bottom_right_diagonal = self.bottom_right_diagonal
-        dense_key = None
+        dense_key = cache_key = None
+        if (step_memo is not None and attention_mask is None and core_attention_bias is None
+                and core_attention_bias_type == "no_bias" and alibi_slopes is None
+                and not torch.compiler.is_compiling()):
+            call_key = self._dense_call_key(
+                q, k, v, self.qkv_format if qkv_format is None else qkv_format,
+                self.attn_mask_type if attn_mask_type is None else attn_mask_type,
+                self.window_size if window_size is None else window_size, softcap)
+            if call_key is not None:
+                cache_key = ("attention call", call_key, max_seqlen_q, max_seqlen_kv,
+                             bottom_right_diagonal, *map(_metadata, (cu_seqlens_q, cu_seqlens_kv,
+                                                                     page_table)))
+                hit = step_memo.get(cache_key)
+                if hit is not None:
+                    backend, params = hit
+                    if self.last_backend != backend.NAME:
+                        self.last_backend = backend.NAME
+                    return self._run(backend, self._cache_call_inputs(
+                        q, k, v, cu_seqlens_q, cu_seqlens_kv, page_table), params)
         if (attention_mask is None and cu_seqlens_q is None and cu_seqlens_kv is None
                 and max_seqlen_q is None and max_seqlen_kv is None and bottom_right_diagonal is None
                 and core_attention_bias_type == "no_bias" and core_attention_bias is None
@@ -317,7 +341,14 @@ class DotProductAttention(torch.nn.Module):
             if len(self._dense_calls) >= 64:
                 self._dense_calls.clear()
             self._dense_calls[dense_key] = (backend, params)
+        if cache_key is not None and _same_tensors(inputs, self._cache_call_inputs(
+                *given, cu_seqlens_q, cu_seqlens_kv, page_table)):  # what a hit passes on
+            step_memo[cache_key] = (backend, params)
         return self._run(backend, inputs, params)
+
+    def _cache_call_inputs(self, q, k, v, cu_seqlens_q, cu_seqlens_kv, page_table):
+        return AttentionInputs(q, k, v, cu_seqlens_q, cu_seqlens_kv,
+                               softmax_offset=self.softmax_offset, page_table=page_table)
 
     def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream,
                                    cp_comm_type: str = "p2p") -> None:
@@ -402,6 +433,17 @@ class DotProductAttention(torch.nn.Module):
                 self.attention_dropout, self.softmax_scale, self.num_attention_heads,
                 self.num_gqa_groups, self.head_dim_qk, self.head_dim_v, torch.is_grad_enabled(),
                 torch.are_deterministic_algorithms_enabled(), selection.read_env())
+
+
+def _same_tensors(a: AttentionInputs, b: AttentionInputs) -> bool:
+    return all(getattr(a, f.name) is getattr(b, f.name) for f in dataclasses.fields(a))
+
+
+def _metadata(t: Optional[torch.Tensor]):
+    """What a check or a decision may read of a tensor whose values it does not read."""
+    if t is None:
+        return None
+    return type(t), t.shape, t.stride(), t.storage_offset(), t.dtype, t.device
 
 
 def check_unsupported_forward_args(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,

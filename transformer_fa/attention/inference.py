@@ -666,12 +666,29 @@ def attention_over_cache(inference_params, module, q, k, v, qkv_format: str,
         num_pages = math.ceil(max(inference_params.sequences.values()) / manager.page_size)
         page_table = manager.page_table[:b, :num_pages]
         max_kv = num_pages * manager.page_size
+    step_len = inference_params.max_seqlen_q
+    if q_format == "thd" and q.shape[0] == total == b * step_len:
+        # Every sequence adds step_len tokens and q has no rows past them: the step is the
+        # bshd one [b, step_len, h, d] (a view), a bshd model's call, without the padding
+        # of q and of the output around a thd call (thd_rows_of brings the output back).
+        q, q_format, kv_format = q.unflatten(0, (b, step_len)), CACHE_FORMAT, CACHE_FORMAT
     args = dict(call_args, attention_mask=None, qkv_format=kv_format, cu_seqlens_q=cu_q,
                 cu_seqlens_kv=cu_kv,
-                max_seqlen_q=inference_params.max_seqlen_q if q_format == "thd" else None,
+                max_seqlen_q=step_len if q_format == "thd" else None,
                 max_seqlen_kv=max_kv, attn_mask_type=mask_type, bottom_right_diagonal=True,
                 page_table=page_table)
     return q, k_cache, v_cache, args
+
+
+def thd_rows_of(result, query_layer: torch.Tensor, q: torch.Tensor):
+    """The attention output (or ``(output, max_logit)``) of a thd step that
+    attention_over_cache turned into a bshd one (q of one dim more than query_layer) as
+    thd rows ``[t, h * dv]`` again; any other output as it is."""
+    if q.dim() == query_layer.dim():
+        return result
+    if isinstance(result, tuple):
+        return (result[0].flatten(0, 1), *result[1:])
+    return result.flatten(0, 1)
 
 
 def kv_pages_for(backend, inputs: AttentionInputs,

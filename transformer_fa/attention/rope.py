@@ -80,13 +80,20 @@ class RotaryPositionEmbedding(torch.nn.Module):
         return emb.reshape(emb.size(0), 1, 1, emb.size(1))
 
 
-def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """The partner of each channel, negated where RoPE subtracts: [-x2, x1] per pair."""
+def _swap_pairs(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """The partner of each channel: [x2, x1] of the halves (or of each interleaved pair)."""
     if not interleaved:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((-x2, x1), dim=-1)
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+        return x.roll(x.shape[-1] // 2, -1)
+    return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+
+
+def _negate_first(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """x with the first channel of each pair negated (where RoPE subtracts): a sine that
+    multiplies ``_swap_pairs(t)`` gives RoPE's rotate-half term [-x2, x1] * sin, exactly."""
+    x = x.clone()
+    first = x[..., 0::2] if interleaved else x[..., :x.shape[-1] // 2]
+    first.neg_()
+    return x
 
 
 def _cp_positions(local_len, cp_size: int, cp_rank: int, local_pos: torch.Tensor) -> torch.Tensor:
@@ -268,17 +275,21 @@ def _rotate(t, freqs, table, positions, tensor_format, interleaved, fused, memo=
         from ..kernels.rope import fused_rope
 
         return fused_rope(t, table, positions, tensor_format, interleaved)
-    cos_sin = memo.get("cos_sin") if memo is not None else None
+    memo_key = ("cos, signed sin", interleaved)  # the sine's signs follow the pairing
+    cos_sin = memo.get(memo_key) if memo is not None else None
     if cos_sin is None:
         angles = _angles(table, positions, tensor_format, t.shape)
-        cos_sin = torch.cos(angles).to(t.dtype), torch.sin(angles).to(t.dtype)
+        cos_sin = (torch.cos(angles).to(t.dtype),
+                   _negate_first(torch.sin(angles).to(t.dtype), interleaved))
         if memo is not None:
-            memo["cos_sin"] = cos_sin
+            memo[memo_key] = cos_sin
     cos, sin = cos_sin
     rot_dim = table.shape[-1]
+    if rot_dim == t.shape[-1]:  # every channel rotates (no slices to make)
+        return t * cos + _swap_pairs(t, interleaved) * sin
     t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
-    t_rot = t_rot * cos + _rotate_half(t_rot, interleaved) * sin
-    return torch.cat((t_rot, t_pass), dim=-1) if t_pass.shape[-1] else t_rot
+    t_rot = t_rot * cos + _swap_pairs(t_rot, interleaved) * sin
+    return torch.cat((t_rot, t_pass), dim=-1)
 
 
 def _angles(table: torch.Tensor, positions: Optional[torch.Tensor], tensor_format: str,

@@ -92,9 +92,12 @@ def run(inputs: AttentionInputs, params: AttentionParams):
     group = h // hkv
     dtype = compute_dtype(q.dtype)
 
-    # GQA without repeating K/V: queries of one group share a K/V head by broadcasting.
-    q5 = q.reshape(b, hkv, group, sq, q.shape[-1])
-    scores = torch.matmul(q5, k.unsqueeze(2).transpose(-1, -2)).reshape(b, h, sq, skv).to(dtype)
+    # GQA without repeating K/V: the queries of a group are rows of one matrix against their
+    # K/V head. K and V are made contiguous first: a GEMM over the permuted views (a KV
+    # cache's [b, s, h, d]) runs several times slower than the copy costs.
+    k, v = k.contiguous(), v.contiguous()
+    grouped_q = q.reshape(b, hkv, group * sq, q.shape[-1])
+    scores = torch.matmul(grouped_q, k.transpose(-1, -2)).reshape(b, h, sq, skv).to(dtype)
 
     bias = inputs.core_attention_bias
     if bias is not None:  # given for the declared lengths: trim to the padded ones
@@ -113,18 +116,19 @@ def run(inputs: AttentionInputs, params: AttentionParams):
 
     keep = masks.keep_mask(p.attn_mask_type, p.window_size, seqlens_q, seqlens_kv, sq, skv,
                            inputs.attention_mask, p.bottom_right_diagonal)
-    scores = scores.masked_fill(~keep, float("-inf"))
+    # In place: scores is the scaling's (or a bias's) new tensor, which no backward reads.
+    scores.masked_fill_(~keep, float("-inf"))
     max_logit = _max_logit(scores, q.dtype) if p.return_max_logit else None
     row_alive = keep.any(-1, keepdim=True)
     # Fully masked rows would be softmax(-inf...) = NaN: give them zeros instead, with a
     # gradient that stays finite.
-    scores = scores.masked_fill(~row_alive, 0.0)
+    scores.masked_fill_(~row_alive, 0.0)
     probs = _softmax(scores, p.softmax_type, inputs.softmax_offset) * row_alive
     if p.attention_dropout > 0.0:
         probs = F.dropout(probs, p=p.attention_dropout, training=True)
 
-    probs5 = probs.to(v.dtype).reshape(b, hkv, group, sq, skv)
-    out = torch.matmul(probs5, v.unsqueeze(2)).reshape(b, h, sq, v.shape[-1])
+    grouped_probs = probs.to(v.dtype).reshape(b, hkv, group * sq, skv)
+    out = torch.matmul(grouped_probs, v).reshape(b, h, sq, v.shape[-1])
     total_q = inputs.q.shape[0] if p.q_format == "thd" else None
     out = _from_bhsd(out, p.q_format, inputs.cu_seqlens_q, total_q)
     return (out, max_logit) if p.return_max_logit else out
