@@ -122,6 +122,10 @@ inline bool dispatch_fwd(Arch arch, bool bf16, int hd, const FwdParams& params,
 inline bool has_fwd(Arch arch, bool bf16, int hd) {{
 {has_fwd_cases}  return false;
 }}
+// Whether this build has the backward kernel for (family, dtype, kernel head dim).
+inline bool has_bwd(Arch arch, bool bf16, int hd) {{
+{has_bwd_cases}  return false;
+}}
 inline bool dispatch_plan_bwd(Arch arch, bool bf16, int hd, BwdParams& params,
                               const Device& device, BwdPlan& plan) {{
 {plan_cases}  return false;
@@ -289,7 +293,8 @@ def kernel_files():
 
 
 def dispatch_header() -> str:
-    fwd, has_fwd, plan, bwd, plan_decode, decode, built = [], [], [], [], [], [], []
+    fwd, has_fwd, plan, bwd, has_bwd = [], [], [], [], []
+    plan_decode, decode, built = [], [], []
     for family, dtype, d in instantiations():
         spec = FAMILIES[family]
         enum = DTYPES[dtype][0]
@@ -302,6 +307,7 @@ def dispatch_header() -> str:
         if spec.has("bwd", d):
             plan.append(CASE.format(body=f"plan = plan_bwd{template}(params, device)", **kw))
             bwd.append(CASE.format(body=f"run_bwd{template}(params, device, stream)", **kw))
+            has_bwd.append(HAS_CASE.format(**kw))
         if spec.has("decode", d):
             plan_decode.append(CASE.format(body=f"plan = plan_decode{template}(params, device)",
                                            **kw))
@@ -312,6 +318,7 @@ def dispatch_header() -> str:
     return DISPATCH_HEADER.format(dims=", ".join(map(str, HEAD_DIMS)), fwd_cases="".join(fwd),
                                   has_fwd_cases="".join(has_fwd),
                                   plan_cases="".join(plan), bwd_cases="".join(bwd),
+                                  has_bwd_cases="".join(has_bwd),
                                   plan_decode_cases="".join(plan_decode),
                                   decode_cases="".join(decode),
                                   every=EVERY_GPU_FAMILY, built="".join(built))
