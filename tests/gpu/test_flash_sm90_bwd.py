@@ -1,0 +1,235 @@
+"""FlashAttention's sm90 backward (csrc/flash/sm90/bwd_*: TMA, wgmma, warp specialization) on
+an sm_90 GPU, forced with the binding's family argument (TRANSFORMER_FA_FLASH_BWD_FAMILY=sm90
+in Python): dq, dk, dv against float64 autograd, what it declines and the error when it is
+forced on such a call, and a training step through DotProductAttention.
+
+Error rule per gradient: max |ours - float64| <= 2 x max |the same math in the input dtype -
+float64| + 1e-3 (relative to the reference's magnitude; attention_cases.check). The gradients
+are allocated over NaN-poisoned memory, so an element the kernels do not write fails.
+Skipped without an sm_90 GPU or without the family's backward in the build.
+"""
+import math
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("the sm90 kernels need CUDA", allow_module_level=True)
+
+from transformer_fa.attention.backends import flash  # noqa: E402
+
+if not flash.is_built() or flash._extension() is None:
+    pytest.skip("transformer_fa_flash is not built", allow_module_level=True)
+
+from attention_cases import DEV, capture_log, check  # noqa: E402
+
+EXT = flash._extension()
+CC = torch.cuda.get_device_capability()
+ARCH = CC[0] * 10 + CC[1]
+# (arch, bf16, d, sq, sk, varlen, window_left, window_right, bottom_right, alibi, dropout, gqa,
+#  deterministic, family) of a call the sm90 backward serves
+SERVED = (90, True, 128, 256, 256, False, -1, 0, False, False, False, False, False)
+if ARCH != 90 or not hasattr(EXT, "bwd_family") or EXT.bwd_family(*SERVED, 90)[0] != "sm90":
+    pytest.skip("needs an sm_90 GPU and a build with the sm90 backward", allow_module_level=True)
+
+BSHD, SBHD = 0, 1
+
+
+def make_qkv(b, sq, sk, h, hkv, d, dtype, layout, gain, seed=0):
+    """q, k, v as [b, s, h, d] views ([s, b, h, d] for sbhd): separate bshd or sbhd tensors,
+    or slices of one packed [b, s, 3, h, d] buffer (bs3hd)."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+
+    def randn(*shape):
+        return (torch.randn(*shape, generator=gen, device=DEV) * gain).to(dtype)
+
+    if layout == "bs3hd":
+        assert h == hkv and sq == sk
+        qkv = randn(b, sq, 3, h, d)
+        return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    if layout == "sbhd":
+        return randn(sq, b, h, d), randn(sk, b, hkv, d), randn(sk, b, hkv, d)
+    return randn(b, sq, h, d), randn(b, sk, hkv, d), randn(b, sk, hkv, d)
+
+
+def to_bshd(x, layout):
+    return x.transpose(0, 1) if layout == "sbhd" else x
+
+
+def reference_grads(q, k, v, dout, causal, bottom_right, scale, dtype):
+    """(dq, dk, dv) of bshd q, k, v (MHA) in `dtype` math (float64: the reference; the input
+    dtype: the error baseline). Causal: query i sees keys j <= i + (sk - sq if bottom_right
+    else 0); a query row without any key has P = 0 (the kernels' LSE is +inf there)."""
+    leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+    ql, kl, vl = leaves
+    s = torch.einsum("bqhd,bkhd->bhqk", ql, kl) * scale
+    sq, sk = ql.shape[1], kl.shape[1]
+    keep = torch.ones(sq, sk, dtype=torch.bool, device=DEV)
+    if causal:
+        keep = keep.tril(sk - sq if bottom_right else 0)
+    has_key = keep.any(-1, keepdim=True)
+    s = s.masked_fill(~keep, float("-inf")).masked_fill(~has_key, 0.0)
+    p = torch.softmax(s, dim=-1) * has_key
+    out = torch.einsum("bhqk,bkhd->bqhd", p, vl)
+    return torch.autograd.grad(out, leaves, dout.to(dtype))
+
+
+def poison():
+    junk = torch.full((64 << 20,), float("nan"), device=DEV)
+    del junk
+
+
+def run_fwd_bwd(q, k, v, dout, layout, causal, bottom_right, family, deterministic=False,
+                window_left=-1):
+    """The binding's forward (its default family) and backward (`family`): (dq, dk, dv)."""
+    fmt = SBHD if layout == "sbhd" else BSHD
+    sq, sk = (q.shape[0], k.shape[0]) if layout == "sbhd" else (q.shape[1], k.shape[1])
+    scale = 1 / math.sqrt(q.shape[-1])
+    right = 0 if causal else -1
+    out, lse = EXT.fwd(q, k, v, None, None, fmt, fmt, sq, sk, scale, window_left, right,
+                       bottom_right, True, 0.0, None, None, 0)
+    poison()
+    return EXT.bwd(dout, q, k, v, out, lse, None, None, fmt, fmt, sq, sk, scale, window_left,
+                   right, bottom_right, 0.0, None, None, deterministic, None, family)
+
+
+# (b, sq, sk, h, layout, input gain): ragged lengths that are no multiple of the tiles (1, 17,
+# 113, 257, 1000; the key and query tails), the layouts' strides (sbhd, packed bs3hd), sq != sk
+# both ways (bottom-right with sq > sk: query rows without any key), a sharper softmax.
+CASES = {
+    "s1-b3-h2": (3, 1, 1, 2, "bshd", 1.0),
+    "s17-b2-h2": (2, 17, 17, 2, "bshd", 1.0),
+    "sbhd-s113-b2-h4": (2, 113, 113, 4, "sbhd", 1.0),
+    "s257-b2-h4": (2, 257, 257, 4, "bshd", 1.0),
+    "s1000-b1-h4": (1, 1000, 1000, 4, "bshd", 1.0),
+    "packed-bs3hd-s257-b2-h2": (2, 257, 257, 2, "bs3hd", 1.0),
+    "sharp-s257-b2-h2": (2, 257, 257, 2, "bshd", 4.0),
+    "cross-sq113-sk1000-b2-h2": (2, 113, 1000, 2, "bshd", 1.0),
+    "cross-sq1000-sk257-b2-h2": (2, 1000, 257, 2, "bshd", 1.0),
+    "cross-sbhd-sq17-sk1-b2-h2": (2, 17, 1, 2, "sbhd", 1.0),
+}
+MASKS = {"no_mask": (False, False), "causal": (True, False), "causal_bottom_right": (True, True)}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("mask", sorted(MASKS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+def test_backward_matches_float64(name, mask, dtype, d):
+    b, sq, sk, h, layout, gain = CASES[name]
+    causal, bottom_right = MASKS[mask]
+    if bottom_right and sq == sk:
+        pytest.skip("the same mask as top-left causal")
+    q, k, v = make_qkv(b, sq, sk, h, h, d, dtype, layout, gain)
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    dout = torch.randn(q.shape, generator=gen, device=DEV).to(dtype)
+    grads = run_fwd_bwd(q, k, v, dout, layout, causal, bottom_right, family=90)
+    qb, kb, vb, dob = (to_bshd(x, layout) for x in (q, k, v, dout))
+    scale = 1 / math.sqrt(d)
+    ref = reference_grads(qb, kb, vb, dob, causal, bottom_right, scale, torch.float64)
+    base = reference_grads(qb, kb, vb, dob, causal, bottom_right, scale, dtype)
+    for which, g, r, bg in zip("qkv", grads, ref, base):
+        check(f"{name} d{which}", to_bshd(g, layout).double(), r, bg.double(), 1e-3)
+
+
+def test_auto_runs_the_sm80_backward():
+    """auto (family 0) keeps the sm80 backward until the sm90 one is measured: bitwise the
+    forced sm80 result, and not the sm90 one."""
+    q, k, v = make_qkv(2, 512, 512, 4, 4, 128, torch.bfloat16, "bshd", 1.0, seed=3)
+    dout = torch.randn_like(q)
+    auto = run_fwd_bwd(q, k, v, dout, "bshd", True, False, family=0)
+    sm80 = run_fwd_bwd(q, k, v, dout, "bshd", True, False, family=80)
+    sm90 = run_fwd_bwd(q, k, v, dout, "bshd", True, False, family=90)
+    assert all(torch.equal(a, b) for a, b in zip(auto, sm80))
+    assert not torch.equal(auto[1], sm90[1])  # another kernel: rounding differs somewhere
+    assert EXT.bwd_family(*SERVED, 0) == [
+        "sm80", "the sm80 backward is the default until the sm90 one is measured"]
+
+
+# (d, sq, sk, varlen, window_left, window_right, bottom_right, alibi, dropout, gqa,
+#  deterministic) -> the reason's words
+DECLINED = {
+    "head dim 96": ((96, 256, 256, False, -1, 0, False, False, False, False, False),
+                    "head dim 64 and 128 kernels only"),
+    "head dim 256": ((256, 256, 256, False, -1, 0, False, False, False, False, False),
+                     "head dim 64 and 128 kernels only"),
+    "gqa": ((128, 256, 256, False, -1, 0, False, False, False, True, False), "GQA / MQA"),
+    "varlen": ((128, 256, 256, True, -1, 0, False, False, False, False, False), "varlen"),
+    "window": ((128, 256, 256, False, 64, 0, True, False, False, False, False),
+               "sliding windows"),
+    "alibi": ((128, 256, 256, False, -1, 0, False, True, False, False, False), "ALiBi"),
+    "dropout": ((128, 256, 256, False, -1, -1, False, False, True, False, False), "dropout"),
+    "deterministic": ((128, 256, 256, False, -1, -1, False, False, False, False, True),
+                      "not deterministic"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DECLINED))
+def test_declined_calls_say_why(name):
+    args, words = DECLINED[name]
+    family, why = EXT.bwd_family(ARCH, True, *args, 90)
+    assert family == "sm80" and words in why, (family, why)
+    assert EXT.bwd_family(80, True, *SERVED[2:], 90)[0] == "sm80"  # not an sm_90 GPU
+
+
+@pytest.mark.parametrize("case", ["head dim 96", "gqa", "window", "deterministic"])
+def test_forced_sm90_on_a_declined_call_is_a_clear_error(case):
+    d, h, hkv, left, deterministic, words = {
+        "head dim 96": (96, 2, 2, -1, False, "head dim 64 and 128 kernels only"),
+        "gqa": (128, 4, 2, -1, False, "GQA / MQA"),
+        "window": (128, 2, 2, 64, False, "sliding windows"),
+        "deterministic": (128, 2, 2, -1, True, "not deterministic"),
+    }[case]
+    q, k, v = make_qkv(1, 256, 256, h, hkv, d, torch.bfloat16, "bshd", 1.0)
+    with pytest.raises(RuntimeError, match="flash_attn_bwd: the sm90 family was requested, but "
+                                           ".*" + words):
+        run_fwd_bwd(q, k, v, torch.randn_like(q), "bshd", True, True, family=90,
+                    deterministic=deterministic, window_left=left)
+    with pytest.raises(RuntimeError, match="family must be 0"):
+        run_fwd_bwd(q, k, v, torch.randn_like(q), "bshd", True, True, family=100)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["no_mask", "causal"])
+def test_training_step_with_the_sm90_backward(monkeypatch, causal):
+    """Through DotProductAttention with TRANSFORMER_FA_FLASH_BWD_FAMILY=sm90: the debug log
+    names the sm90 backward, and the gradients obey the rule against float64 autograd."""
+    import transformer_fa as tfa
+
+    monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
+    monkeypatch.setenv("NVTE_DEBUG", "1")
+    monkeypatch.setenv("NVTE_DEBUG_LEVEL", "2")
+    monkeypatch.setenv("TRANSFORMER_FA_FLASH_BWD_FAMILY", "sm90")
+    b, s, h, d = 2, 300, 4, 128
+    q, k, v = make_qkv(b, s, s, h, h, d, torch.bfloat16, "bshd", 1.0, seed=7)
+    dpa = tfa.DotProductAttention(h, d, qkv_format="bshd",
+                                  attn_mask_type="causal" if causal else "no_mask").cuda()
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    with capture_log() as lines:
+        out = dpa(*leaves)
+    assert dpa.last_backend == "FlashAttention"
+    assert any("backward = sm90 (wgmma, TMA)" in line for line in lines), lines
+    dout = torch.randn(out.shape, generator=torch.Generator(device=DEV).manual_seed(11),
+                       device=DEV).to(out.dtype)
+    grads = torch.autograd.grad(out, leaves, dout)
+    dob = dout.view(b, s, h, d)
+    ref = reference_grads(q, k, v, dob, causal, False, 1 / math.sqrt(d), torch.float64)
+    base = reference_grads(q, k, v, dob, causal, False, 1 / math.sqrt(d), torch.bfloat16)
+    for which, g, r, bg in zip("qkv", grads, ref, base):
+        check(f"d{which}", g.double(), r, bg.double(), 1e-3)
+
+
+def test_forced_sm90_backward_on_gqa_fails_with_the_reason(monkeypatch):
+    """TRANSFORMER_FA_FLASH_BWD_FAMILY=sm90 on a call its backward declines: the forward runs,
+    the backward raises the binding's error naming the reason (no silent fallback)."""
+    import transformer_fa as tfa
+
+    monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
+    monkeypatch.setenv("TRANSFORMER_FA_FLASH_BWD_FAMILY", "sm90")
+    q, k, v = make_qkv(2, 256, 256, 4, 2, 128, torch.bfloat16, "bshd", 1.0)
+    dpa = tfa.DotProductAttention(4, 128, num_gqa_groups=2, qkv_format="bshd").cuda()
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out = dpa(*leaves)
+    assert dpa.last_backend == "FlashAttention"
+    with pytest.raises(RuntimeError, match="sm90 family was requested, but its backward does "
+                                           "not take GQA"):
+        out.sum().backward()
