@@ -274,7 +274,8 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   clear(tdVrdV);
   clear(tdKrdK);
 
-  using FragS = decltype(partition_fragment_C(mma_sdp, select<0, 1>(typename Cfg::TileSdP{})));
+  using LayoutS = decltype(
+      partition_fragment_C(mma_sdp, select<0, 1>(typename Cfg::TileSdP{})).layout());
   Tensor cS = make_identity_tensor(select<0, 1>(typename Cfg::TileSdP{}));  // (key, query)
   Tensor tScS = thr_sdp.partition_C(cS);
   Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
@@ -301,42 +302,39 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
     pipe_do.consumer_wait(read);
     wg_gemm<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, read.index()), tdPrdP);
 
-    // The LSE (log2 units) and dsum of this thread's query columns, while the GEMMs run.
     Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
     Tensor dp = make_tensor(tdPrdP.data(), acc_rowcol(tdPrdP.layout()));
-    constexpr int kCols = decltype(size<1>(s))::value;
-    float lse_log2[kCols], dsum[kCols];
-    CUTE_UNROLL
-    for (int c = 0; c < kCols; ++c) {
-      int const query = query0 + get<1>(tScS_rc(0, c));
-      bool const in = query < params.seqlen_q;
-      int64_t const at = lse_offset + int64_t(query) * params.lse_row_stride;
-      lse_log2[c] = in ? params.lse[at] * float(M_LOG2E) : INFINITY;
-      dsum[c] = in ? params.dsum[at] : 0.f;
-    }
+    // The LSE and dsum of this thread's query columns are read where used, a column at a
+    // time (held for all columns across the GEMMs, they spilled).
+    auto row_value = [&](float const* rows, int query, float past_end) {  // LSE's layout
+      return query < params.seqlen_q
+                 ? rows[lse_offset + int64_t(query) * params.lse_row_stride] : past_end;
+    };
     bool const masked = key_tail || (kCausal && key0 + kBlockN - 1 > query0 + params.causal_offset);
-
-    warpgroup_wait<1>();
+    warpgroup_wait<1>();  // S^T
     CUTE_UNROLL
-    for (int r = 0; r < size<0>(s); ++r) {
-      int const key = key0 + get<0>(tScS_rc(r, 0));
+    for (int c = 0; c < size<1>(s); ++c) {
+      int const query = query0 + get<1>(tScS_rc(0, c));
+      float const lse_log2 = row_value(params.lse, query, INFINITY) * float(M_LOG2E);
       CUTE_UNROLL
-      for (int c = 0; c < kCols; ++c) {
-        int const query = query0 + get<1>(tScS_rc(r, c));
+      for (int r = 0; r < size<0>(s); ++r) {
+        int const key = key0 + get<0>(tScS_rc(r, c));
         bool const out = masked && (key >= params.seqlen_k ||
                                     (kCausal && key > query + params.causal_offset));
-        s(r, c) = out ? 0.f : fast_exp2(s(r, c) * params.scale_log2 - lse_log2[c]);
+        s(r, c) = out ? 0.f : fast_exp2(s(r, c) * params.scale_log2 - lse_log2);
       }
     }
-    warpgroup_wait<0>();
+    warpgroup_wait<0>();  // dP^T
     CUTE_UNROLL
-    for (int r = 0; r < size<0>(s); ++r) {
+    for (int c = 0; c < size<1>(s); ++c) {
+      int const query = query0 + get<1>(tScS_rc(0, c));
+      float const dsum = row_value(params.dsum, query, 0.f);
       CUTE_UNROLL
-      for (int c = 0; c < kCols; ++c) { dp(r, c) = s(r, c) * (dp(r, c) - dsum[c]); }
+      for (int r = 0; r < size<0>(s); ++r) { dp(r, c) = s(r, c) * (dp(r, c) - dsum); }
     }
     // P^T and dS^T as 16-bit A operands (the accumulator registers in operand order).
-    Tensor tPrP = make_tensor<Element>(FragS{}.layout());
-    Tensor tdSrdS = make_tensor<Element>(FragS{}.layout());
+    Tensor tPrP = make_tensor<Element>(LayoutS{});
+    Tensor tdSrdS = make_tensor<Element>(LayoutS{});
     convert_fragment<Element>(tSrS, tPrP);
     convert_fragment<Element>(tdPrdP, tdSrdS);
     Tensor tPrP_a = make_tensor(tPrP.data(), acc_as_operand_a(tPrP.layout()));
