@@ -22,6 +22,7 @@ if not flash.is_built() or flash._extension() is None:
     pytest.skip("transformer_fa_flash is not built", allow_module_level=True)
 
 from attention_cases import DEV, capture_log, check  # noqa: E402
+from test_flash_sm90 import BSHD, SBHD, make_qkv, poison, to_bshd  # noqa: E402  (the forward's)
 
 EXT = flash._extension()
 CC = torch.cuda.get_device_capability()
@@ -31,30 +32,6 @@ ARCH = CC[0] * 10 + CC[1]
 SERVED = (90, True, 128, 256, 256, False, -1, 0, False, False, False, False, False)
 if ARCH != 90 or not hasattr(EXT, "bwd_family") or EXT.bwd_family(*SERVED, 90)[0] != "sm90":
     pytest.skip("needs an sm_90 GPU and a build with the sm90 backward", allow_module_level=True)
-
-BSHD, SBHD = 0, 1
-
-
-def make_qkv(b, sq, sk, h, hkv, d, dtype, layout, gain, seed=0):
-    """q, k, v as [b, s, h, d] views ([s, b, h, d] for sbhd): separate bshd or sbhd tensors,
-    or slices of one packed [b, s, 3, h, d] buffer (bs3hd)."""
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-
-    def randn(*shape):
-        return (torch.randn(*shape, generator=gen, device=DEV) * gain).to(dtype)
-
-    if layout == "bs3hd":
-        assert h == hkv and sq == sk
-        qkv = randn(b, sq, 3, h, d)
-        return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    if layout == "sbhd":
-        return randn(sq, b, h, d), randn(sk, b, hkv, d), randn(sk, b, hkv, d)
-    return randn(b, sq, h, d), randn(b, sk, hkv, d), randn(b, sk, hkv, d)
-
-
-def to_bshd(x, layout):
-    return x.transpose(0, 1) if layout == "sbhd" else x
-
 
 def reference_grads(q, k, v, dout, causal, bottom_right, scale, dtype):
     """(dq, dk, dv) of bshd q, k, v (MHA) in `dtype` math (float64: the reference; the input
@@ -72,11 +49,6 @@ def reference_grads(q, k, v, dout, causal, bottom_right, scale, dtype):
     p = torch.softmax(s, dim=-1) * has_key
     out = torch.einsum("bhqk,bkhd->bqhd", p, vl)
     return torch.autograd.grad(out, leaves, dout.to(dtype))
-
-
-def poison():
-    junk = torch.full((64 << 20,), float("nan"), device=DEV)
-    del junk
 
 
 def run_fwd_bwd(q, k, v, dout, layout, causal, bottom_right, family, deterministic=False,
@@ -120,7 +92,7 @@ def test_backward_matches_float64(name, mask, dtype, d):
     causal, bottom_right = MASKS[mask]
     if bottom_right and sq == sk:
         pytest.skip("the same mask as top-left causal")
-    q, k, v = make_qkv(b, sq, sk, h, h, d, dtype, layout, gain)
+    q, k, v = make_qkv(b, sq, sk, h, h, dtype, layout, gain, d=d)
     gen = torch.Generator(device=DEV).manual_seed(1)
     dout = torch.randn(q.shape, generator=gen, device=DEV).to(dtype)
     grads = run_fwd_bwd(q, k, v, dout, layout, causal, bottom_right, family=90)
@@ -135,7 +107,7 @@ def test_backward_matches_float64(name, mask, dtype, d):
 def test_auto_runs_the_sm80_backward():
     """auto (family 0) keeps the sm80 backward until the sm90 one is measured: bitwise the
     forced sm80 result, and not the sm90 one."""
-    q, k, v = make_qkv(2, 512, 512, 4, 4, 128, torch.bfloat16, "bshd", 1.0, seed=3)
+    q, k, v = make_qkv(2, 512, 512, 4, 4, torch.bfloat16, "bshd", seed=3)
     dout = torch.randn_like(q)
     auto = run_fwd_bwd(q, k, v, dout, "bshd", True, False, family=0)
     sm80 = run_fwd_bwd(q, k, v, dout, "bshd", True, False, family=80)
@@ -180,7 +152,7 @@ def test_forced_sm90_on_a_declined_call_is_a_clear_error(case):
         "window": (128, 2, 2, 64, False, "sliding windows"),
         "deterministic": (128, 2, 2, -1, True, "not deterministic"),
     }[case]
-    q, k, v = make_qkv(1, 256, 256, h, hkv, d, torch.bfloat16, "bshd", 1.0)
+    q, k, v = make_qkv(1, 256, 256, h, hkv, torch.bfloat16, "bshd", d=d)
     with pytest.raises(RuntimeError, match="flash_attn_bwd: the sm90 family was requested, but "
                                            ".*" + words):
         run_fwd_bwd(q, k, v, torch.randn_like(q), "bshd", True, True, family=90,
@@ -200,7 +172,7 @@ def test_training_step_with_the_sm90_backward(monkeypatch, causal):
     monkeypatch.setenv("NVTE_DEBUG_LEVEL", "2")
     monkeypatch.setenv("TRANSFORMER_FA_FLASH_BWD_FAMILY", "sm90")
     b, s, h, d = 2, 300, 4, 128
-    q, k, v = make_qkv(b, s, s, h, h, d, torch.bfloat16, "bshd", 1.0, seed=7)
+    q, k, v = make_qkv(b, s, s, h, h, torch.bfloat16, "bshd", seed=7, d=d)
     dpa = tfa.DotProductAttention(h, d, qkv_format="bshd",
                                   attn_mask_type="causal" if causal else "no_mask").cuda()
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
@@ -225,7 +197,7 @@ def test_forced_sm90_backward_on_gqa_fails_with_the_reason(monkeypatch):
 
     monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
     monkeypatch.setenv("TRANSFORMER_FA_FLASH_BWD_FAMILY", "sm90")
-    q, k, v = make_qkv(2, 256, 256, 4, 2, 128, torch.bfloat16, "bshd", 1.0)
+    q, k, v = make_qkv(2, 256, 256, 4, 2, torch.bfloat16, "bshd")
     dpa = tfa.DotProductAttention(4, 128, num_gqa_groups=2, qkv_format="bshd").cuda()
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     out = dpa(*leaves)
