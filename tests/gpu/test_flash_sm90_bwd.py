@@ -13,25 +13,16 @@ import math
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    pytest.skip("the sm90 kernels need CUDA", allow_module_level=True)
+from attention_cases import DEV, capture_log, check
+# (skips this module without CUDA, the extension or the sm90 family, as it skips its own)
+from test_flash_sm90 import ARCH, BSHD, EXT, SBHD, make_qkv, poison, to_bshd
 
-from transformer_fa.attention.backends import flash  # noqa: E402
-
-if not flash.is_built() or flash._extension() is None:
-    pytest.skip("transformer_fa_flash is not built", allow_module_level=True)
-
-from attention_cases import DEV, capture_log, check  # noqa: E402
-from test_flash_sm90 import BSHD, SBHD, make_qkv, poison, to_bshd  # noqa: E402  (the forward's)
-
-EXT = flash._extension()
-CC = torch.cuda.get_device_capability()
-ARCH = CC[0] * 10 + CC[1]
 # (arch, bf16, d, sq, sk, varlen, window_left, window_right, bottom_right, alibi, dropout, gqa,
 #  deterministic, family) of a call the sm90 backward serves
 SERVED = (90, True, 128, 256, 256, False, -1, 0, False, False, False, False, False)
 if ARCH != 90 or not hasattr(EXT, "bwd_family") or EXT.bwd_family(*SERVED, 90)[0] != "sm90":
     pytest.skip("needs an sm_90 GPU and a build with the sm90 backward", allow_module_level=True)
+
 
 def reference_grads(q, k, v, dout, causal, bottom_right, scale, dtype):
     """(dq, dk, dv) of bshd q, k, v (MHA) in `dtype` math (float64: the reference; the input
