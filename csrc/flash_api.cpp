@@ -379,6 +379,7 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     dv = k_thd ? at::zeros(v.sizes(), v.options()) : at::empty(v.sizes(), v.options());
   }
   p.dq_rows = q.numel() / p.d;
+  p.kv_tokens = k_thd ? k.size(0) : 0;
   // The family plans its shared memory and workspace (the dq_accum layout, the splits).
   tf::BwdPlan plan{};
   TORCH_CHECK(tf::dispatch_plan_bwd(arch, bf16, hd, p, dev, plan),

@@ -119,6 +119,9 @@ struct BwdParams : FwdParams {
   void* __restrict__ dq;
   int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
   int64_t dq_rows;
+  // Thd k / v: their tokens (the sm90 backward's TMA extent, where cu_seqlens_k[b] is on the
+  // GPU; the sm80 family does not read it).
+  int64_t kv_tokens;
   // rowsum(dO * O) per query row, float32, laid out as lse (written by the backward).
   float* __restrict__ dsum;
   // Deterministic: num_splits CTAs per (kv head, batch) each own a dq_accum split and add

@@ -1,7 +1,8 @@
 """FlashAttention's sm90 backward (csrc/flash/sm90/bwd_*: TMA, wgmma, warp specialization) on
 an sm_90 GPU, forced with the binding's family argument (TRANSFORMER_FA_FLASH_BWD_FAMILY=sm90
-in Python): dq, dk, dv against float64 autograd, what it declines and the error when it is
-forced on such a call, and a training step through DotProductAttention.
+in Python): dq, dk, dv against float64 autograd (bshd, sbhd, packed bs3hd, and varlen: thd
+and padded bshd), what it declines and the error when it is forced on such a call, and a
+training step through DotProductAttention.
 
 Error rule per gradient: max |ours - float64| <= 2 x max |the same math in the input dtype -
 float64| + 1e-3 (relative to the reference's magnitude; attention_cases.check). The gradients
@@ -95,6 +96,68 @@ def test_backward_matches_float64(name, mask, dtype, d):
         check(f"{name} d{which}", to_bshd(g, layout).double(), r, bg.double(), 1e-3)
 
 
+THD = 2
+# Sequence lengths (query, key) of the varlen cases: ragged, sq != sk both ways, empty-ish.
+LENS_Q = [1, 17, 113, 257, 1000, 64]
+LENS_K = [17, 1, 257, 113, 300, 64]
+
+
+def cu_seqlens(lens):
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
+                        device=DEV)
+
+
+@pytest.mark.parametrize("fmt", ["thd", "bshd-padded"])
+@pytest.mark.parametrize("mask", sorted(MASKS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+def test_varlen_backward_matches_float64(fmt, mask, dtype, d):
+    """cu_seqlens: packed thd tensors (a sequence's tiles reach into the next one's tokens),
+    or bshd batch rows padded past each sequence's length (dK / dV padding rows: zeros)."""
+    causal, bottom_right = MASKS[mask]
+    h, b = 2, len(LENS_Q)
+    gen = torch.Generator(device=DEV).manual_seed(5)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=DEV).to(dtype)
+
+    if fmt == "thd":
+        q, dout = randn(sum(LENS_Q), h, d), randn(sum(LENS_Q), h, d)
+        k, v = randn(sum(LENS_K), h, d), randn(sum(LENS_K), h, d)
+        sq, sk = max(LENS_Q), max(LENS_K)
+
+        def rows(x, lens, i):  # sequence i's rows as [1, len, h, d]
+            start = sum(lens[:i])
+            return x[start:start + lens[i]].unsqueeze(0)
+    else:
+        sq, sk = max(LENS_Q) + 8, max(LENS_K) + 8  # padded batch rows
+        q, dout = randn(b, sq, h, d), randn(b, sq, h, d)
+        k, v = randn(b, sk, h, d), randn(b, sk, h, d)
+
+        def rows(x, lens, i):
+            return x[i:i + 1, :lens[i]]
+    code = THD if fmt == "thd" else BSHD
+    cu_q, cu_k = cu_seqlens(LENS_Q), cu_seqlens(LENS_K)
+    scale = 1 / math.sqrt(d)
+    right = 0 if causal else -1
+    out, lse = EXT.fwd(q, k, v, cu_q, cu_k, code, code, sq, sk, scale, -1, right, bottom_right,
+                       True, 0.0, None, None, 0)
+    poison()
+    grads = EXT.bwd(dout, q, k, v, out, lse, cu_q, cu_k, code, code, sq, sk, scale, -1, right,
+                    bottom_right, 0.0, None, None, False, None, 90)
+    for i in range(b):
+        args = [rows(x, lens, i) for x, lens in ((q, LENS_Q), (k, LENS_K), (v, LENS_K),
+                                                  (dout, LENS_Q))]
+        ref = reference_grads(*args, causal, bottom_right, scale, torch.float64)
+        base = reference_grads(*args, causal, bottom_right, scale, dtype)
+        for which, g, r, bg, lens in zip("qkv", grads, ref, base, (LENS_Q, LENS_K, LENS_K)):
+            check(f"sequence {i} d{which}", rows(g, lens, i).double(), r, bg.double(), 1e-3)
+    if fmt != "thd":  # the padding rows past each sequence: zeros (no NaN: all written)
+        for g, lens in zip(grads, (LENS_Q, LENS_K, LENS_K)):
+            for i in range(b):
+                assert not g[i, lens[i]:].isnan().any() and not g[i, lens[i]:].any()
+
+
 def test_auto_runs_the_sm80_backward():
     """auto (family 0) keeps the sm80 backward until the sm90 one is measured: bitwise the
     forced sm80 result, and not the sm90 one."""
@@ -117,7 +180,6 @@ DECLINED = {
     "head dim 256": ((256, 256, 256, False, -1, 0, False, False, False, False, False),
                      "head dim 64 and 128 kernels only"),
     "gqa": ((128, 256, 256, False, -1, 0, False, False, False, True, False), "GQA / MQA"),
-    "varlen": ((128, 256, 256, True, -1, 0, False, False, False, False, False), "varlen"),
     "window": ((128, 256, 256, False, 64, 0, True, False, False, False, False),
                "sliding windows"),
     "alibi": ((128, 256, 256, False, -1, 0, False, True, False, False, False), "ALiBi"),

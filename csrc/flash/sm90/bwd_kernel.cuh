@@ -22,6 +22,7 @@
 // (d, rows) with the atoms ordered along the rows (Step<_2, _1>).
 #pragma once
 
+#include "flash/common/sequence.cuh"
 #include "flash/sm80/bwd_kernel.cuh"
 #include "flash/sm90/fwd_kernel.cuh"
 
@@ -121,22 +122,11 @@ struct BwdConfig {
     TmaQ tma_do;
     TmaK tma_k;   // K and V
     TmaK tma_v;
-    ShapeRows shape_q;  // (seqlen_q, d, heads, batch)
-    ShapeRows shape_k;  // (seqlen_k, d, heads, batch)
-    float const* lse;   // natural log; dsum has its layout
-    float const* dsum;
-    int64_t lse_batch_stride, lse_head_stride, lse_row_stride;
-    float* dq_accum;    // flash.h's row-group layout, one split
-    int64_t dqa_batch_stride, dqa_head_stride;
-    Element* dk;
-    Element* dv;
-    int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
-    int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
-    int seqlen_q, seqlen_k;
-    // Causal: query row i sees keys j <= i + causal_offset (seqlen_k - seqlen_q for the
-    // bottom-right diagonal, 0 for top-left; may be negative).
-    int causal_offset;
-    float softmax_scale, scale_log2;
+    // (rows, d, heads, batch): rows = seqlen_q / seqlen_k, or for packed (thd) tensors all
+    // their tokens with a batch of 1 (a sequence's tiles start at its first token then).
+    ShapeRows shape_q;
+    ShapeRows shape_k;
+    BwdParams args;  // the call: lengths (common/sequence.cuh), LSE, dsum, dq_accum, dK, dV
   };
 };
 
@@ -146,17 +136,20 @@ enum : uint32_t {
   kBarDsReady = 15,  // both consumers' dS in shared memory
 };
 
-// Query blocks [m_begin, m_end) with some row that sees a key of block n_block.
+// Query blocks [m_begin, m_end) of a sequence with some row that sees a key of block n_block
+// (none past the sequence's keys). Causal: query i sees keys j <= i + band.off.
 template <class Cfg, bool kCausal>
-__device__ __forceinline__ void query_blocks(typename Cfg::Params const& params, int n_block,
+__device__ __forceinline__ void query_blocks(SeqInfo const& si, Band const& band, int n_block,
                                              int& m_begin, int& m_end) {
   constexpr int kBlockM = Cfg::kBlockM;
-  m_end = (params.seqlen_q + kBlockM - 1) / kBlockM;
+  int const key0 = n_block * Cfg::kBlockN;
+  m_end = key0 < si.len_k ? (si.len_q + kBlockM - 1) / kBlockM : 0;
   m_begin = 0;
   if constexpr (kCausal) {
-    int const first_row = n_block * Cfg::kBlockN - params.causal_offset;  // sees the first key
-    m_begin = min(m_end, first_row <= 0 ? 0 : first_row / kBlockM);
+    int const first_row = key0 - band.off;  // the first query row that sees key0
+    m_begin = first_row <= 0 ? 0 : first_row / kBlockM;
   }
+  m_begin = min(m_begin, m_end);
 }
 
 template <class Cfg, bool kCausal>
@@ -175,8 +168,13 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   int const warp_idx = cutlass::canonical_warp_idx_sync();
   int const warpgroup_idx = cutlass::canonical_warp_group_idx();
   int const n_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+  BwdParams const& args = params.args;
+  SeqInfo const si = seq_info(args, batch);
+  Band const band = band_of(args, si);
+  int const key0 = n_block * kBlockN;
+  if (key0 >= si.rows_k) { return; }  // past this (packed) sequence: the whole CTA leaves
   int m_begin, m_end;
-  query_blocks<Cfg, kCausal>(params, n_block, m_begin, m_end);
+  query_blocks<Cfg, kCausal>(si, band, n_block, m_begin, m_end);
 
   if (warp_idx == 0 && threadIdx.x == 0) {
     cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
@@ -211,10 +209,20 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
     Tensor mV = params.tma_v.get_tma_tensor(params.shape_k);
     auto tile_q = Shape<Int<kBlockM>, Int<kHeadDim>>{};
     auto tile_k = Shape<Int<kBlockN>, Int<kHeadDim>>{};
-    Tensor gQ = local_tile(mQ(_, _, head, batch), tile_q, make_coord(_, _0{}));     // (M, D, m)
-    Tensor gdO = local_tile(mdO(_, _, head, batch), tile_q, make_coord(_, _0{}));   // (M, D, m)
-    Tensor gK = local_tile(mK(_, _, head, batch), tile_k, make_coord(n_block, _0{}));  // (N, D)
-    Tensor gV = local_tile(mV(_, _, head, batch), tile_k, make_coord(n_block, _0{}));  // (N, D)
+    // This sequence's rows: packed tensors from its first token (its tiles may reach into
+    // the next sequence's rows: those are masked like rows past a padded length).
+    auto rows_q = [&](auto& m) {
+      return domain_offset(make_coord(si.q_packed ? si.start_q : 0, _0{}),
+                           m(_, _, head, si.q_packed ? 0 : batch));
+    };
+    auto rows_k = [&](auto& m) {
+      return domain_offset(make_coord(si.k_packed ? si.start_k : 0, _0{}),
+                           m(_, _, head, si.k_packed ? 0 : batch));
+    };
+    Tensor gQ = local_tile(rows_q(mQ), tile_q, make_coord(_, _0{}));      // (M, D, m)
+    Tensor gdO = local_tile(rows_q(mdO), tile_q, make_coord(_, _0{}));    // (M, D, m)
+    Tensor gK = local_tile(rows_k(mK), tile_k, make_coord(n_block, _0{}));  // (N, D)
+    Tensor gV = local_tile(rows_k(mV), tile_k, make_coord(n_block, _0{}));  // (N, D)
     auto q_parts = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
                                  group_modes<0, 2>(gQ));
     auto do_parts = tma_partition(params.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO),
@@ -282,14 +290,15 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   Tensor cdQ = make_identity_tensor(select<0, 1>(typename Cfg::TileDQ{}));  // (query, column)
   Tensor tdQcdQ = thr_dq.partition_C(cdQ);
 
-  int64_t const lse_offset =
-      int64_t(batch) * params.lse_batch_stride + int64_t(head) * params.lse_head_stride;
-  float* dq_accum = params.dq_accum + int64_t(batch) * params.dqa_batch_stride +
-                    int64_t(head) * params.dqa_head_stride;
-  int const key0 = n_block * kBlockN;
-  // Key rows past seqlen_k (TMA zero-fills them) and, causal, keys past a query's diagonal
-  // get P = 0. Query rows past seqlen_q read LSE = +inf (P = 0) and dsum = 0.
-  bool const key_tail = key0 + kBlockN > params.seqlen_k;
+  // The LSE (and dsum) of query row 0 of this sequence and head.
+  int64_t const lse_offset = si.q_off(args.lse_batch_stride, args.lse_row_stride) +
+                             int64_t(head) * args.lse_head_stride;
+  float* dq_accum = sm80::dqa_block(args, si, 0, head);
+  // Keys past the sequence (zero-filled by TMA, or the next packed sequence's) and, causal,
+  // keys past a query's diagonal get P = 0. Query rows past the sequence read LSE = +inf
+  // (P = 0) and dsum = 0, so their dS is 0 too.
+  bool const key_tail = key0 + kBlockN > si.len_k;
+  float const scale_log2 = args.scale_softmax_log2;
 
   shared.barrier_kv.wait(0);
   PipelineState read;  // Q and dO stages advance together
@@ -307,28 +316,27 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
     // The LSE and dsum of this thread's query columns are read where used, a column at a
     // time (held for all columns across the GEMMs, they spilled).
     auto row_value = [&](float const* rows, int query, float past_end) {  // LSE's layout
-      return query < params.seqlen_q
-                 ? rows[lse_offset + int64_t(query) * params.lse_row_stride] : past_end;
+      return query < si.len_q ? rows[lse_offset + int64_t(query) * args.lse_row_stride]
+                              : past_end;
     };
-    bool const masked = key_tail || (kCausal && key0 + kBlockN - 1 > query0 + params.causal_offset);
+    bool const masked = key_tail || (kCausal && key0 + kBlockN - 1 > query0 + band.off);
     warpgroup_wait<1>();  // S^T
     CUTE_UNROLL
     for (int c = 0; c < size<1>(s); ++c) {
       int const query = query0 + get<1>(tScS_rc(0, c));
-      float const lse_log2 = row_value(params.lse, query, INFINITY) * float(M_LOG2E);
+      float const lse_log2 = row_value(args.lse, query, INFINITY) * float(M_LOG2E);
       CUTE_UNROLL
       for (int r = 0; r < size<0>(s); ++r) {
         int const key = key0 + get<0>(tScS_rc(r, c));
-        bool const out = masked && (key >= params.seqlen_k ||
-                                    (kCausal && key > query + params.causal_offset));
-        s(r, c) = out ? 0.f : fast_exp2(s(r, c) * params.scale_log2 - lse_log2);
+        bool const out = masked && (key >= si.len_k || (kCausal && key > query + band.off));
+        s(r, c) = out ? 0.f : fast_exp2(s(r, c) * scale_log2 - lse_log2);
       }
     }
     warpgroup_wait<0>();  // dP^T
     CUTE_UNROLL
     for (int c = 0; c < size<1>(s); ++c) {
       int const query = query0 + get<1>(tScS_rc(0, c));
-      float const dsum = row_value(params.dsum, query, 0.f);
+      float const dsum = row_value(args.dsum, query, 0.f);
       CUTE_UNROLL
       for (int r = 0; r < size<0>(s); ++r) { dp(r, c) = s(r, c) * (dp(r, c) - dsum); }
     }
@@ -354,30 +362,35 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
     pipe_do.consumer_release(read);
     ++read;
 
-    // dQ partial -> dq_accum (rows past seqlen_q hold zeros and have no room there).
+    // dQ partial -> dq_accum (rows past the sequence hold zeros, and may be another's).
     CUTE_UNROLL
     for (int i = 0; i < size(tdQrdQ); ++i) {
       int const row = query0 + get<0>(tdQcdQ(i));
-      if (row < params.seqlen_q) {
-        atomicAdd(dq_accum + sm80::dqa_offset(row, get<1>(tdQcdQ(i)), kHeadDim), tdQrdQ(i));
+      if (row < si.len_q) {
+        atomicAdd(dq_accum + sm80::dqa_offset(sm80::dqa_row(si, row), get<1>(tdQcdQ(i)),
+                                              kHeadDim),
+                  tdQrdQ(i));
       }
     }
   }
 
   // ---------------- epilogue: dV and dK (times the softmax scale) ----------------
+  // Every row the sequence owns (padding rows past its length get zeros, as from sm80).
   Tensor cKV = make_identity_tensor(select<0, 1>(typename Cfg::TileKV{}));  // (key, column)
   Tensor tKVcKV = thr_kv.partition_C(cKV);
-  Element* dk = params.dk + int64_t(batch) * params.dk_batch_stride +
-                int64_t(head) * params.dk_head_stride;
-  Element* dv = params.dv + int64_t(batch) * params.dv_batch_stride +
-                int64_t(head) * params.dv_head_stride;
+  Element* dk = static_cast<Element*>(args.dk) +
+                si.k_off(args.dk_batch_stride, args.dk_row_stride) +
+                int64_t(head) * args.dk_head_stride;
+  Element* dv = static_cast<Element*>(args.dv) +
+                si.k_off(args.dv_batch_stride, args.dv_row_stride) +
+                int64_t(head) * args.dv_head_stride;
   CUTE_UNROLL
   for (int i = 0; i < size(tdVrdV); ++i) {
     int const key = key0 + get<0>(tKVcKV(i));
     int const col = get<1>(tKVcKV(i));
-    if (key < params.seqlen_k) {
-      dv[int64_t(key) * params.dv_row_stride + col] = Element(tdVrdV(i));
-      dk[int64_t(key) * params.dk_row_stride + col] = Element(tdKrdK(i) * params.softmax_scale);
+    if (key < si.rows_k) {
+      dv[int64_t(key) * args.dv_row_stride + col] = Element(tdVrdV(i));
+      dk[int64_t(key) * args.dk_row_stride + col] = Element(tdKrdK(i) * args.scale_softmax);
     }
   }
 }

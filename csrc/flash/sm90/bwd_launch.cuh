@@ -43,34 +43,34 @@ BwdPlan plan_bwd(BwdParams& p, const Device& device) {
 template <class Cfg, bool kCausal>
 void launch_main(const BwdParams& a, cudaStream_t stream) {
   using Element = typename Cfg::Element;
-  auto rows = [](const void* ptr, int seqlen, int heads, int batch, int64_t row_stride,
-                 int64_t head_stride, int64_t batch_stride) {
+  // A tensor as (rows, d, heads, batch): packed (thd) ones as all their tokens with a batch
+  // of one (the stride of that single batch is unused; TMA wants a valid one).
+  auto rows = [](const void* ptr, bool packed, int64_t tokens, int seqlen, int heads, int batch,
+                 int64_t row_stride, int64_t head_stride, int64_t batch_stride) {
     return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)),
-                       make_shape(seqlen, Cfg::kHeadDim, heads, batch),
-                       make_stride(row_stride, _1{}, head_stride, batch_stride));
+                       make_shape(int(packed ? tokens : seqlen), Cfg::kHeadDim, heads,
+                                  packed ? 1 : batch),
+                       make_stride(row_stride, _1{}, head_stride,
+                                   packed ? tokens * row_stride : batch_stride));
   };
-  auto mQ = rows(a.q, a.seqlen_q, a.h, a.b, a.q_row_stride, a.q_head_stride, a.q_batch_stride);
-  auto mdO = rows(a.dout, a.seqlen_q, a.h, a.b, a.do_row_stride, a.do_head_stride,
-                  a.do_batch_stride);
-  auto mK = rows(a.k, a.seqlen_k, a.h_k, a.b, a.k_row_stride, a.k_head_stride, a.k_batch_stride);
-  auto mV = rows(a.v, a.seqlen_k, a.h_k, a.b, a.v_row_stride, a.v_head_stride, a.v_batch_stride);
+  const int64_t q_tokens = a.h > 0 ? a.dq_rows / a.h : 0;
+  auto mQ = rows(a.q, a.q_packed, q_tokens, a.seqlen_q, a.h, a.b, a.q_row_stride,
+                 a.q_head_stride, a.q_batch_stride);
+  auto mdO = rows(a.dout, a.q_packed, q_tokens, a.seqlen_q, a.h, a.b, a.do_row_stride,
+                  a.do_head_stride, a.do_batch_stride);
+  auto mK = rows(a.k, a.k_packed, a.kv_tokens, a.seqlen_k, a.h_k, a.b, a.k_row_stride,
+                 a.k_head_stride, a.k_batch_stride);
+  auto mV = rows(a.v, a.k_packed, a.kv_tokens, a.seqlen_k, a.h_k, a.b, a.v_row_stride,
+                 a.v_head_stride, a.v_batch_stride);
   auto tile_q = Shape<Int<Cfg::kBlockM>, Int<Cfg::kHeadDim>>{};
   auto tile_k = Shape<Int<Cfg::kBlockN>, Int<Cfg::kHeadDim>>{};
   auto smem_q = take<0, 2>(typename Cfg::SmemLayoutQ{});
   auto smem_k = typename Cfg::SmemLayoutK{};
-  typename Cfg::Params p{
-      make_tma_copy(SM90_TMA_LOAD{}, mQ, smem_q, tile_q, _1{}),
-      make_tma_copy(SM90_TMA_LOAD{}, mdO, smem_q, tile_q, _1{}),
-      make_tma_copy(SM90_TMA_LOAD{}, mK, smem_k, tile_k, _1{}),
-      make_tma_copy(SM90_TMA_LOAD{}, mV, smem_k, tile_k, _1{}),
-      mQ.shape(), mK.shape(),
-      a.lse, a.dsum, a.lse_batch_stride, a.lse_head_stride, a.lse_row_stride,
-      a.dq_accum, a.dqa_batch_stride, a.dqa_head_stride,
-      static_cast<Element*>(a.dk), static_cast<Element*>(a.dv),
-      a.dk_batch_stride, a.dk_row_stride, a.dk_head_stride,
-      a.dv_batch_stride, a.dv_row_stride, a.dv_head_stride,
-      a.seqlen_q, a.seqlen_k, a.bottom_right ? a.seqlen_k - a.seqlen_q : 0,
-      a.scale_softmax, a.scale_softmax_log2};
+  typename Cfg::Params p{make_tma_copy(SM90_TMA_LOAD{}, mQ, smem_q, tile_q, _1{}),
+                         make_tma_copy(SM90_TMA_LOAD{}, mdO, smem_q, tile_q, _1{}),
+                         make_tma_copy(SM90_TMA_LOAD{}, mK, smem_k, tile_k, _1{}),
+                         make_tma_copy(SM90_TMA_LOAD{}, mV, smem_k, tile_k, _1{}),
+                         mQ.shape(), mK.shape(), a};
 
   constexpr auto kernel = bwd_kernel<Cfg, kCausal>;
   static_assert(sizeof(typename Cfg::SharedStorage) <= 227 * 1024, "over sm90's shared memory");

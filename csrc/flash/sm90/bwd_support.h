@@ -18,8 +18,6 @@ inline const char* bwd_declines(const BwdParams& p, int arch) {
   // (other head dims would need their columns past d masked; 192 and 256 need other tiles)
   if (p.d != 64 && p.d != 128) return "its backward has head dim 64 and 128 kernels only";
   if (p.h != p.h_k) return "its backward does not take GQA / MQA (num_gqa_groups != num_heads) yet";
-  if (p.cu_seqlens_q != nullptr || p.cu_seqlens_k != nullptr)
-    return "its backward does not take varlen (cu_seqlens) calls yet";
   const bool no_mask = p.window_left < 0 && p.window_right < 0;
   const bool causal = p.window_left < 0 && p.window_right == 0;
   if (!no_mask && !causal) return "its backward does not take sliding windows yet";
