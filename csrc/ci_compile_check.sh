@@ -3,8 +3,9 @@
 # a change that breaks the kernels' build cannot land. Fails loudly on any error.
 #   csrc/ci_compile_check.sh            # from anywhere; needs nvcc (CUDA 12.x/13.x)
 # Every kernel family (csrc/generate.py's FAMILIES: sm80, whose sm_90a build also compiles
-# sm90/'s bulk dQ copy, and sm90): each direction at each of the family's default targets
-# (generate.py --compile-check-jobs). Also checks that the generated files are up to date.
+# sm90/'s bulk dQ copy, and sm90, forward and backward): each direction at each of the family's
+# default targets (generate.py --compile-check-jobs). Also checks that the generated files are
+# up to date.
 set -euo pipefail
 cd "$(dirname "$0")"
 NVCC=${NVCC:-nvcc}

@@ -13,6 +13,7 @@
 
 #include "flash/dispatch.h"
 #include "flash/flash.h"
+#include "flash/sm90/bwd_support.h"
 #include "flash/sm90/fwd_support.h"
 
 namespace tf = transformer_fa::flash;
@@ -116,9 +117,34 @@ tf::Arch fwd_family(const tf::FwdParams& p, int arch, bool bf16, int requested,
   return tf::Arch::kSm80;
 }
 
-// The backward's family: sm80 for every call (the sm90 family has no backward yet). It reads
-// the LSE that either family's forward writes (float32, natural log, same layout).
-tf::Arch bwd_family(const tf::Device&) { return tf::Arch::kSm80; }
+// The family that runs a backward: sm80 unless sm90 is requested (the sm90 backward is not
+// measured yet; once it is, `kAnyFamily` will follow the measured speed as fwd_family does),
+// and then sm90 where this build has its kernel and bwd_declines accepts the call. Either
+// family reads the LSE that either family's forward writes (float32, natural log, same
+// layout). `why_not_sm90` says why sm90 was not taken, when it was not.
+tf::Arch bwd_family(const tf::BwdParams& p, int arch, bool bf16, int requested,
+                    std::string& why_not_sm90) {
+  const char* declined = tf::sm90::bwd_declines(p, arch);
+  if (requested != static_cast<int>(tf::Arch::kSm90)) {
+    why_not_sm90 = requested == kAnyFamily
+                       ? "the sm80 backward is the default until the sm90 one is measured"
+                       : "the sm80 family was requested";
+  } else if (declined != nullptr) {
+    why_not_sm90 = declined;
+  } else if (!tf::has_bwd(tf::Arch::kSm90, bf16, kernel_head_dim(p.d))) {
+    why_not_sm90 = "this build has no sm90 backward kernel for this dtype and head dim";
+  } else {
+    return tf::Arch::kSm90;
+  }
+  return tf::Arch::kSm80;
+}
+
+// A family argument's check (fwd, bwd: `op` names the call).
+void check_family(const char* op, int64_t family) {
+  TORCH_CHECK(family == kAnyFamily || family == static_cast<int>(tf::Arch::kSm80) ||
+                  family == static_cast<int>(tf::Arch::kSm90),
+              op, ": family must be 0 (any), 80 or 90, got ", num(family));
+}
 
 // Checks q, k, v, the lengths and the mask arguments, and fills the parameters the forward
 // and the backward share. Returns the batch size. kv_paged: k and v are page pools (bshd,
@@ -275,9 +301,7 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   const int hd = kernel_head_dim(p.d);
   const tf::Device& dev = device_info(q.get_device());
-  TORCH_CHECK(family == kAnyFamily || family == static_cast<int>(tf::Arch::kSm80) ||
-                  family == static_cast<int>(tf::Arch::kSm90),
-              "flash_attn_fwd: family must be 0 (any), 80 or 90, got ", num(family));
+  check_family("flash_attn_fwd", family);
   std::string why_not_sm90;
   const tf::Arch arch = fwd_family(p, dev.arch, bf16, static_cast<int>(family), why_not_sm90);
   TORCH_CHECK(family != static_cast<int>(tf::Arch::kSm90) || arch == tf::Arch::kSm90,
@@ -295,6 +319,8 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
 // dtype, any strides the kernels read, e.g. views of one packed buffer); thd tokens past
 // cu_seqlens[-1] get zeros. deterministic: the
 // same inputs give bitwise the same gradients (dQ through per-CTA splits summed in order).
+// family: 0 (bwd_family's choice) or an Arch value (TRANSFORMER_FA_FLASH_BWD_FAMILY, for tests
+// and benchmarks); a requested sm90 that cannot serve the call is an error naming the reason.
 std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                             const c10::optional<at::Tensor>& cu_seqlens_q,
@@ -304,7 +330,7 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
                             bool bottom_right, double dropout_p,
                             const c10::optional<at::Tensor>& rng_state,
                             const c10::optional<at::Tensor>& alibi_slopes, bool deterministic,
-                            const c10::optional<std::vector<at::Tensor>>& grads) {
+                            const c10::optional<std::vector<at::Tensor>>& grads, int64_t family) {
   c10::cuda::CUDAGuard guard(q.device());
   tf::BwdParams p{};
   const int64_t b = fill_common(p, "flash_attn_bwd", q, k, v, cu_seqlens_q, cu_seqlens_k,
@@ -326,7 +352,12 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   const int hd = kernel_head_dim(p.d);
   const tf::Device& dev = device_info(q.get_device());
-  const tf::Arch family = bwd_family(dev);
+  check_family("flash_attn_bwd", family);
+  p.deterministic = deterministic;
+  std::string why_not_sm90;
+  const tf::Arch arch = bwd_family(p, dev.arch, bf16, static_cast<int>(family), why_not_sm90);
+  TORCH_CHECK(family != static_cast<int>(tf::Arch::kSm90) || arch == tf::Arch::kSm90,
+              "flash_attn_bwd: the sm90 family was requested, but ", why_not_sm90);
 
   at::Tensor dq, dk, dv;
   if (grads.has_value()) {
@@ -348,10 +379,10 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     dv = k_thd ? at::zeros(v.sizes(), v.options()) : at::empty(v.sizes(), v.options());
   }
   p.dq_rows = q.numel() / p.d;
-  p.deterministic = deterministic;
+  p.kv_tokens = k_thd ? k.size(0) : 0;
   // The family plans its shared memory and workspace (the dq_accum layout, the splits).
   tf::BwdPlan plan{};
-  TORCH_CHECK(tf::dispatch_plan_bwd(family, bf16, hd, p, dev, plan),
+  TORCH_CHECK(tf::dispatch_plan_bwd(arch, bf16, hd, p, dev, plan),
               "flash_attn_bwd: this build has no ", kernel_name(q.scalar_type(), hd),
               " kernel (see TRANSFORMER_FA_FLASH_KERNELS in setup.py)");
   TORCH_CHECK(plan.smem_bytes <= dev.smem_optin, "flash_attn_bwd: head dim ", num(p.d),
@@ -385,7 +416,7 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
   p.dq_batch_stride = sdq.batch; p.dq_row_stride = sdq.row; p.dq_head_stride = sdq.head;
   p.dsum = dsum.data_ptr<float>();
 
-  TORCH_CHECK(tf::dispatch_bwd(family, bf16, hd, p, dev,
+  TORCH_CHECK(tf::dispatch_bwd(arch, bf16, hd, p, dev,
                                c10::cuda::getCurrentCUDAStream().stream()),
               "flash_attn_bwd: this build has no ", kernel_name(q.scalar_type(), hd), " kernel");
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -480,13 +511,10 @@ at::Tensor fwd_kvcache(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   return out;
 }
 
-// The family fwd would run a call on (its name, and why not sm90 when it is not), from the
-// call's shape alone: the Python backend logs it. arch: the GPU's compute capability.
-std::vector<std::string> fwd_family_of(int64_t arch, bool bf16, int64_t d, int64_t seqlen_q,
-                                       int64_t seqlen_k, bool varlen, int64_t window_left,
-                                       int64_t window_right, bool bottom_right, bool alibi,
-                                       bool dropout, int64_t family) {
-  tf::FwdParams p{};
+// Fills the fields of p that the family rules read from a call's shape.
+void fill_shape(tf::FwdParams& p, int64_t d, int64_t seqlen_q, int64_t seqlen_k, bool varlen,
+                int64_t window_left, int64_t window_right, bool bottom_right, bool alibi,
+                bool dropout) {
   static const int kSomeSequences = 1;  // a non-null cu_seqlens stands for "varlen"
   p.d = static_cast<int>(d);
   p.seqlen_q = static_cast<int>(seqlen_q);
@@ -499,8 +527,37 @@ std::vector<std::string> fwd_family_of(int64_t arch, bool bf16, int64_t d, int64
   static const int64_t kSomeState = 0;
   p.alibi_slopes = alibi ? &kSomeSlope : nullptr;
   p.rng_state = dropout ? &kSomeState : nullptr;
+}
+
+// The family fwd would run a call on (its name, and why not sm90 when it is not), from the
+// call's shape alone: the Python backend logs it. arch: the GPU's compute capability.
+// bwd_family_of: the same for bwd, which also depends on GQA and determinism.
+std::vector<std::string> fwd_family_of(int64_t arch, bool bf16, int64_t d, int64_t seqlen_q,
+                                       int64_t seqlen_k, bool varlen, int64_t window_left,
+                                       int64_t window_right, bool bottom_right, bool alibi,
+                                       bool dropout, int64_t family) {
+  tf::FwdParams p{};
+  fill_shape(p, d, seqlen_q, seqlen_k, varlen, window_left, window_right, bottom_right, alibi,
+             dropout);
   std::string why_not_sm90;
   const tf::Arch arch_run = fwd_family(p, static_cast<int>(arch), bf16, static_cast<int>(family),
+                                       why_not_sm90);
+  return {arch_run == tf::Arch::kSm90 ? "sm90" : "sm80", why_not_sm90};
+}
+
+std::vector<std::string> bwd_family_of(int64_t arch, bool bf16, int64_t d, int64_t seqlen_q,
+                                       int64_t seqlen_k, bool varlen, int64_t window_left,
+                                       int64_t window_right, bool bottom_right, bool alibi,
+                                       bool dropout, bool gqa, bool deterministic,
+                                       int64_t family) {
+  tf::BwdParams p{};
+  fill_shape(p, d, seqlen_q, seqlen_k, varlen, window_left, window_right, bottom_right, alibi,
+             dropout);
+  p.h = gqa ? 2 : 1;  // only h != h_k matters
+  p.h_k = 1;
+  p.deterministic = deterministic;
+  std::string why_not_sm90;
+  const tf::Arch arch_run = bwd_family(p, static_cast<int>(arch), bf16, static_cast<int>(family),
                                        why_not_sm90);
   return {arch_run == tf::Arch::kSm90 ? "sm90" : "sm80", why_not_sm90};
 }
@@ -533,7 +590,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("window_left"), py::arg("window_right"), py::arg("bottom_right"),
         py::arg("dropout_p") = 0.0, py::arg("rng_state") = py::none(),
         py::arg("alibi_slopes") = py::none(), py::arg("deterministic") = false,
-        py::arg("grads") = py::none());
+        py::arg("grads") = py::none(), py::arg("family") = kAnyFamily);
+  m.def("bwd_family", &bwd_family_of,
+        "(family name, why not sm90) of the backward of a call with this shape",
+        py::arg("arch"), py::arg("bf16"), py::arg("d"), py::arg("seqlen_q"), py::arg("seqlen_k"),
+        py::arg("varlen"), py::arg("window_left"), py::arg("window_right"),
+        py::arg("bottom_right"), py::arg("alibi"), py::arg("dropout"), py::arg("gqa"),
+        py::arg("deterministic"), py::arg("family") = kAnyFamily);
   std::vector<int> dims(std::begin(tf::kKernelHeadDims), std::end(tf::kKernelHeadDims));
   m.attr("HEAD_DIMS") = py::cast(dims);
   m.attr("INSTANTIATIONS") = tf::built_instantiations();

@@ -32,6 +32,13 @@ class Family(NamedTuple):
     directions: Tuple[str, ...]
     head_dims: Tuple[int, ...] = HEAD_DIMS
     needs_cutlass: bool = False    # its files include CuTe/CUTLASS (pip nvidia-cutlass)
+    bwd_head_dims: Optional[Tuple[int, ...]] = None  # the backward's, where fewer (None: all)
+
+    def has(self, direction: str, d: int) -> bool:
+        """Whether the family has a `direction` kernel for head dim d."""
+        if direction not in self.directions:
+            return False
+        return direction != "bwd" or self.bwd_head_dims is None or d in self.bwd_head_dims
 
 
 # Kernel families: csrc/flash/<name>/{fwd,bwd,decode}_launch.cuh define <name>::launch_fwd,
@@ -39,9 +46,9 @@ class Family(NamedTuple):
 # target (and serves every GPU: the INSTANTIATIONS the binding reports are its kernels').
 FAMILIES = {
     "sm80": Family(enum="kSm80", archs=None, directions=("fwd", "bwd", "decode")),
-    # wgmma/TMA forward for sm_90a; the binding runs what it declines on sm80.
-    "sm90": Family(enum="kSm90", archs=("90a",), directions=("fwd",), head_dims=(64, 128, 256),
-                   needs_cutlass=True),
+    # wgmma/TMA forward and backward for sm_90a; the binding runs what they decline on sm80.
+    "sm90": Family(enum="kSm90", archs=("90a",), directions=("fwd", "bwd"),
+                   head_dims=(64, 128, 256), needs_cutlass=True, bwd_head_dims=(64, 128)),
 }
 EVERY_GPU_FAMILY = "sm80"
 
@@ -114,6 +121,10 @@ inline bool dispatch_fwd(Arch arch, bool bf16, int hd, const FwdParams& params,
 // Whether this build has the forward kernel for (family, dtype, kernel head dim).
 inline bool has_fwd(Arch arch, bool bf16, int hd) {{
 {has_fwd_cases}  return false;
+}}
+// Whether this build has the backward kernel for (family, dtype, kernel head dim).
+inline bool has_bwd(Arch arch, bool bf16, int hd) {{
+{has_bwd_cases}  return false;
 }}
 inline bool dispatch_plan_bwd(Arch arch, bool bf16, int hd, BwdParams& params,
                               const Device& device, BwdPlan& plan) {{
@@ -232,8 +243,9 @@ def selected(names: str, archs: str = DEFAULT_ARCHS, cutlass: bool = True):
             continue
         macros.append(f"-D{kernel_macro(family, dtype, d)}")
         for direction in FAMILIES[family].directions:
-            path = f"flash/instantiations/{kernel_file_name(direction, family, dtype, d)}"
-            files[path] = targets
+            if FAMILIES[family].has(direction, d):
+                path = f"flash/instantiations/{kernel_file_name(direction, family, dtype, d)}"
+                files[path] = targets
     return dict(sorted(files.items())), macros
 
 
@@ -255,10 +267,11 @@ def compile_check_jobs(archs: str = DEFAULT_ARCHS):
     and head dims."""
     jobs = []
     for family, spec in FAMILIES.items():
-        insts = [(dtype, d) for dtype in DTYPES for d in spec.head_dims]
         pairs = [(direction, target) for direction in spec.directions
                  for target in family_archs(family, archs)]
         for k, (direction, target) in enumerate(pairs):
+            insts = [(dtype, d) for dtype in DTYPES for d in spec.head_dims
+                     if spec.has(direction, d)]
             dtype, d = insts[(5 * k) % len(insts)]
             jobs.append((f"flash/instantiations/{kernel_file_name(direction, family, dtype, d)}",
                          target))
@@ -272,26 +285,30 @@ def kernel_files():
         kw = dict(family=family, ctype=ctype, d=d,
                   spec=f"Arch::{FAMILIES[family].enum}, DType::{enum}, {d}")
         for direction in FAMILIES[family].directions:
+            if not FAMILIES[family].has(direction, d):
+                continue
             body = RUN_BODIES[direction].format(**kw)
             yield (kernel_file_name(direction, family, dtype, d),
                    KERNEL_FILE.format(family=family, direction=direction, body=body))
 
 
 def dispatch_header() -> str:
-    fwd, has_fwd, plan, bwd, plan_decode, decode, built = [], [], [], [], [], [], []
+    fwd, has_fwd, plan, bwd, has_bwd = [], [], [], [], []
+    plan_decode, decode, built = [], [], []
     for family, dtype, d in instantiations():
         spec = FAMILIES[family]
         enum = DTYPES[dtype][0]
         template = f"<Arch::{spec.enum}, DType::{enum}, {d}>"
         kw = dict(macro=kernel_macro(family, dtype, d), enum=spec.enum,
                   not_="" if dtype == "bf16" else "!", d=d)
-        if "fwd" in spec.directions:
+        if spec.has("fwd", d):
             fwd.append(CASE.format(body=f"run_fwd{template}(params, device, stream)", **kw))
             has_fwd.append(HAS_CASE.format(**kw))
-        if "bwd" in spec.directions:
+        if spec.has("bwd", d):
             plan.append(CASE.format(body=f"plan = plan_bwd{template}(params, device)", **kw))
             bwd.append(CASE.format(body=f"run_bwd{template}(params, device, stream)", **kw))
-        if "decode" in spec.directions:
+            has_bwd.append(HAS_CASE.format(**kw))
+        if spec.has("decode", d):
             plan_decode.append(CASE.format(body=f"plan = plan_decode{template}(params, device)",
                                            **kw))
             decode.append(CASE.format(body=f"run_decode{template}(params, device, stream)",
@@ -301,6 +318,7 @@ def dispatch_header() -> str:
     return DISPATCH_HEADER.format(dims=", ".join(map(str, HEAD_DIMS)), fwd_cases="".join(fwd),
                                   has_fwd_cases="".join(has_fwd),
                                   plan_cases="".join(plan), bwd_cases="".join(bwd),
+                                  has_bwd_cases="".join(has_bwd),
                                   plan_decode_cases="".join(plan_decode),
                                   decode_cases="".join(decode),
                                   every=EVERY_GPU_FAMILY, built="".join(built))

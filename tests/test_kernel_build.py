@@ -18,10 +18,15 @@ def test_default_builds_every_instantiation_for_its_targets():
     sm90 = {f: t for f, t in files.items() if f.endswith("_sm90.cu")}
     assert len(sm80) == 3 * 2 * len(generate.HEAD_DIMS)  # fwd, bwd and decode, 2 dtypes
     assert set(sm80.values()) == {("80", "90a")}
-    assert sorted(sm90) == sorted(f"flash/instantiations/fwd_{t}_hdim{d}_sm90.cu"
-                                  for t in ("bf16", "fp16") for d in (64, 128, 256))
+    # sm90: forward at d64, d128 and d256, backward at d64 and d128 (one macro per kernel)
+    sm90_fwd = [f"flash/instantiations/fwd_{t}_hdim{d}_sm90.cu"
+                for t in ("bf16", "fp16") for d in (64, 128, 256)]
+    sm90_bwd = [f"flash/instantiations/bwd_{t}_hdim{d}_sm90.cu"
+                for t in ("bf16", "fp16") for d in (64, 128)]
+    assert sorted(sm90) == sorted(sm90_fwd + sm90_bwd)
     assert set(sm90.values()) == {("90a",)}
-    assert len(files) == len(sm80) + len(sm90) and len(macros) == len(sm80) // 3 + len(sm90)
+    assert len(files) == len(sm80) + len(sm90)
+    assert len(macros) == len(sm80) // 3 + len(sm90_fwd)
     assert all((CSRC / f).is_file() for f in files)
     dispatch = (CSRC / "flash" / "dispatch.h").read_text()
     assert all(f"#ifdef {m[2:]}" in dispatch for m in macros)
@@ -34,7 +39,8 @@ def test_a_subset_builds_both_directions_of_each_named_kernel():
     assert list(files) == sorted([f"flash/instantiations/{d}_{k}_sm80.cu"
                                   for d in ("fwd", "bwd", "decode")
                                   for k in ("bf16_hdim128", "fp16_hdim64")]
-                                 + ["flash/instantiations/fwd_bf16_hdim128_sm90.cu"])
+                                 + [f"flash/instantiations/{d}_bf16_hdim128_sm90.cu"
+                                    for d in ("fwd", "bwd")])
 
 
 def test_without_cutlass_the_sm90_family_is_left_out():
@@ -55,14 +61,16 @@ def test_a_family_builds_only_for_its_targets():
     assert files == {"flash/instantiations/bwd_bf16_hdim128_sm80.cu": ("80", "90a"),
                      "flash/instantiations/decode_bf16_hdim128_sm80.cu": ("80", "90a"),
                      "flash/instantiations/fwd_bf16_hdim128_sm80.cu": ("80", "90a"),
-                     "flash/instantiations/fwd_bf16_hdim128_sm90.cu": ("90a",)}
+                     "flash/instantiations/fwd_bf16_hdim128_sm90.cu": ("90a",),
+                     "flash/instantiations/bwd_bf16_hdim128_sm90.cu": ("90a",)}
     assert macros == ["-DTFA_FLASH_SM80_BF16_HDIM128", "-DTFA_FLASH_SM90_BF16_HDIM128"]
     groups = generate.compile_groups(files)
     assert {t: generate.gencode_flags(t) for t in groups} == {
         ("80", "90a"): ["-gencode=arch=compute_80,code=sm_80",
                         "-gencode=arch=compute_90a,code=sm_90a"],
         ("90a",): ["-gencode=arch=compute_90a,code=sm_90a"]}
-    assert groups[("90a",)] == ["flash/instantiations/fwd_bf16_hdim128_sm90.cu"]
+    assert groups[("90a",)] == [f"flash/instantiations/{d}_bf16_hdim128_sm90.cu"
+                                for d in ("bwd", "fwd")]
     # Without sm_90a among the targets, the family is left out (no macro: no dispatch case).
     files, macros = generate.selected("bf16_hdim128", "80")
     assert set(files.values()) == {("80",)} and macros == ["-DTFA_FLASH_SM80_BF16_HDIM128"]
@@ -70,7 +78,8 @@ def test_a_family_builds_only_for_its_targets():
         generate.selected("sm90_bf16_hdim128", "80")
     # The CI compile check covers each family at each of its targets.
     assert [job for job in generate.compile_check_jobs() if job[0].endswith("_sm90.cu")] == \
-        [("flash/instantiations/fwd_fp16_hdim64_sm90.cu", "90a")]
+        [("flash/instantiations/fwd_fp16_hdim64_sm90.cu", "90a"),
+         ("flash/instantiations/bwd_fp16_hdim128_sm90.cu", "90a")]
 
 
 def test_dispatch_lists_the_user_names_of_the_every_gpu_family():

@@ -148,6 +148,46 @@ inline bool has_fwd(Arch arch, bool bf16, int hd) {
 #endif
   return false;
 }
+// Whether this build has the backward kernel for (family, dtype, kernel head dim).
+inline bool has_bwd(Arch arch, bool bf16, int hd) {
+#ifdef TFA_FLASH_SM80_FP16_HDIM64
+  if (arch == Arch::kSm80 && !bf16 && hd == 64) return true;
+#endif
+#ifdef TFA_FLASH_SM80_FP16_HDIM128
+  if (arch == Arch::kSm80 && !bf16 && hd == 128) return true;
+#endif
+#ifdef TFA_FLASH_SM80_FP16_HDIM192
+  if (arch == Arch::kSm80 && !bf16 && hd == 192) return true;
+#endif
+#ifdef TFA_FLASH_SM80_FP16_HDIM256
+  if (arch == Arch::kSm80 && !bf16 && hd == 256) return true;
+#endif
+#ifdef TFA_FLASH_SM80_BF16_HDIM64
+  if (arch == Arch::kSm80 && bf16 && hd == 64) return true;
+#endif
+#ifdef TFA_FLASH_SM80_BF16_HDIM128
+  if (arch == Arch::kSm80 && bf16 && hd == 128) return true;
+#endif
+#ifdef TFA_FLASH_SM80_BF16_HDIM192
+  if (arch == Arch::kSm80 && bf16 && hd == 192) return true;
+#endif
+#ifdef TFA_FLASH_SM80_BF16_HDIM256
+  if (arch == Arch::kSm80 && bf16 && hd == 256) return true;
+#endif
+#ifdef TFA_FLASH_SM90_FP16_HDIM64
+  if (arch == Arch::kSm90 && !bf16 && hd == 64) return true;
+#endif
+#ifdef TFA_FLASH_SM90_FP16_HDIM128
+  if (arch == Arch::kSm90 && !bf16 && hd == 128) return true;
+#endif
+#ifdef TFA_FLASH_SM90_BF16_HDIM64
+  if (arch == Arch::kSm90 && bf16 && hd == 64) return true;
+#endif
+#ifdef TFA_FLASH_SM90_BF16_HDIM128
+  if (arch == Arch::kSm90 && bf16 && hd == 128) return true;
+#endif
+  return false;
+}
 inline bool dispatch_plan_bwd(Arch arch, bool bf16, int hd, BwdParams& params,
                               const Device& device, BwdPlan& plan) {
 #ifdef TFA_FLASH_SM80_FP16_HDIM64
@@ -195,6 +235,30 @@ inline bool dispatch_plan_bwd(Arch arch, bool bf16, int hd, BwdParams& params,
 #ifdef TFA_FLASH_SM80_BF16_HDIM256
   if (arch == Arch::kSm80 && bf16 && hd == 256) {
     plan = plan_bwd<Arch::kSm80, DType::kBF16, 256>(params, device);
+    return true;
+  }
+#endif
+#ifdef TFA_FLASH_SM90_FP16_HDIM64
+  if (arch == Arch::kSm90 && !bf16 && hd == 64) {
+    plan = plan_bwd<Arch::kSm90, DType::kFP16, 64>(params, device);
+    return true;
+  }
+#endif
+#ifdef TFA_FLASH_SM90_FP16_HDIM128
+  if (arch == Arch::kSm90 && !bf16 && hd == 128) {
+    plan = plan_bwd<Arch::kSm90, DType::kFP16, 128>(params, device);
+    return true;
+  }
+#endif
+#ifdef TFA_FLASH_SM90_BF16_HDIM64
+  if (arch == Arch::kSm90 && bf16 && hd == 64) {
+    plan = plan_bwd<Arch::kSm90, DType::kBF16, 64>(params, device);
+    return true;
+  }
+#endif
+#ifdef TFA_FLASH_SM90_BF16_HDIM128
+  if (arch == Arch::kSm90 && bf16 && hd == 128) {
+    plan = plan_bwd<Arch::kSm90, DType::kBF16, 128>(params, device);
     return true;
   }
 #endif
@@ -247,6 +311,30 @@ inline bool dispatch_bwd(Arch arch, bool bf16, int hd, const BwdParams& params,
 #ifdef TFA_FLASH_SM80_BF16_HDIM256
   if (arch == Arch::kSm80 && bf16 && hd == 256) {
     run_bwd<Arch::kSm80, DType::kBF16, 256>(params, device, stream);
+    return true;
+  }
+#endif
+#ifdef TFA_FLASH_SM90_FP16_HDIM64
+  if (arch == Arch::kSm90 && !bf16 && hd == 64) {
+    run_bwd<Arch::kSm90, DType::kFP16, 64>(params, device, stream);
+    return true;
+  }
+#endif
+#ifdef TFA_FLASH_SM90_FP16_HDIM128
+  if (arch == Arch::kSm90 && !bf16 && hd == 128) {
+    run_bwd<Arch::kSm90, DType::kFP16, 128>(params, device, stream);
+    return true;
+  }
+#endif
+#ifdef TFA_FLASH_SM90_BF16_HDIM64
+  if (arch == Arch::kSm90 && bf16 && hd == 64) {
+    run_bwd<Arch::kSm90, DType::kBF16, 64>(params, device, stream);
+    return true;
+  }
+#endif
+#ifdef TFA_FLASH_SM90_BF16_HDIM128
+  if (arch == Arch::kSm90 && bf16 && hd == 128) {
+    run_bwd<Arch::kSm90, DType::kBF16, 128>(params, device, stream);
     return true;
   }
 #endif

@@ -14,8 +14,9 @@ namespace flash {
 //   kSm80: mma.sync, ldmatrix, cp.async; runs on every sm80+ GPU (on sm_90a it adds Hopper's
 //          bulk dQ reduction in the backward, sm90/bulk_copy.cuh).
 //   kSm90: wgmma, TMA, mbarrier pipelines, warp specialization; sm_90a only (H100, H200).
-//          Forward only so far, for the calls sm90/fwd_support.h accepts; the binding runs
-//          the others, and every backward, on kSm80.
+//          The forward for the calls sm90/fwd_support.h accepts; a first backward (not yet
+//          measured: run only when requested) for those sm90/bwd_support.h accepts. The
+//          binding runs the others on kSm80.
 enum class Arch : int { kSm80 = 80, kSm90 = 90 };
 
 enum class DType : int { kFP16 = 0, kBF16 = 1 };
@@ -118,6 +119,9 @@ struct BwdParams : FwdParams {
   void* __restrict__ dq;
   int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
   int64_t dq_rows;
+  // Thd k / v: their tokens (the sm90 backward's TMA extent, where cu_seqlens_k[b] is on the
+  // GPU; the sm80 family does not read it).
+  int64_t kv_tokens;
   // rowsum(dO * O) per query row, float32, laid out as lse (written by the backward).
   float* __restrict__ dsum;
   // Deterministic: num_splits CTAs per (kv head, batch) each own a dq_accum split and add

@@ -114,24 +114,51 @@ def _reasons(p: AttentionParams) -> List[str]:
 not_supported_reasons = never_raises(_reasons)
 
 
+# The backward's kernel family, as TRANSFORMER_FA_FLASH_FAMILY is the forward's (same values).
+# auto runs the sm80 backward for now: the choice will follow measured speed once the sm90
+# backward (first cut, csrc/flash/sm90/bwd_*) is measured. A requested sm90 backward that
+# cannot serve a call fails in the binding with the reason (bwd_family in csrc/flash_api.cpp).
+ENV_FLASH_BWD_FAMILY = "TRANSFORMER_FA_FLASH_BWD_FAMILY"
+
+
+def _family_from_env(env: str) -> int:
+    name = os.environ.get(env, "auto").strip().lower() or "auto"
+    if name not in FLASH_FAMILIES:
+        raise ValueError(f"{env} must be one of {', '.join(FLASH_FAMILIES)}, got {name!r}")
+    return FLASH_FAMILIES[name]
+
+
 def requested_family() -> int:
     """The forward kernel family asked for by TRANSFORMER_FA_FLASH_FAMILY (0: any)."""
-    name = os.environ.get(ENV_FLASH_FAMILY, "auto").strip().lower() or "auto"
-    if name not in FLASH_FAMILIES:
-        raise ValueError(f"{ENV_FLASH_FAMILY} must be one of {', '.join(FLASH_FAMILIES)}, "
-                         f"got {name!r}")
-    return FLASH_FAMILIES[name]
+    return _family_from_env(ENV_FLASH_FAMILY)
+
+
+def requested_bwd_family() -> int:
+    """The backward kernel family asked for by TRANSFORMER_FA_FLASH_BWD_FAMILY (0: any)."""
+    return _family_from_env(ENV_FLASH_BWD_FAMILY)
+
+
+def _shape_args(p: AttentionParams) -> tuple:
+    """The binding's family rules' arguments that describe a call's shape (fwd_family's)."""
+    cc = p.compute_capability
+    left, right = FlashCall.window_of(p)
+    return (cc[0] * 10 + cc[1], p.dtype == torch.bfloat16, int(p.head_dim_qk),
+            int(p.max_seqlen_q), int(p.max_seqlen_kv), bool(p.is_varlen), left, right,
+            bool(p.is_bottom_right), p.core_attention_bias_type == "alibi",
+            p.attention_dropout > 0.0)
 
 
 def forward_family(p: AttentionParams) -> Tuple[str, str]:
     """(the kernel family the forward of params runs on, why not sm90 when it is not): the
     binding's own rule (csrc/flash_api.cpp, fwd_family), asked with the call's shape."""
-    cc = p.compute_capability
-    left, right = FlashCall.window_of(p)
-    return tuple(_extension().fwd_family(
-        cc[0] * 10 + cc[1], p.dtype == torch.bfloat16, int(p.head_dim_qk), int(p.max_seqlen_q),
-        int(p.max_seqlen_kv), bool(p.is_varlen), left, right, bool(p.is_bottom_right),
-        p.core_attention_bias_type == "alibi", p.attention_dropout > 0.0, requested_family()))
+    return tuple(_extension().fwd_family(*_shape_args(p), requested_family()))
+
+
+def backward_family(p: AttentionParams) -> Tuple[str, str]:
+    """The same for the backward (csrc/flash_api.cpp, bwd_family)."""
+    return tuple(_extension().bwd_family(
+        *_shape_args(p), p.num_gqa_groups != p.num_heads, bool(p.deterministic),
+        requested_bwd_family()))
 
 
 # The decode kernel (split-KV, csrc/flash/sm80/decode_kernel.cuh) serves forward-only calls
@@ -165,8 +192,14 @@ def describe_choice(p: AttentionParams) -> str:
         return f"FlashAttention decode kernel (split-KV, sm80 family{pages})"
     family, why_not_sm90 = forward_family(p)
     if family == "sm90":
-        return "FlashAttention forward kernel family = sm90 (wgmma, TMA), backward = sm80"
-    return f"FlashAttention kernel family = sm80 (not sm90: {why_not_sm90})"
+        line = "FlashAttention forward kernel family = sm90 (wgmma, TMA)"
+    else:
+        line = f"FlashAttention kernel family = sm80 (not sm90: {why_not_sm90})"
+    if not p.requires_grad:
+        return line
+    bwd, bwd_why_not_sm90 = backward_family(p)
+    return line + f", backward = {bwd}" + (f" (not sm90: {bwd_why_not_sm90})" if bwd != "sm90"
+                                           else " (wgmma, TMA)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -190,6 +223,7 @@ class FlashCall(NamedTuple):
     deterministic: bool  # backward only
     return_lse: bool  # forward only; the backward needs the LSE
     family: int = 0  # forward only: the kernel family asked for (0: the fastest that serves)
+    bwd_family: int = 0  # backward only: the kernel family asked for (0: the binding's choice)
 
     @staticmethod
     def window_of(p: AttentionParams) -> Tuple[int, int]:
@@ -203,7 +237,7 @@ class FlashCall(NamedTuple):
         return cls(p.q_format, p.kv_format, int(p.max_seqlen_q), int(p.max_seqlen_kv),
                    float(p.softmax_scale), left, right, bool(p.is_bottom_right),
                    float(p.attention_dropout), bool(p.deterministic), bool(return_lse),
-                   requested_family())
+                   requested_family(), requested_bwd_family())
 
 
 def _ready(t: torch.Tensor) -> torch.Tensor:
@@ -248,10 +282,12 @@ def _bwd_ext(dout, q, k, v, out, lse, cu_q, cu_kv, rng, slopes, call: FlashCall,
     c = call
     extent = packed_extent((q, k, v)) if packed_grads else None
     grads = None if extent is None else list(grads_like((q, k, v), torch.empty, extent))
+    # The family only where one is asked for (0, the binding's choice, is its default).
+    family = {} if c.bwd_family == FLASH_FAMILIES["auto"] else {"family": c.bwd_family}
     dq, dk, dv = _ext.bwd(dout, q, k, v, out, lse, cu_q, cu_kv, FLASH_FORMAT_CODES[c.q_format],
                           FLASH_FORMAT_CODES[c.kv_format], c.max_seqlen_q, c.max_seqlen_kv,
                           c.softmax_scale, c.window_left, c.window_right, c.bottom_right,
-                          c.dropout_p, rng, slopes, c.deterministic, grads)
+                          c.dropout_p, rng, slopes, c.deterministic, grads, **family)
     return dq, dk, dv
 
 

@@ -1,0 +1,400 @@
+// FlashAttention backward for sm90a (first cut; compile-checked, not yet run on a GPU).
+//
+// One CTA per (key block n, head, batch): K and V of the block are loaded once by TMA; a
+// producer warp streams the query blocks m that see the key block (Q and dO tiles, TMA, a
+// kStages mbarrier pipeline); two consumer warpgroups, 64 key rows each, compute per block
+//   S^T  = K Q^T              (wgmma, both operands in shared memory)
+//   dP^T = V dO^T             (wgmma)
+//   P^T  = exp(S^T - LSE), masked;  dS^T = P^T * (dP^T - dsum)       (registers)
+//   dV  += P^T dO,  dK += dS^T Q   (wgmma, P^T / dS^T from registers; accumulated over m)
+//   dQ   = dS K                (wgmma: dS through shared memory, both warpgroups' keys)
+// and add dQ into the float32 dq_accum with atomics. dK, dV (dK times the softmax scale) are
+// written at the end. Working on S^T (keys as rows) puts P^T and dS^T in the register layout
+// of the A operand of the dV / dK GEMMs, as the forward's P is for P V.
+//
+// dsum = rowsum(dO * O), the zeroing of dq_accum and the conversion of dq_accum into dQ
+// (times the softmax scale) are the sm80 family's kernels (sm80/bwd_kernel.cuh): the sm90
+// backward uses the same dq_accum layout (flash.h, BwdParams), with one split.
+//
+// Shared memory holds each of Q, dO, K and dS once; the GEMMs that need a transposed operand
+// (Q^T, dO^T, K^T) read the same bytes through the transposed layout: a K-major 128-byte
+// swizzled tile of (rows, d) is, element for element, the MN-major 128-byte swizzled tile of
+// (d, rows) with the atoms ordered along the rows (Step<_2, _1>).
+#pragma once
+
+#include "flash/common/sequence.cuh"
+#include "flash/sm80/bwd_kernel.cuh"
+#include "flash/sm90/fwd_kernel.cuh"
+
+namespace transformer_fa {
+namespace flash {
+namespace sm90 {
+
+using namespace cute;
+
+// A named backward tile configuration: kBlockN key rows per CTA (64 per consumer
+// warpgroup), kBlockM query rows per step, kStages Q / dO buffers.
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
+struct BwdConfig {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kConsumerWarpgroups = 2;
+  static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
+  static constexpr int kThreads = 128 + kConsumerThreads;
+  static_assert(kBlockN == 64 * kConsumerWarpgroups, "each consumer warpgroup owns 64 key rows");
+  static_assert(kHeadDim % 64 == 0 && (kBlockM == 64 || kBlockM == 128));
+
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+
+  using TileSdP = Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>;  // S^T = K Q^T, dP^T = V dO^T
+  using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>;   // dV = P^T dO, dK = dS^T Q
+  using TileDQ = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;   // dQ = dS K
+  using WarpgroupsAlongM = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;
+  // dQ: the warpgroups split its kBlockM rows where there are 128, else its columns (a
+  // warpgroup's columns must be whole 64-wide swizzle atoms of K^T, hence d128 only).
+  static constexpr int kDqWarpgroupsM = kBlockM / 64;
+  static constexpr int kDqWarpgroupsN = kConsumerWarpgroups / kDqWarpgroupsM;
+  static_assert((kHeadDim / kDqWarpgroupsN) % 64 == 0, "dQ columns per warpgroup");
+
+  using MmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, TileSdP>(), WarpgroupsAlongM{}));
+  // A = P^T / dS^T from registers (K-major), B = dO^T / Q^T (MN-major views).
+  using MmaKV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, TileKV, GMMA::Major::K, GMMA::Major::MN>(),
+      WarpgroupsAlongM{}));
+  // A = dS (K-major), B = K^T (MN-major view of K).
+  using MmaDQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float,
+                           Shape<Int<kBlockM>, Int<kHeadDim / kDqWarpgroupsN>, Int<kBlockN>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      Layout<Shape<Int<kDqWarpgroupsM>, Int<kDqWarpgroupsN>, _1>>{}));
+
+  // K-major tiles as TMA writes them, and their transposed (MN-major) views.
+  template <int kRows, int kCols>
+  using RowsK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                       Shape<Int<kRows>, Int<kCols>>{}));
+  template <int kRows, int kCols>
+  using RowsMN = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
+                                        Shape<Int<kCols>, Int<kRows>>{}, Step<_2, _1>{}));
+  using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                             Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutQt = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
+                                              Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{},
+                                              Step<_2, _1, _3>{}));
+  using SmemLayoutK = RowsK<kBlockN, kHeadDim>;     // K and V
+  using SmemLayoutKt = RowsMN<kBlockN, kHeadDim>;
+  using SmemLayoutDS = RowsK<kBlockM, kBlockN>;      // dS (query rows, keys)
+  using SmemLayoutDSt = RowsMN<kBlockM, kBlockN>;    // dS^T, as the consumers write it
+
+  static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = typename Pipeline::PipelineState;
+
+  struct SharedStorage {
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> dout;
+    cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
+    cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> v;
+    cute::array_aligned<Element, cosize_v<SmemLayoutDS>, 1024> ds;
+    alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_kv;
+    alignas(16) typename Pipeline::SharedStorage pipe_q;
+    alignas(16) typename Pipeline::SharedStorage pipe_do;
+  };
+
+  // Global tensors as (seqlen, head_dim, heads, batch); strides in elements.
+  using ShapeRows = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using StrideRows = Stride<int64_t, _1, int64_t, int64_t>;
+  using GmemRows = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                                        ShapeRows{}, StrideRows{}));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemRows{}, take<0, 2>(SmemLayoutQ{}),
+                                      Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
+  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemRows{}, SmemLayoutK{},
+                                      Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+
+  struct Params {
+    TmaQ tma_q;   // Q and dO
+    TmaQ tma_do;
+    TmaK tma_k;   // K and V
+    TmaK tma_v;
+    // (rows, d, heads, batch): rows = seqlen_q / seqlen_k, or for packed (thd) tensors all
+    // their tokens with a batch of 1 (a sequence's tiles start at its first token then).
+    ShapeRows shape_q;
+    ShapeRows shape_k;
+    BwdParams args;  // the call: lengths (common/sequence.cuh), LSE, dsum, dq_accum, dK, dV
+  };
+};
+
+// Named barrier ids beside the forward's (8-13); 0 is __syncthreads.
+enum : uint32_t {
+  kBarDsFree = 14,   // both consumers done with the previous block's dQ GEMM (reads of dS)
+  kBarDsReady = 15,  // both consumers' dS in shared memory
+};
+
+// Query blocks [m_begin, m_end) of a sequence with some row that sees a key of block n_block
+// (none past the sequence's keys). Causal: query i sees keys j <= i + band.off.
+template <class Cfg, bool kCausal>
+__device__ __forceinline__ void query_blocks(SeqInfo const& si, Band const& band, int n_block,
+                                             int& m_begin, int& m_end) {
+  constexpr int kBlockM = Cfg::kBlockM;
+  int const key0 = n_block * Cfg::kBlockN;
+  m_end = key0 < si.len_k ? (si.len_q + kBlockM - 1) / kBlockM : 0;
+  m_begin = 0;
+  if constexpr (kCausal) {
+    int const first_row = key0 - band.off;  // the first query row that sees key0
+    m_begin = first_row <= 0 ? 0 : first_row / kBlockM;
+  }
+  m_begin = min(m_begin, m_end);
+}
+
+template <class Cfg, bool kCausal>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
+  using Element = typename Cfg::Element;
+  using Pipeline = typename Cfg::Pipeline;
+  using PipelineState = typename Cfg::PipelineState;
+  constexpr int kBlockM = Cfg::kBlockM;
+  constexpr int kBlockN = Cfg::kBlockN;
+  constexpr int kHeadDim = Cfg::kHeadDim;
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  auto& shared = *reinterpret_cast<typename Cfg::SharedStorage*>(smem_raw);
+
+  int const warp_idx = cutlass::canonical_warp_idx_sync();
+  int const warpgroup_idx = cutlass::canonical_warp_group_idx();
+  int const n_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+  BwdParams const& args = params.args;
+  SeqInfo const si = seq_info(args, batch);
+  Band const band = band_of(args, si);
+  int const key0 = n_block * kBlockN;
+  if (key0 >= si.rows_k) { return; }  // past this (packed) sequence: the whole CTA leaves
+  int m_begin, m_end;
+  query_blocks<Cfg, kCausal>(si, band, n_block, m_begin, m_end);
+
+  if (warp_idx == 0 && threadIdx.x == 0) {
+    cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_do.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+    shared.barrier_kv.init(1);
+  }
+
+  typename Pipeline::Params pipe_params;
+  pipe_params.transaction_bytes = Cfg::kBytesQ;  // Q and dO tiles have one size
+  pipe_params.role = warpgroup_idx == 0 ? Pipeline::ThreadCategory::Producer
+                                        : Pipeline::ThreadCategory::Consumer;
+  pipe_params.is_leader = threadIdx.x == 0;
+  pipe_params.num_consumers = Cfg::kConsumerThreads;
+  Pipeline pipe_q(shared.pipe_q, pipe_params, Shape<_1, _1, _1>{});
+  Pipeline pipe_do(shared.pipe_do, pipe_params, Shape<_1, _1, _1>{});
+  __syncthreads();  // barrier inits visible to all before any use
+
+  Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Cfg::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Cfg::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Cfg::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Cfg::SmemLayoutK{});
+
+  if (warpgroup_idx == 0) {
+    // ---------------- producer: its first thread issues every TMA load ----------------
+    cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
+    if (threadIdx.x != 0) { return; }
+    Tensor mQ = params.tma_q.get_tma_tensor(params.shape_q);
+    Tensor mdO = params.tma_do.get_tma_tensor(params.shape_q);
+    Tensor mK = params.tma_k.get_tma_tensor(params.shape_k);
+    Tensor mV = params.tma_v.get_tma_tensor(params.shape_k);
+    auto tile_q = Shape<Int<kBlockM>, Int<kHeadDim>>{};
+    auto tile_k = Shape<Int<kBlockN>, Int<kHeadDim>>{};
+    // This sequence's rows: packed tensors from its first token (its tiles may reach into
+    // the next sequence's rows: those are masked like rows past a padded length).
+    auto rows_q = [&](auto& m) {
+      return domain_offset(make_coord(si.q_packed ? si.start_q : 0, _0{}),
+                           m(_, _, head, si.q_packed ? 0 : batch));
+    };
+    auto rows_k = [&](auto& m) {
+      return domain_offset(make_coord(si.k_packed ? si.start_k : 0, _0{}),
+                           m(_, _, head, si.k_packed ? 0 : batch));
+    };
+    Tensor gQ = local_tile(rows_q(mQ), tile_q, make_coord(_, _0{}));      // (M, D, m)
+    Tensor gdO = local_tile(rows_q(mdO), tile_q, make_coord(_, _0{}));    // (M, D, m)
+    Tensor gK = local_tile(rows_k(mK), tile_k, make_coord(n_block, _0{}));  // (N, D)
+    Tensor gV = local_tile(rows_k(mV), tile_k, make_coord(n_block, _0{}));  // (N, D)
+    auto q_parts = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                 group_modes<0, 2>(gQ));
+    auto do_parts = tma_partition(params.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO),
+                                  group_modes<0, 2>(gdO));
+    auto k_parts = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                 group_modes<0, 2>(gK));
+    auto v_parts = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                 group_modes<0, 2>(gV));
+    shared.barrier_kv.arrive_and_expect_tx(2 * Cfg::kBytesKV);
+    auto& kv_barrier = reinterpret_cast<uint64_t&>(shared.barrier_kv);
+    copy(params.tma_k.with(kv_barrier), get<0>(k_parts), get<1>(k_parts));
+    copy(params.tma_v.with(kv_barrier), get<0>(v_parts), get<1>(v_parts));
+    PipelineState write = cutlass::make_producer_start_state<Pipeline>();
+    for (int m_block = m_begin; m_block < m_end; ++m_block) {
+      pipe_q.producer_acquire(write);
+      copy(params.tma_q.with(*pipe_q.producer_get_barrier(write)), get<0>(q_parts)(_, m_block),
+           get<1>(q_parts)(_, write.index()));
+      pipe_do.producer_acquire(write);
+      copy(params.tma_do.with(*pipe_do.producer_get_barrier(write)),
+           get<0>(do_parts)(_, m_block), get<1>(do_parts)(_, write.index()));
+      ++write;
+    }
+    pipe_q.producer_tail(write);
+    pipe_do.producer_tail(write);
+    return;
+  }
+
+  // ---------------- consumers: two warpgroups, 64 key rows each ----------------
+  cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
+  int const tidx = threadIdx.x - 128;
+
+  Tensor sQt = make_tensor(make_smem_ptr(shared.q.data()), typename Cfg::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(shared.dout.data()), typename Cfg::SmemLayoutQt{});
+  Tensor sKt = make_tensor(make_smem_ptr(shared.k.data()), typename Cfg::SmemLayoutKt{});
+  Tensor sdS = make_tensor(make_smem_ptr(shared.ds.data()), typename Cfg::SmemLayoutDS{});
+  Tensor sdSt = make_tensor(make_smem_ptr(shared.ds.data()), typename Cfg::SmemLayoutDSt{});
+
+  typename Cfg::MmaSdP mma_sdp;
+  typename Cfg::MmaKV mma_kv;
+  typename Cfg::MmaDQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(tidx);
+  auto thr_kv = mma_kv.get_thread_slice(tidx);
+  auto thr_dq = mma_dq.get_thread_slice(tidx);
+  // Shared-memory descriptors of every GEMM operand.
+  Tensor tSrK = thr_sdp.partition_fragment_A(sK);
+  Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);      // (..., stage)
+  Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
+  Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);   // (..., stage)
+  Tensor tdVrdOt = thr_kv.partition_fragment_B(sdOt);  // (..., stage)
+  Tensor tdKrQt = thr_kv.partition_fragment_B(sQt);    // (..., stage)
+  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
+  Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
+  Tensor tdSsdS = thr_sdp.partition_C(sdSt);           // this thread's dS^T elements
+
+  Tensor tdVrdV = partition_fragment_C(mma_kv, select<0, 1>(typename Cfg::TileKV{}));
+  Tensor tdKrdK = partition_fragment_C(mma_kv, select<0, 1>(typename Cfg::TileKV{}));
+  clear(tdVrdV);
+  clear(tdKrdK);
+
+  using LayoutS = decltype(
+      partition_fragment_C(mma_sdp, select<0, 1>(typename Cfg::TileSdP{})).layout());
+  Tensor cS = make_identity_tensor(select<0, 1>(typename Cfg::TileSdP{}));  // (key, query)
+  Tensor tScS = thr_sdp.partition_C(cS);
+  Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
+  Tensor cdQ = make_identity_tensor(select<0, 1>(typename Cfg::TileDQ{}));  // (query, column)
+  Tensor tdQcdQ = thr_dq.partition_C(cdQ);
+
+  // The LSE (and dsum) of query row 0 of this sequence and head.
+  int64_t const lse_offset = si.q_off(args.lse_batch_stride, args.lse_row_stride) +
+                             int64_t(head) * args.lse_head_stride;
+  float* dq_accum = sm80::dqa_block(args, si, 0, head);
+  // Keys past the sequence (zero-filled by TMA, or the next packed sequence's) and, causal,
+  // keys past a query's diagonal get P = 0. Query rows past the sequence read LSE = +inf
+  // (P = 0) and dsum = 0, so their dS is 0 too.
+  bool const key_tail = key0 + kBlockN > si.len_k;
+  float const scale_log2 = args.scale_softmax_log2;
+
+  shared.barrier_kv.wait(0);
+  PipelineState read;  // Q and dO stages advance together
+  for (int m_block = m_begin; m_block < m_end; ++m_block) {
+    int const query0 = m_block * kBlockM;
+    Tensor tSrS = partition_fragment_C(mma_sdp, select<0, 1>(typename Cfg::TileSdP{}));
+    Tensor tdPrdP = partition_fragment_C(mma_sdp, select<0, 1>(typename Cfg::TileSdP{}));
+    pipe_q.consumer_wait(read);
+    wg_gemm<true>(mma_sdp, tSrK, tSrQ(_, _, _, read.index()), tSrS);
+    pipe_do.consumer_wait(read);
+    wg_gemm<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, read.index()), tdPrdP);
+
+    Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
+    Tensor dp = make_tensor(tdPrdP.data(), acc_rowcol(tdPrdP.layout()));
+    // The LSE and dsum of this thread's query columns are read where used, a column at a
+    // time (held for all columns across the GEMMs, they spilled).
+    auto row_value = [&](float const* rows, int query, float past_end) {  // LSE's layout
+      return query < si.len_q ? rows[lse_offset + int64_t(query) * args.lse_row_stride]
+                              : past_end;
+    };
+    bool const masked = key_tail || (kCausal && key0 + kBlockN - 1 > query0 + band.off);
+    warpgroup_wait<1>();  // S^T
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(s); ++c) {
+      int const query = query0 + get<1>(tScS_rc(0, c));
+      float const lse_log2 = row_value(args.lse, query, INFINITY) * float(M_LOG2E);
+      CUTE_UNROLL
+      for (int r = 0; r < size<0>(s); ++r) {
+        int const key = key0 + get<0>(tScS_rc(r, c));
+        bool const out = masked && (key >= si.len_k || (kCausal && key > query + band.off));
+        s(r, c) = out ? 0.f : fast_exp2(s(r, c) * scale_log2 - lse_log2);
+      }
+    }
+    warpgroup_wait<0>();  // dP^T
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(s); ++c) {
+      int const query = query0 + get<1>(tScS_rc(0, c));
+      float const dsum = row_value(args.dsum, query, 0.f);
+      CUTE_UNROLL
+      for (int r = 0; r < size<0>(s); ++r) { dp(r, c) = s(r, c) * (dp(r, c) - dsum); }
+    }
+    // P^T and dS^T as 16-bit A operands (the accumulator registers in operand order).
+    Tensor tPrP = make_tensor<Element>(LayoutS{});
+    Tensor tdSrdS = make_tensor<Element>(LayoutS{});
+    convert_fragment<Element>(tSrS, tPrP);
+    convert_fragment<Element>(tdPrdP, tdSrdS);
+    Tensor tPrP_a = make_tensor(tPrP.data(), acc_as_operand_a(tPrP.layout()));
+    Tensor tdSrdS_a = make_tensor(tdSrdS.data(), acc_as_operand_a(tdSrdS.layout()));
+    wg_gemm<false>(mma_kv, tPrP_a, tdVrdOt(_, _, _, read.index()), tdVrdV);
+    wg_gemm<false>(mma_kv, tdSrdS_a, tdKrQt(_, _, _, read.index()), tdKrdK);
+
+    // dS to shared memory for dQ, which needs both warpgroups' keys.
+    named_barrier_sync(Cfg::kConsumerThreads, kBarDsFree);
+    copy(tdSrdS, tdSsdS);
+    cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> wgmma reads
+    named_barrier_sync(Cfg::kConsumerThreads, kBarDsReady);
+    Tensor tdQrdQ = partition_fragment_C(mma_dq, select<0, 1>(typename Cfg::TileDQ{}));
+    wg_gemm<true>(mma_dq, tdQrdS, tdQrKt, tdQrdQ);
+    warpgroup_wait<0>();
+    pipe_q.consumer_release(read);
+    pipe_do.consumer_release(read);
+    ++read;
+
+    // dQ partial -> dq_accum (rows past the sequence hold zeros, and may be another's).
+    CUTE_UNROLL
+    for (int i = 0; i < size(tdQrdQ); ++i) {
+      int const row = query0 + get<0>(tdQcdQ(i));
+      if (row < si.len_q) {
+        atomicAdd(dq_accum + sm80::dqa_offset(sm80::dqa_row(si, row), get<1>(tdQcdQ(i)),
+                                              kHeadDim),
+                  tdQrdQ(i));
+      }
+    }
+  }
+
+  // ---------------- epilogue: dV and dK (times the softmax scale) ----------------
+  // Every row the sequence owns (padding rows past its length get zeros, as from sm80).
+  Tensor cKV = make_identity_tensor(select<0, 1>(typename Cfg::TileKV{}));  // (key, column)
+  Tensor tKVcKV = thr_kv.partition_C(cKV);
+  Element* dk = static_cast<Element*>(args.dk) +
+                si.k_off(args.dk_batch_stride, args.dk_row_stride) +
+                int64_t(head) * args.dk_head_stride;
+  Element* dv = static_cast<Element*>(args.dv) +
+                si.k_off(args.dv_batch_stride, args.dv_row_stride) +
+                int64_t(head) * args.dv_head_stride;
+  CUTE_UNROLL
+  for (int i = 0; i < size(tdVrdV); ++i) {
+    int const key = key0 + get<0>(tKVcKV(i));
+    int const col = get<1>(tKVcKV(i));
+    if (key < si.rows_k) {
+      dv[int64_t(key) * args.dv_row_stride + col] = Element(tdVrdV(i));
+      dk[int64_t(key) * args.dk_row_stride + col] = Element(tdKrdK(i) * args.scale_softmax);
+    }
+  }
+}
+
+}  // namespace sm90
+}  // namespace flash
+}  // namespace transformer_fa

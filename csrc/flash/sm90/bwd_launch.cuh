@@ -1,0 +1,109 @@
+// Launch template of the sm90 family's backward: the tile configs, the plan (the sm80
+// family's dq_accum layout with one split, this kernel's shared memory) and the three
+// launches (dsum and dq_accum zeroing, main, dQ conversion; the first and last are the sm80
+// family's kernels). The binding runs it only for calls that bwd_declines (bwd_support.h)
+// accepts.
+#pragma once
+
+#include "flash/common/launch.cuh"
+#include "flash/flash.h"
+#include "flash/sm80/bwd_launch.cuh"
+#include "flash/sm90/bwd_kernel.cuh"
+#include "flash/sm90/bwd_support.h"
+#include "flash/sm90/fwd_launch.cuh"  // CuteElement
+
+namespace transformer_fa {
+namespace flash {
+namespace sm90 {
+
+// Tile configs per head dim (not measured yet): 128 key rows per CTA (two consumer
+// warpgroups of 64), two Q / dO stages. d128: 64 query rows per step (FlashAttention-3's
+// tile; dQ's columns split between the warpgroups). d64: 128 query rows per step (dQ's rows
+// split between the warpgroups: 32 columns each would cut K^T's 64-wide swizzle atoms).
+template <class Element, int kHeadDim> struct BwdTile;
+template <class Element> struct BwdTile<Element, 64> {
+  using Config = BwdConfig<Element, 64, 128, 128, 2>;
+};
+template <class Element> struct BwdTile<Element, 128> {
+  using Config = BwdConfig<Element, 128, 64, 128, 2>;
+};
+
+template <class T, int kHeadDim>
+using BwdConfigOf = typename BwdTile<typename CuteElement<T>::type, kHeadDim>::Config;
+
+// The dq_accum layout and its zeroing are the sm80 family's (its dsum and dQ conversion
+// kernels run here too); bwd_declines leaves deterministic calls to sm80, so one split.
+template <class T, int kHeadDim>
+BwdPlan plan_bwd(BwdParams& p, const Device& device) {
+  BwdPlan plan = sm80::plan_bwd<T, kHeadDim>(p, device);
+  plan.smem_bytes = int(sizeof(typename BwdConfigOf<T, kHeadDim>::SharedStorage));
+  return plan;
+}
+
+template <class Cfg, bool kCausal>
+void launch_main(const BwdParams& a, cudaStream_t stream) {
+  using Element = typename Cfg::Element;
+  // A tensor as (rows, d, heads, batch): packed (thd) ones as all their tokens with a batch
+  // of one (the stride of that single batch is unused; TMA wants a valid one).
+  auto rows = [](const void* ptr, bool packed, int64_t tokens, int seqlen, int heads, int batch,
+                 int64_t row_stride, int64_t head_stride, int64_t batch_stride) {
+    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)),
+                       make_shape(int(packed ? tokens : seqlen), Cfg::kHeadDim, heads,
+                                  packed ? 1 : batch),
+                       make_stride(row_stride, _1{}, head_stride,
+                                   packed ? tokens * row_stride : batch_stride));
+  };
+  const int64_t q_tokens = a.h > 0 ? a.dq_rows / a.h : 0;
+  auto mQ = rows(a.q, a.q_packed, q_tokens, a.seqlen_q, a.h, a.b, a.q_row_stride,
+                 a.q_head_stride, a.q_batch_stride);
+  auto mdO = rows(a.dout, a.q_packed, q_tokens, a.seqlen_q, a.h, a.b, a.do_row_stride,
+                  a.do_head_stride, a.do_batch_stride);
+  auto mK = rows(a.k, a.k_packed, a.kv_tokens, a.seqlen_k, a.h_k, a.b, a.k_row_stride,
+                 a.k_head_stride, a.k_batch_stride);
+  auto mV = rows(a.v, a.k_packed, a.kv_tokens, a.seqlen_k, a.h_k, a.b, a.v_row_stride,
+                 a.v_head_stride, a.v_batch_stride);
+  auto tile_q = Shape<Int<Cfg::kBlockM>, Int<Cfg::kHeadDim>>{};
+  auto tile_k = Shape<Int<Cfg::kBlockN>, Int<Cfg::kHeadDim>>{};
+  auto smem_q = take<0, 2>(typename Cfg::SmemLayoutQ{});
+  auto smem_k = typename Cfg::SmemLayoutK{};
+  typename Cfg::Params p{make_tma_copy(SM90_TMA_LOAD{}, mQ, smem_q, tile_q, _1{}),
+                         make_tma_copy(SM90_TMA_LOAD{}, mdO, smem_q, tile_q, _1{}),
+                         make_tma_copy(SM90_TMA_LOAD{}, mK, smem_k, tile_k, _1{}),
+                         make_tma_copy(SM90_TMA_LOAD{}, mV, smem_k, tile_k, _1{}),
+                         mQ.shape(), mK.shape(), a};
+
+  constexpr auto kernel = bwd_kernel<Cfg, kCausal>;
+  static_assert(sizeof(typename Cfg::SharedStorage) <= 227 * 1024, "over sm90's shared memory");
+  const int smem_bytes = int(sizeof(typename Cfg::SharedStorage));
+  allow_dynamic_smem<kernel>(smem_bytes);
+  dim3 grid((a.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN, a.h, a.b);
+  kernel<<<grid, Cfg::kThreads, smem_bytes, stream>>>(p);
+}
+
+template <class T, int kHeadDim>
+void launch_bwd(const BwdParams& params, const Device& device, cudaStream_t stream) {
+  using Cfg = BwdConfigOf<T, kHeadDim>;
+  if (params.b == 0 || params.h == 0) return;
+  if (params.seqlen_q > 0) {
+    // dsum and the zeroed dq_accum (the sm80 family's kernel, with its lanes per row).
+    constexpr int kLanes = kHeadDim <= 64 ? 8 : 16;
+    dim3 grid((params.seqlen_q + 8 * 32 / kLanes - 1) / (8 * 32 / kLanes), params.h, params.b);
+    sm80::dot_do_o_kernel<T, kLanes><<<grid, 256, 0, stream>>>(params);
+  }
+  if (params.seqlen_k > 0) {
+    // bwd_declines let through no mask and causal (window_right = 0) only.
+    if (params.window_right == 0) {
+      launch_main<Cfg, true>(params, stream);
+    } else {
+      launch_main<Cfg, false>(params, stream);
+    }
+  }
+  const int64_t chunks = params.dq_rows * (params.d / 8);
+  if (chunks > 0) {
+    sm80::convert_dq_kernel<T><<<unsigned((chunks + 255) / 256), 256, 0, stream>>>(params);
+  }
+}
+
+}  // namespace sm90
+}  // namespace flash
+}  // namespace transformer_fa

@@ -1,0 +1,260 @@
+"""FlashAttention's sm90 backward (csrc/flash/sm90/bwd_*: TMA, wgmma, warp specialization) on
+an sm_90 GPU, forced with the binding's family argument (TRANSFORMER_FA_FLASH_BWD_FAMILY=sm90
+in Python): dq, dk, dv against float64 autograd (bshd, sbhd, packed bs3hd, and varlen: thd
+and padded bshd), what it declines and the error when it is forced on such a call, and a
+training step through DotProductAttention.
+
+Error rule per gradient: max |ours - float64| <= 2 x max |the same math in the input dtype -
+float64| + 1e-3 (relative to the reference's magnitude; attention_cases.check). The gradients
+are allocated over NaN-poisoned memory, so an element the kernels do not write fails.
+Skipped without an sm_90 GPU or without the family's backward in the build.
+"""
+import math
+
+import pytest
+import torch
+
+from attention_cases import DEV, capture_log, check
+# (skips this module without CUDA, the extension or the sm90 family, as it skips its own)
+from test_flash_sm90 import ARCH, BSHD, EXT, SBHD, make_qkv, poison, to_bshd
+
+# (arch, bf16, d, sq, sk, varlen, window_left, window_right, bottom_right, alibi, dropout, gqa,
+#  deterministic, family) of a call the sm90 backward serves
+SERVED = (90, True, 128, 256, 256, False, -1, 0, False, False, False, False, False)
+if ARCH != 90 or not hasattr(EXT, "bwd_family") or EXT.bwd_family(*SERVED, 90)[0] != "sm90":
+    pytest.skip("needs an sm_90 GPU and a build with the sm90 backward", allow_module_level=True)
+
+
+def reference_grads(q, k, v, dout, causal, bottom_right, scale, dtype):
+    """(dq, dk, dv) of bshd q, k, v (MHA) in `dtype` math (float64: the reference; the input
+    dtype: the error baseline). Causal: query i sees keys j <= i + (sk - sq if bottom_right
+    else 0); a query row without any key has P = 0 (the kernels' LSE is +inf there)."""
+    leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+    ql, kl, vl = leaves
+    s = torch.einsum("bqhd,bkhd->bhqk", ql, kl) * scale
+    sq, sk = ql.shape[1], kl.shape[1]
+    keep = torch.ones(sq, sk, dtype=torch.bool, device=DEV)
+    if causal:
+        keep = keep.tril(sk - sq if bottom_right else 0)
+    has_key = keep.any(-1, keepdim=True)
+    s = s.masked_fill(~keep, float("-inf")).masked_fill(~has_key, 0.0)
+    p = torch.softmax(s, dim=-1) * has_key
+    out = torch.einsum("bhqk,bkhd->bqhd", p, vl)
+    return torch.autograd.grad(out, leaves, dout.to(dtype))
+
+
+def run_fwd_bwd(q, k, v, dout, layout, causal, bottom_right, family, deterministic=False,
+                window_left=-1):
+    """The binding's forward (its default family) and backward (`family`): (dq, dk, dv)."""
+    fmt = SBHD if layout == "sbhd" else BSHD
+    sq, sk = (q.shape[0], k.shape[0]) if layout == "sbhd" else (q.shape[1], k.shape[1])
+    scale = 1 / math.sqrt(q.shape[-1])
+    right = 0 if causal else -1
+    out, lse = EXT.fwd(q, k, v, None, None, fmt, fmt, sq, sk, scale, window_left, right,
+                       bottom_right, True, 0.0, None, None, 0)
+    poison()
+    return EXT.bwd(dout, q, k, v, out, lse, None, None, fmt, fmt, sq, sk, scale, window_left,
+                   right, bottom_right, 0.0, None, None, deterministic, None, family)
+
+
+# (b, sq, sk, h, layout, input gain): ragged lengths that are no multiple of the tiles (1, 17,
+# 113, 257, 1000; the key and query tails), the layouts' strides (sbhd, packed bs3hd), sq != sk
+# both ways (bottom-right with sq > sk: query rows without any key), a sharper softmax.
+CASES = {
+    "s1-b3-h2": (3, 1, 1, 2, "bshd", 1.0),
+    "s17-b2-h2": (2, 17, 17, 2, "bshd", 1.0),
+    "sbhd-s113-b2-h4": (2, 113, 113, 4, "sbhd", 1.0),
+    "s257-b2-h4": (2, 257, 257, 4, "bshd", 1.0),
+    "s1000-b1-h4": (1, 1000, 1000, 4, "bshd", 1.0),
+    "packed-bs3hd-s257-b2-h2": (2, 257, 257, 2, "bs3hd", 1.0),
+    "sharp-s257-b2-h2": (2, 257, 257, 2, "bshd", 4.0),
+    "cross-sq113-sk1000-b2-h2": (2, 113, 1000, 2, "bshd", 1.0),
+    "cross-sq1000-sk257-b2-h2": (2, 1000, 257, 2, "bshd", 1.0),
+    "cross-sbhd-sq17-sk1-b2-h2": (2, 17, 1, 2, "sbhd", 1.0),
+}
+MASKS = {"no_mask": (False, False), "causal": (True, False), "causal_bottom_right": (True, True)}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("mask", sorted(MASKS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+def test_backward_matches_float64(name, mask, dtype, d):
+    b, sq, sk, h, layout, gain = CASES[name]
+    causal, bottom_right = MASKS[mask]
+    if bottom_right and sq == sk:
+        pytest.skip("the same mask as top-left causal")
+    q, k, v = make_qkv(b, sq, sk, h, h, dtype, layout, gain, d=d)
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    dout = torch.randn(q.shape, generator=gen, device=DEV).to(dtype)
+    grads = run_fwd_bwd(q, k, v, dout, layout, causal, bottom_right, family=90)
+    qb, kb, vb, dob = (to_bshd(x, layout) for x in (q, k, v, dout))
+    scale = 1 / math.sqrt(d)
+    ref = reference_grads(qb, kb, vb, dob, causal, bottom_right, scale, torch.float64)
+    base = reference_grads(qb, kb, vb, dob, causal, bottom_right, scale, dtype)
+    for which, g, r, bg in zip("qkv", grads, ref, base):
+        check(f"{name} d{which}", to_bshd(g, layout).double(), r, bg.double(), 1e-3)
+
+
+THD = 2
+# Sequence lengths (query, key) of the varlen cases: ragged, sq != sk both ways, empty-ish.
+LENS_Q = [1, 17, 113, 257, 1000, 64]
+LENS_K = [17, 1, 257, 113, 300, 64]
+
+
+def cu_seqlens(lens):
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
+                        device=DEV)
+
+
+@pytest.mark.parametrize("fmt", ["thd", "bshd-padded"])
+@pytest.mark.parametrize("mask", sorted(MASKS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+def test_varlen_backward_matches_float64(fmt, mask, dtype, d):
+    """cu_seqlens: packed thd tensors (a sequence's tiles reach into the next one's tokens),
+    or bshd batch rows padded past each sequence's length (dK / dV padding rows: zeros)."""
+    causal, bottom_right = MASKS[mask]
+    h, b = 2, len(LENS_Q)
+    gen = torch.Generator(device=DEV).manual_seed(5)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=DEV).to(dtype)
+
+    if fmt == "thd":
+        q, dout = randn(sum(LENS_Q), h, d), randn(sum(LENS_Q), h, d)
+        k, v = randn(sum(LENS_K), h, d), randn(sum(LENS_K), h, d)
+        sq, sk = max(LENS_Q), max(LENS_K)
+
+        def rows(x, lens, i):  # sequence i's rows as [1, len, h, d]
+            start = sum(lens[:i])
+            return x[start:start + lens[i]].unsqueeze(0)
+    else:
+        sq, sk = max(LENS_Q) + 8, max(LENS_K) + 8  # padded batch rows
+        q, dout = randn(b, sq, h, d), randn(b, sq, h, d)
+        k, v = randn(b, sk, h, d), randn(b, sk, h, d)
+
+        def rows(x, lens, i):
+            return x[i:i + 1, :lens[i]]
+    code = THD if fmt == "thd" else BSHD
+    cu_q, cu_k = cu_seqlens(LENS_Q), cu_seqlens(LENS_K)
+    scale = 1 / math.sqrt(d)
+    right = 0 if causal else -1
+    out, lse = EXT.fwd(q, k, v, cu_q, cu_k, code, code, sq, sk, scale, -1, right, bottom_right,
+                       True, 0.0, None, None, 0)
+    poison()
+    grads = EXT.bwd(dout, q, k, v, out, lse, cu_q, cu_k, code, code, sq, sk, scale, -1, right,
+                    bottom_right, 0.0, None, None, False, None, 90)
+    for i in range(b):
+        args = [rows(x, lens, i) for x, lens in ((q, LENS_Q), (k, LENS_K), (v, LENS_K),
+                                                  (dout, LENS_Q))]
+        ref = reference_grads(*args, causal, bottom_right, scale, torch.float64)
+        base = reference_grads(*args, causal, bottom_right, scale, dtype)
+        for which, g, r, bg, lens in zip("qkv", grads, ref, base, (LENS_Q, LENS_K, LENS_K)):
+            check(f"sequence {i} d{which}", rows(g, lens, i).double(), r, bg.double(), 1e-3)
+    if fmt != "thd":  # the padding rows past each sequence: zeros (no NaN: all written)
+        for g, lens in zip(grads, (LENS_Q, LENS_K, LENS_K)):
+            for i in range(b):
+                assert not g[i, lens[i]:].isnan().any() and not g[i, lens[i]:].any()
+
+
+def test_auto_runs_the_sm80_backward():
+    """auto (family 0) keeps the sm80 backward until the sm90 one is measured: bitwise the
+    forced sm80 result, and not the sm90 one."""
+    q, k, v = make_qkv(2, 512, 512, 4, 4, torch.bfloat16, "bshd", seed=3)
+    dout = torch.randn_like(q)
+    auto = run_fwd_bwd(q, k, v, dout, "bshd", True, False, family=0)
+    sm80 = run_fwd_bwd(q, k, v, dout, "bshd", True, False, family=80)
+    sm90 = run_fwd_bwd(q, k, v, dout, "bshd", True, False, family=90)
+    assert all(torch.equal(a, b) for a, b in zip(auto, sm80))
+    assert not torch.equal(auto[1], sm90[1])  # another kernel: rounding differs somewhere
+    assert EXT.bwd_family(*SERVED, 0) == [
+        "sm80", "the sm80 backward is the default until the sm90 one is measured"]
+
+
+# (d, sq, sk, varlen, window_left, window_right, bottom_right, alibi, dropout, gqa,
+#  deterministic) -> the reason's words
+DECLINED = {
+    "head dim 96": ((96, 256, 256, False, -1, 0, False, False, False, False, False),
+                    "head dim 64 and 128 kernels only"),
+    "head dim 256": ((256, 256, 256, False, -1, 0, False, False, False, False, False),
+                     "head dim 64 and 128 kernels only"),
+    "gqa": ((128, 256, 256, False, -1, 0, False, False, False, True, False), "GQA / MQA"),
+    "window": ((128, 256, 256, False, 64, 0, True, False, False, False, False),
+               "sliding windows"),
+    "alibi": ((128, 256, 256, False, -1, 0, False, True, False, False, False), "ALiBi"),
+    "dropout": ((128, 256, 256, False, -1, -1, False, False, True, False, False), "dropout"),
+    "deterministic": ((128, 256, 256, False, -1, -1, False, False, False, False, True),
+                      "not deterministic"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DECLINED))
+def test_declined_calls_say_why(name):
+    args, words = DECLINED[name]
+    family, why = EXT.bwd_family(ARCH, True, *args, 90)
+    assert family == "sm80" and words in why, (family, why)
+    assert EXT.bwd_family(80, True, *SERVED[2:], 90)[0] == "sm80"  # not an sm_90 GPU
+
+
+@pytest.mark.parametrize("case", ["head dim 96", "gqa", "window", "deterministic"])
+def test_forced_sm90_on_a_declined_call_is_a_clear_error(case):
+    d, h, hkv, left, deterministic, words = {
+        "head dim 96": (96, 2, 2, -1, False, "head dim 64 and 128 kernels only"),
+        "gqa": (128, 4, 2, -1, False, "GQA / MQA"),
+        "window": (128, 2, 2, 64, False, "sliding windows"),
+        "deterministic": (128, 2, 2, -1, True, "not deterministic"),
+    }[case]
+    q, k, v = make_qkv(1, 256, 256, h, hkv, torch.bfloat16, "bshd", d=d)
+    with pytest.raises(RuntimeError, match="flash_attn_bwd: the sm90 family was requested, but "
+                                           ".*" + words):
+        run_fwd_bwd(q, k, v, torch.randn_like(q), "bshd", True, True, family=90,
+                    deterministic=deterministic, window_left=left)
+    with pytest.raises(RuntimeError, match="family must be 0"):
+        run_fwd_bwd(q, k, v, torch.randn_like(q), "bshd", True, True, family=100)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["no_mask", "causal"])
+def test_training_step_with_the_sm90_backward(monkeypatch, causal):
+    """Through DotProductAttention with TRANSFORMER_FA_FLASH_BWD_FAMILY=sm90: the debug log
+    names the sm90 backward, and the gradients obey the rule against float64 autograd."""
+    import transformer_fa as tfa
+
+    monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
+    monkeypatch.setenv("NVTE_DEBUG", "1")
+    monkeypatch.setenv("NVTE_DEBUG_LEVEL", "2")
+    monkeypatch.setenv("TRANSFORMER_FA_FLASH_BWD_FAMILY", "sm90")
+    b, s, h, d = 2, 300, 4, 128
+    q, k, v = make_qkv(b, s, s, h, h, torch.bfloat16, "bshd", seed=7, d=d)
+    dpa = tfa.DotProductAttention(h, d, qkv_format="bshd",
+                                  attn_mask_type="causal" if causal else "no_mask").cuda()
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    with capture_log() as lines:
+        out = dpa(*leaves)
+    assert dpa.last_backend == "FlashAttention"
+    assert any("backward = sm90 (wgmma, TMA)" in line for line in lines), lines
+    dout = torch.randn(out.shape, generator=torch.Generator(device=DEV).manual_seed(11),
+                       device=DEV).to(out.dtype)
+    grads = torch.autograd.grad(out, leaves, dout)
+    dob = dout.view(b, s, h, d)
+    ref = reference_grads(q, k, v, dob, causal, False, 1 / math.sqrt(d), torch.float64)
+    base = reference_grads(q, k, v, dob, causal, False, 1 / math.sqrt(d), torch.bfloat16)
+    for which, g, r, bg in zip("qkv", grads, ref, base):
+        check(f"d{which}", g.double(), r, bg.double(), 1e-3)
+
+
+def test_forced_sm90_backward_on_gqa_fails_with_the_reason(monkeypatch):
+    """TRANSFORMER_FA_FLASH_BWD_FAMILY=sm90 on a call its backward declines: the forward runs,
+    the backward raises the binding's error naming the reason (no silent fallback)."""
+    import transformer_fa as tfa
+
+    monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
+    monkeypatch.setenv("TRANSFORMER_FA_FLASH_BWD_FAMILY", "sm90")
+    q, k, v = make_qkv(2, 256, 256, 4, 2, torch.bfloat16, "bshd")
+    dpa = tfa.DotProductAttention(4, 128, num_gqa_groups=2, qkv_format="bshd").cuda()
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out = dpa(*leaves)
+    assert dpa.last_backend == "FlashAttention"
+    with pytest.raises(RuntimeError, match="sm90 family was requested, but its backward does "
+                                           "not take GQA"):
+        out.sum().backward()
