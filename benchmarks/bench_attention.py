@@ -178,6 +178,8 @@ class Bench:
         self.data = {"gpu": gpu_name(device), "date": datetime.date.today().isoformat(),
                      "torch": torch.__version__, "cudnn": cudnn_version(), "grid_repeats": 1,
                      "flash_family": os.environ.get("TRANSFORMER_FA_FLASH_FAMILY", "auto"),
+                     "flash_bwd_family": os.environ.get("TRANSFORMER_FA_FLASH_BWD_FAMILY",
+                                                        "auto"),
                      "records": [], "decode": [], "layer": []}
 
     def randn(self, *shape, dtype, grad=False):

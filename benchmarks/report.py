@@ -94,7 +94,7 @@ def markdown(data, png_name=None):
             for c in ("grid", "gqa", "varlen", "padded", "overhead")}
     parts = [f"## Attention benchmarks: {data['gpu']}, {data['date']}",
              f"torch {data['torch']}, cuDNN {data['cudnn']}, FlashAttention kernel family "
-             f"{data.get('flash_family', 'auto')}. TFLOPS by the FlashAttention "
+             f"{data.get('flash_family', 'auto')} (backward: {data.get('flash_bwd_family', 'auto')}). TFLOPS by the FlashAttention "
              "convention (forward 4·b·h·sq·sk·d, halved for causal; backward 2.5x forward), "
              "median of CUDA-event timings" + passes_note(data) + ". Cells are forward / "
              "backward; each of ours adds its ratio to the best PyTorch SDPA backend on the row."]

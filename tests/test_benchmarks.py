@@ -11,7 +11,8 @@ from distributed_utils import assert_case_passed, run_cases
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import bench_attention, bench_distributed, report  # noqa: E402
 
-TOP_KEYS = ["gpu", "date", "torch", "cudnn", "grid_repeats", "flash_family", "records", "decode", "layer"]
+TOP_KEYS = ["gpu", "date", "torch", "cudnn", "grid_repeats", "flash_family",
+            "flash_bwd_family", "records", "decode", "layer"]
 
 
 def test_tiny_run_on_cpu(tmp_path):

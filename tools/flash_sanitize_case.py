@@ -8,6 +8,7 @@ See tests/gpu/README.md for the commands.
 
     python tools/flash_sanitize_case.py [--backward] [--dims 64,128]
     python tools/flash_sanitize_case.py --sm90
+    python tools/flash_sanitize_case.py --sm90-backward
     python tools/flash_sanitize_case.py --decode
 """
 import argparse
@@ -26,6 +27,10 @@ parser.add_argument("--dims", default="40,64,128,192,256", help="head dims, comm
 parser.add_argument("--sm90", action="store_true",
                     help="only the sm90 family's forward (bshd, its persistent grid looping "
                          "over more tiles than SMs, ragged tails, sq != sk), causal and not")
+parser.add_argument("--sm90-backward", action="store_true",
+                    help="only the sm90 family's backward: thd with ragged lengths (a tile "
+                         "reaching into the next sequence, a one-token sequence) and bshd with "
+                         "sq != sk, no mask, causal of both alignments, d64 and d128")
 parser.add_argument("--decode", action="store_true",
                     help="only the split-KV decode kernel: thd and padded bshd queries against "
                          "contiguous and paged K/V (shuffled pages of 16 and 64), ragged cached "
@@ -48,6 +53,26 @@ if args.sm90:
                 out, lse = flash._fwd_impl(q, k, v, None, None, None, None, call)
     torch.cuda.synchronize()
     print("sanitize case done (sm90)", out.float().abs().sum().item())
+    sys.exit(0)
+if args.sm90_backward:
+    lens_q, lens_k = [37, 130, 1, 200], [50, 129, 9, 70]
+    cu_q, cu_k = (torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32,
+                               device="cuda") for n in (lens_q, lens_k))
+    for d in (int(x) for x in args.dims.split(",") if int(x) in (64, 128)):
+        for dtype in (torch.bfloat16, torch.float16):
+            thd = [torch.randn(sum(n), 4, d, device="cuda", dtype=dtype)
+                   for n in (lens_q, lens_k, lens_k)]
+            bshd = [torch.randn(2, s, 4, d, device="cuda", dtype=dtype) for s in (170, 300, 300)]
+            for (q, k, v), fmt, cu, sq, sk in ((thd, "thd", (cu_q, cu_k), 200, 129),
+                                               (bshd, "bshd", (None, None), 170, 300)):
+                for right, br in ((-1, False), (0, False), (0, True)):
+                    call = flash.FlashCall(fmt, fmt, sq, sk, 1 / math.sqrt(d), -1, right, br,
+                                           0.0, False, True, bwd_family=90)
+                    out, lse = flash._fwd_impl(q, k, v, *cu, None, None, call)
+                    dq, dk, dv = flash._bwd_impl(torch.randn_like(out), q, k, v, out, lse, *cu,
+                                                 None, None, call)
+    torch.cuda.synchronize()
+    print("sanitize case done (sm90 backward)", dq.float().abs().sum().item())
     sys.exit(0)
 if args.decode:
     # 3 sequences: 1, 3 and 2 new tokens over 1, 300 and 77 cached keys (tails not multiples of

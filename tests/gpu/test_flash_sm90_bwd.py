@@ -158,18 +158,34 @@ def test_varlen_backward_matches_float64(fmt, mask, dtype, d):
                 assert not g[i, lens[i]:].isnan().any() and not g[i, lens[i]:].any()
 
 
+def bwd_kernels(fn):
+    """The backward kernels (sm80::bwd_kernel / sm90::bwd_kernel) that fn() launches."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return {f for f in ("sm80::bwd_kernel", "sm90::bwd_kernel") if any(f in n for n in names)}
+
+
 def test_auto_runs_the_sm80_backward():
-    """auto (family 0) keeps the sm80 backward until the sm90 one is measured: bitwise the
-    forced sm80 result, and not the sm90 one."""
+    """auto (family 0) keeps the sm80 backward (faster than the sm90 one's first cut): the sm80
+    kernel runs, bitwise the forced sm80 result; a forced sm90 runs the sm90 kernel. (The
+    results alone cannot tell the families apart: their dk and dv may agree bit for bit.)"""
     q, k, v = make_qkv(2, 512, 512, 4, 4, torch.bfloat16, "bshd", seed=3)
     dout = torch.randn_like(q)
-    auto = run_fwd_bwd(q, k, v, dout, "bshd", True, False, family=0)
-    sm80 = run_fwd_bwd(q, k, v, dout, "bshd", True, False, family=80)
-    sm90 = run_fwd_bwd(q, k, v, dout, "bshd", True, False, family=90)
-    assert all(torch.equal(a, b) for a, b in zip(auto, sm80))
-    assert not torch.equal(auto[1], sm90[1])  # another kernel: rounding differs somewhere
+    grads = {}
+    kernels = {}
+    for family in (0, 80, 90):
+        def call(family=family):
+            grads[family] = run_fwd_bwd(q, k, v, dout, "bshd", True, False, family=family)
+        call()  # the first call loads the modules
+        kernels[family] = bwd_kernels(call)
+    assert kernels == {0: {"sm80::bwd_kernel"}, 80: {"sm80::bwd_kernel"},
+                       90: {"sm90::bwd_kernel"}}
+    assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[80]))
     assert EXT.bwd_family(*SERVED, 0) == [
-        "sm80", "the sm80 backward is the default until the sm90 one is measured"]
+        "sm80", "the sm80 backward is faster (the sm90 one measured at 0.3-0.6x cuDNN, 2026-11-25)"]
 
 
 # (d, sq, sk, varlen, window_left, window_right, bottom_right, alibi, dropout, gqa,

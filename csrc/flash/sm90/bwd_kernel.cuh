@@ -1,4 +1,5 @@
-// FlashAttention backward for sm90a (first cut; compile-checked, not yet run on a GPU).
+// FlashAttention backward for sm90a (first cut: correct and race-free on the H100, slower
+// than the sm80 family; tuning work, csrc/flash/README.md).
 //
 // One CTA per (key block n, head, batch): K and V of the block are loaded once by TMA; a
 // producer warp streams the query blocks m that see the key block (Q and dO tiles, TMA, a
