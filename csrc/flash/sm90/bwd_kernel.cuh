@@ -9,7 +9,9 @@
 //   P^T  = exp(S^T - LSE), masked;  dS^T = P^T * (dP^T - dsum)       (registers)
 //   dV  += P^T dO,  dK += dS^T Q   (wgmma, P^T / dS^T from registers; accumulated over m)
 //   dQ   = dS K                (wgmma: dS through shared memory, both warpgroups' keys)
-// and add dQ into the float32 dq_accum with atomics. dK, dV (dK times the softmax scale) are
+// and add dQ into the float32 dq_accum: written to a shared-memory tile in dq_accum's layout,
+// which one thread hands to the bulk-copy engine (cp.reduce.async.bulk, one instruction per
+// tile; double-buffered, so that the engine reads a step's tile during the next step). dK, dV (dK times the softmax scale) are
 // written at the end. Working on S^T (keys as rows) puts P^T and dS^T in the register layout
 // of the A operand of the dV / dK GEMMs, as the forward's P is for P V.
 //
@@ -91,6 +93,10 @@ struct BwdConfig {
   using SmemLayoutDS = RowsK<kBlockM, kBlockN>;      // dS (query rows, keys)
   using SmemLayoutDSt = RowsMN<kBlockM, kBlockN>;    // dS^T, as the consumers write it
 
+  // A step's dQ tile: dq_accum's rows of the 8-row groups that its kBlockM query rows touch
+  // (a packed sequence may start inside a group), in dq_accum's layout.
+  static constexpr int kDqTileRows = kBlockM + 8;
+
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
 
@@ -103,6 +109,7 @@ struct BwdConfig {
     cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
     cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> v;
     cute::array_aligned<Element, cosize_v<SmemLayoutDS>, 1024> ds;
+    cute::array_aligned<float, 2 * kDqTileRows * kHeadDim, 128> dq;  // two dQ tiles
     alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_kv;
     alignas(16) typename Pipeline::SharedStorage pipe_q;
     alignas(16) typename Pipeline::SharedStorage pipe_do;
@@ -133,8 +140,10 @@ struct BwdConfig {
 
 // Named barrier ids beside the forward's (8-13); 0 is __syncthreads.
 enum : uint32_t {
-  kBarDsFree = 14,   // both consumers done with the previous block's dQ GEMM (reads of dS)
-  kBarDsReady = 15,  // both consumers' dS in shared memory
+  // both consumers done with the previous block's dQ GEMM (reads of dS) and its dQ tile written
+  kBarDsFree = 14,
+  // both consumers' dS in shared memory, and this block's dQ tile free (its previous copy read)
+  kBarDsReady = 15,
 };
 
 // Query blocks [m_begin, m_end) of a sequence with some row that sees a key of block n_block
@@ -295,6 +304,25 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   int64_t const lse_offset = si.q_off(args.lse_batch_stride, args.lse_row_stride) +
                              int64_t(head) * args.lse_head_stride;
   float* dq_accum = sm80::dqa_block(args, si, 0, head);
+  // dQ tiles: a step's rows from dq_accum's row (lead + query0) on, where lead = the 8-row
+  // group offset of the sequence's first row (packed) or 0; rows before and after (another
+  // sequence's, or past ours) stay zero and add zeros.
+  int const lead = sm80::dqa_row(si, 0) & 7;
+  float* const sdQ = shared.dq.data();
+  for (int i = tidx * 4; i < 2 * Cfg::kDqTileRows * kHeadDim; i += Cfg::kConsumerThreads * 4) {
+    *reinterpret_cast<float4*>(sdQ + i) = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  // The tile of block m (its buffer, alternating per step) goes to dq_accum in whole 8-row
+  // groups; one consumer thread issues every copy (bulk-copy groups are per thread).
+  bool const dq_issuer = tidx == 0;
+  auto dq_tile = [&](int m) { return sdQ + ((m - m_begin) & 1) * Cfg::kDqTileRows * kHeadDim; };
+  auto issue_dq = [&](int m) {
+    int const query = m * kBlockM;
+    int const rows = (lead + min(kBlockM, si.len_q - query) + 7) & ~7;
+    sm90::bulk_reduce_add_f32(dq_accum + int64_t(sm80::dqa_row(si, query) & ~7) * kHeadDim,
+                              cast_smem_ptr_to_uint(dq_tile(m)),
+                              uint32_t(rows * kHeadDim * sizeof(float)));
+  };
   // Keys past the sequence (zero-filled by TMA, or the next packed sequence's) and, causal,
   // keys past a query's diagonal get P = 0. Query rows past the sequence read LSE = +inf
   // (P = 0) and dsum = 0, so their dS is 0 too.
@@ -353,6 +381,10 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
 
     // dS to shared memory for dQ, which needs both warpgroups' keys.
     named_barrier_sync(Cfg::kConsumerThreads, kBarDsFree);
+    if (dq_issuer && m_block > m_begin) {
+      issue_dq(m_block - 1);    // the previous block's tile, complete at the barrier
+      sm90::bulk_wait_read<1>();  // the copy before it has read this block's tile buffer
+    }
     copy(tdSrdS, tdSsdS);
     cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> wgmma reads
     named_barrier_sync(Cfg::kConsumerThreads, kBarDsReady);
@@ -363,15 +395,27 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
     pipe_do.consumer_release(read);
     ++read;
 
-    // dQ partial -> dq_accum (rows past the sequence hold zeros, and may be another's).
+    // dQ partial -> this block's tile (issued at the next barrier). Rows past the sequence
+    // (another sequence's, or padding) get zeros. The accumulator's elements 2i, 2i + 1 are
+    // adjacent columns; its rows and columns are constant offsets (multiples of 8) from its
+    // first element's, so the dq_accum layout's offsets are too.
+    int const row0 = get<0>(tdQcdQ(0)), col0 = get<1>(tdQcdQ(0));
+    int const valid_rows = si.len_q - query0;
+    float* const dst = dq_tile(m_block) + sm80::dqa_offset(lead + row0, col0, kHeadDim);
     CUTE_UNROLL
-    for (int i = 0; i < size(tdQrdQ); ++i) {
-      int const row = query0 + get<0>(tdQcdQ(i));
-      if (row < si.len_q) {
-        atomicAdd(dq_accum + sm80::dqa_offset(sm80::dqa_row(si, row), get<1>(tdQcdQ(i)),
-                                              kHeadDim),
-                  tdQrdQ(i));
-      }
+    for (int i = 0; i < size(tdQrdQ); i += 2) {
+      int const row = get<0>(tdQcdQ(i)), col = get<1>(tdQcdQ(i));
+      bool const in = row < valid_rows;
+      *reinterpret_cast<float2*>(dst + (row - row0) * kHeadDim + (col - col0) * 8) =
+          make_float2(in ? tdQrdQ(i) : 0.f, in ? tdQrdQ(i + 1) : 0.f);
+    }
+    sm90::fence_proxy_async_smem();  // generic-proxy writes -> the bulk copy's reads
+  }
+  if (m_end > m_begin) {
+    named_barrier_sync(Cfg::kConsumerThreads, kBarDsFree);  // the last tile is complete
+    if (dq_issuer) {
+      issue_dq(m_end - 1);
+      sm90::bulk_wait_all();  // the copies have read shared memory before the CTA exits
     }
   }
 
