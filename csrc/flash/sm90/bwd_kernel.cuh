@@ -102,6 +102,9 @@ struct BwdConfig {
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename Pipeline::PipelineState;
+  // The LSE and dsum of a query block, stored by one producer warp beside Q and dO's stages.
+  using PipelineRows = cutlass::PipelineAsync<kStages>;
+  static_assert(std::is_same_v<PipelineState, typename PipelineRows::PipelineState>);
 
   struct SharedStorage {
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
@@ -110,9 +113,12 @@ struct BwdConfig {
     cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> v;
     cute::array_aligned<Element, cosize_v<SmemLayoutDS>, 1024> ds;
     cute::array_aligned<float, 2 * kDqTileRows * kHeadDim, 128> dq;  // two dQ tiles
+    cute::array_aligned<float, kStages * kBlockM> lse_log2;  // LSE * log2(e) per stage
+    cute::array_aligned<float, kStages * kBlockM> dsum;
     alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_kv;
     alignas(16) typename Pipeline::SharedStorage pipe_q;
     alignas(16) typename Pipeline::SharedStorage pipe_do;
+    alignas(16) typename PipelineRows::SharedStorage pipe_rows;
   };
 
   // Global tensors as (seqlen, head_dim, heads, batch); strides in elements.
@@ -202,6 +208,12 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   pipe_params.num_consumers = Cfg::kConsumerThreads;
   Pipeline pipe_q(shared.pipe_q, pipe_params, Shape<_1, _1, _1>{});
   Pipeline pipe_do(shared.pipe_do, pipe_params, Shape<_1, _1, _1>{});
+  typename Cfg::PipelineRows::Params rows_params;
+  rows_params.role = warpgroup_idx == 0 ? Cfg::PipelineRows::ThreadCategory::Producer
+                                        : Cfg::PipelineRows::ThreadCategory::Consumer;
+  rows_params.producer_arv_count = 32;  // producer warp 1
+  rows_params.consumer_arv_count = Cfg::kConsumerThreads;
+  typename Cfg::PipelineRows pipe_rows(shared.pipe_rows, rows_params);
   __syncthreads();  // barrier inits visible to all before any use
 
   Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Cfg::SmemLayoutQ{});
@@ -209,9 +221,34 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Cfg::SmemLayoutK{});
   Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Cfg::SmemLayoutK{});
 
+  // The LSE (and dsum) of query row 0 of this sequence and head.
+  int64_t const lse_offset = si.q_off(args.lse_batch_stride, args.lse_row_stride) +
+                             int64_t(head) * args.lse_head_stride;
+
   if (warpgroup_idx == 0) {
     // ---------------- producer: its first thread issues every TMA load ----------------
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
+    if (warp_idx == 1) {
+      // Warp 1 stores each query block's LSE (log2 units) and dsum in shared memory: rows
+      // past the sequence get LSE = +inf (P = 0) and dsum = 0, so their dS is 0 too.
+      int const lane = threadIdx.x % 32;
+      PipelineState write = cutlass::make_producer_start_state<typename Cfg::PipelineRows>();
+      for (int m_block = m_begin; m_block < m_end; ++m_block) {
+        pipe_rows.producer_acquire(write);
+        float* lse_log2 = shared.lse_log2.data() + write.index() * kBlockM;
+        float* dsum = shared.dsum.data() + write.index() * kBlockM;
+        for (int r = lane; r < kBlockM; r += 32) {
+          int const query = m_block * kBlockM + r;
+          int64_t const at = lse_offset + int64_t(query) * args.lse_row_stride;
+          bool const in = query < si.len_q;
+          lse_log2[r] = in ? args.lse[at] * float(M_LOG2E) : INFINITY;
+          dsum[r] = in ? args.dsum[at] : 0.f;
+        }
+        pipe_rows.producer_commit(write);
+        ++write;
+      }
+      return;
+    }
     if (threadIdx.x != 0) { return; }
     Tensor mQ = params.tma_q.get_tma_tensor(params.shape_q);
     Tensor mdO = params.tma_do.get_tma_tensor(params.shape_q);
@@ -300,9 +337,6 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   Tensor cdQ = make_identity_tensor(select<0, 1>(typename Cfg::TileDQ{}));  // (query, column)
   Tensor tdQcdQ = thr_dq.partition_C(cdQ);
 
-  // The LSE (and dsum) of query row 0 of this sequence and head.
-  int64_t const lse_offset = si.q_off(args.lse_batch_stride, args.lse_row_stride) +
-                             int64_t(head) * args.lse_head_stride;
   float* dq_accum = sm80::dqa_block(args, si, 0, head);
   // dQ tiles: a step's rows from dq_accum's row (lead + query0) on, where lead = the 8-row
   // group offset of the sequence's first row (packed) or 0; rows before and after (another
@@ -324,8 +358,7 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
                               uint32_t(rows * kHeadDim * sizeof(float)));
   };
   // Keys past the sequence (zero-filled by TMA, or the next packed sequence's) and, causal,
-  // keys past a query's diagonal get P = 0. Query rows past the sequence read LSE = +inf
-  // (P = 0) and dsum = 0, so their dS is 0 too.
+  // keys past a query's diagonal get P = 0 (query rows past it: LSE = +inf, above).
   bool const key_tail = key0 + kBlockN > si.len_k;
   float const scale_log2 = args.scale_softmax_log2;
 
@@ -342,18 +375,17 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
 
     Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
     Tensor dp = make_tensor(tdPrdP.data(), acc_rowcol(tdPrdP.layout()));
-    // The LSE and dsum of this thread's query columns are read where used, a column at a
-    // time (held for all columns across the GEMMs, they spilled).
-    auto row_value = [&](float const* rows, int query, float past_end) {  // LSE's layout
-      return query < si.len_q ? rows[lse_offset + int64_t(query) * args.lse_row_stride]
-                              : past_end;
-    };
+    // The LSE and dsum of this thread's query columns are read from shared memory where
+    // used, a column at a time (held for all columns across the GEMMs, they spilled).
     bool const masked = key_tail || (kCausal && key0 + kBlockN - 1 > query0 + band.off);
+    pipe_rows.consumer_wait(read);
+    float const* lse_log2_of = shared.lse_log2.data() + read.index() * kBlockM;
+    float const* dsum_of = shared.dsum.data() + read.index() * kBlockM;
     warpgroup_wait<1>();  // S^T
     CUTE_UNROLL
     for (int c = 0; c < size<1>(s); ++c) {
       int const query = query0 + get<1>(tScS_rc(0, c));
-      float const lse_log2 = row_value(args.lse, query, INFINITY) * float(M_LOG2E);
+      float const lse_log2 = lse_log2_of[get<1>(tScS_rc(0, c))];
       CUTE_UNROLL
       for (int r = 0; r < size<0>(s); ++r) {
         int const key = key0 + get<0>(tScS_rc(r, c));
@@ -364,11 +396,11 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
     warpgroup_wait<0>();  // dP^T
     CUTE_UNROLL
     for (int c = 0; c < size<1>(s); ++c) {
-      int const query = query0 + get<1>(tScS_rc(0, c));
-      float const dsum = row_value(args.dsum, query, 0.f);
+      float const dsum = dsum_of[get<1>(tScS_rc(0, c))];
       CUTE_UNROLL
       for (int r = 0; r < size<0>(s); ++r) { dp(r, c) = s(r, c) * (dp(r, c) - dsum); }
     }
+    pipe_rows.consumer_release(read);
     // P^T and dS^T as 16-bit A operands (the accumulator registers in operand order).
     Tensor tPrP = make_tensor<Element>(LayoutS{});
     Tensor tdSrdS = make_tensor<Element>(LayoutS{});
