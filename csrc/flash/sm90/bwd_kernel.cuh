@@ -322,7 +322,11 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   Tensor tdKrQt = thr_kv.partition_fragment_B(sQt);    // (..., stage)
   Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
   Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
-  Tensor tdSsdS = thr_sdp.partition_C(sdSt);           // this thread's dS^T elements
+  // dS^T from the accumulator layout to shared memory by stmatrix (transposing: 8 keys of a
+  // query, contiguous in dS's K-major rows, per matrix row).
+  auto r2s_ds = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, mma_sdp);
+  auto thr_r2s_ds = r2s_ds.get_thread_slice(tidx);
+  Tensor tdSsdS = thr_r2s_ds.partition_D(sdSt);
 
   Tensor tdVrdV = partition_fragment_C(mma_kv, select<0, 1>(typename Cfg::TileKV{}));
   Tensor tdKrdK = partition_fragment_C(mma_kv, select<0, 1>(typename Cfg::TileKV{}));
@@ -382,6 +386,7 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
     float const* lse_log2_of = shared.lse_log2.data() + read.index() * kBlockM;
     float const* dsum_of = shared.dsum.data() + read.index() * kBlockM;
     warpgroup_wait<1>();  // S^T
+    warpgroup_fence_operand(tSrS);
     CUTE_UNROLL
     for (int c = 0; c < size<1>(s); ++c) {
       int const query = query0 + get<1>(tScS_rc(0, c));
@@ -393,7 +398,14 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
         s(r, c) = out ? 0.f : fast_exp2(s(r, c) * scale_log2 - lse_log2);
       }
     }
-    warpgroup_wait<0>();  // dP^T
+    // P^T and dS^T as 16-bit A operands (the accumulator registers in operand order). The dV
+    // GEMM runs while dS is computed.
+    Tensor tPrP = make_tensor<Element>(LayoutS{});
+    convert_fragment<Element>(tSrS, tPrP);
+    Tensor tPrP_a = make_tensor(tPrP.data(), acc_as_operand_a(tPrP.layout()));
+    wg_gemm<false>(mma_kv, tPrP_a, tdVrdOt(_, _, _, read.index()), tdVrdV);
+    warpgroup_wait<1>();  // dP^T (committed before dV)
+    warpgroup_fence_operand(tdPrdP);
     CUTE_UNROLL
     for (int c = 0; c < size<1>(s); ++c) {
       float const dsum = dsum_of[get<1>(tScS_rc(0, c))];
@@ -401,14 +413,9 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
       for (int r = 0; r < size<0>(s); ++r) { dp(r, c) = s(r, c) * (dp(r, c) - dsum); }
     }
     pipe_rows.consumer_release(read);
-    // P^T and dS^T as 16-bit A operands (the accumulator registers in operand order).
-    Tensor tPrP = make_tensor<Element>(LayoutS{});
     Tensor tdSrdS = make_tensor<Element>(LayoutS{});
-    convert_fragment<Element>(tSrS, tPrP);
     convert_fragment<Element>(tdPrdP, tdSrdS);
-    Tensor tPrP_a = make_tensor(tPrP.data(), acc_as_operand_a(tPrP.layout()));
     Tensor tdSrdS_a = make_tensor(tdSrdS.data(), acc_as_operand_a(tdSrdS.layout()));
-    wg_gemm<false>(mma_kv, tPrP_a, tdVrdOt(_, _, _, read.index()), tdVrdV);
     wg_gemm<false>(mma_kv, tdSrdS_a, tdKrQt(_, _, _, read.index()), tdKrdK);
 
     // dS to shared memory for dQ, which needs both warpgroups' keys.
@@ -417,7 +424,7 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
       issue_dq(m_block - 1);    // the previous block's tile, complete at the barrier
       sm90::bulk_wait_read<1>();  // the copy before it has read this block's tile buffer
     }
-    copy(tdSrdS, tdSsdS);
+    copy(r2s_ds, thr_r2s_ds.retile_S(tdSrdS), tdSsdS);
     cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> wgmma reads
     named_barrier_sync(Cfg::kConsumerThreads, kBarDsReady);
     Tensor tdQrdQ = partition_fragment_C(mma_dq, select<0, 1>(typename Cfg::TileDQ{}));
