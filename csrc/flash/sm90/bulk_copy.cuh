@@ -1,5 +1,6 @@
 // Hopper-only device code: the bulk-copy engine's float reduction into global memory
-// (cp.reduce.async.bulk), with which the sm80 family's backward adds its dQ tile on sm_90a.
+// (cp.reduce.async.bulk), with which both backwards (sm80 built for sm_90a, and sm90) add their
+// dQ tiles.
 #pragma once
 
 #include <cstdint>

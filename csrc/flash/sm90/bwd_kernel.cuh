@@ -1,18 +1,20 @@
-// FlashAttention backward for sm90a (first cut: correct and race-free on the H100, slower
-// than the sm80 family; tuning work, csrc/flash/README.md).
+// FlashAttention backward for sm90a (csrc/flash/README.md: its measurements and tuning).
 //
 // One CTA per (key block n, head, batch): K and V of the block are loaded once by TMA; a
-// producer warp streams the query blocks m that see the key block (Q and dO tiles, TMA, a
-// kStages mbarrier pipeline); two consumer warpgroups, 64 key rows each, compute per block
+// producer thread streams the query blocks m that see the key block (Q and dO tiles, TMA, a
+// kStages mbarrier pipeline) and a producer warp their LSE and dsum rows (shared memory,
+// a pipeline of the same stages); two consumer warpgroups, 64 key rows each, compute per block
 //   S^T  = K Q^T              (wgmma, both operands in shared memory)
 //   dP^T = V dO^T             (wgmma)
 //   P^T  = exp(S^T - LSE), masked;  dS^T = P^T * (dP^T - dsum)       (registers)
-//   dV  += P^T dO,  dK += dS^T Q   (wgmma, P^T / dS^T from registers; accumulated over m)
-//   dQ   = dS K                (wgmma: dS through shared memory, both warpgroups' keys)
+//   dV  += P^T dO,  dK += dS^T Q   (wgmma, P^T / dS^T from registers; accumulated over m;
+//                                  the dV GEMM runs while dS is computed)
+//   dQ   = dS K                (wgmma: dS through shared memory by stmatrix, both warpgroups'
+//                               keys)
 // and add dQ into the float32 dq_accum: written to a shared-memory tile in dq_accum's layout,
 // which one thread hands to the bulk-copy engine (cp.reduce.async.bulk, one instruction per
-// tile; double-buffered, so that the engine reads a step's tile during the next step). dK, dV (dK times the softmax scale) are
-// written at the end. Working on S^T (keys as rows) puts P^T and dS^T in the register layout
+// tile; double-buffered, so that the engine reads a step's tile during the next step). dK,
+// dV (dK times the softmax scale) are written at the end. Working on S^T (keys as rows) puts P^T and dS^T in the register layout
 // of the A operand of the dV / dK GEMMs, as the forward's P is for P V.
 //
 // dsum = rowsum(dO * O), the zeroing of dq_accum and the conversion of dq_accum into dQ
