@@ -14,8 +14,9 @@
 // and add dQ into the float32 dq_accum: written to a shared-memory tile in dq_accum's layout,
 // which one thread hands to the bulk-copy engine (cp.reduce.async.bulk, one instruction per
 // tile; double-buffered, so that the engine reads a step's tile during the next step). dK,
-// dV (dK times the softmax scale) are written at the end. Working on S^T (keys as rows) puts P^T and dS^T in the register layout
-// of the A operand of the dV / dK GEMMs, as the forward's P is for P V.
+// dV (dK times the softmax scale) are written at the end. Working on S^T (keys as rows) puts
+// P^T and dS^T in the register layout of the A operand of the dV / dK GEMMs, as the
+// forward's P is for P V.
 //
 // dsum = rowsum(dO * O), the zeroing of dq_accum and the conversion of dq_accum into dQ
 // (times the softmax scale) are the sm80 family's kernels (sm80/bwd_kernel.cuh): the sm90
