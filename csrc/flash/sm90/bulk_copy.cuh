@@ -1,5 +1,6 @@
 // Hopper-only device code: the bulk-copy engine's float reduction into global memory
-// (cp.reduce.async.bulk), with which the sm80 family's backward adds its dQ tile on sm_90a.
+// (cp.reduce.async.bulk), with which both backwards (sm80 built for sm_90a, and sm90) add their
+// dQ tiles.
 #pragma once
 
 #include <cstdint>
@@ -21,9 +22,11 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* gdst, uint32_t ssrc, 
   TFA_SM90("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
            "cp.async.bulk.commit_group;\n" ::"l"(gdst), "r"(ssrc), "r"(bytes) : "memory");
 }
-// The shared-memory sources of this thread's bulk copies have been read.
+// The shared-memory sources of this thread's bulk copies have been read, all but the
+// kPending most recently committed.
+template <int kPending = 0>
 __device__ __forceinline__ void bulk_wait_read() {
-  TFA_SM90("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+  TFA_SM90("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
 }
 // This thread's bulk copies have completed.
 __device__ __forceinline__ void bulk_wait_all() {

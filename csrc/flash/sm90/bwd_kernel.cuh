@@ -1,17 +1,22 @@
-// FlashAttention backward for sm90a (first cut: correct and race-free on the H100, slower
-// than the sm80 family; tuning work, csrc/flash/README.md).
+// FlashAttention backward for sm90a (csrc/flash/README.md: its measurements and tuning).
 //
 // One CTA per (key block n, head, batch): K and V of the block are loaded once by TMA; a
-// producer warp streams the query blocks m that see the key block (Q and dO tiles, TMA, a
-// kStages mbarrier pipeline); two consumer warpgroups, 64 key rows each, compute per block
+// producer thread streams the query blocks m that see the key block (Q and dO tiles, TMA, a
+// kStages mbarrier pipeline) and a producer warp their LSE and dsum rows (shared memory,
+// a pipeline of the same stages); two consumer warpgroups, 64 key rows each, compute per block
 //   S^T  = K Q^T              (wgmma, both operands in shared memory)
 //   dP^T = V dO^T             (wgmma)
 //   P^T  = exp(S^T - LSE), masked;  dS^T = P^T * (dP^T - dsum)       (registers)
-//   dV  += P^T dO,  dK += dS^T Q   (wgmma, P^T / dS^T from registers; accumulated over m)
-//   dQ   = dS K                (wgmma: dS through shared memory, both warpgroups' keys)
-// and add dQ into the float32 dq_accum with atomics. dK, dV (dK times the softmax scale) are
-// written at the end. Working on S^T (keys as rows) puts P^T and dS^T in the register layout
-// of the A operand of the dV / dK GEMMs, as the forward's P is for P V.
+//   dV  += P^T dO,  dK += dS^T Q   (wgmma, P^T / dS^T from registers; accumulated over m;
+//                                  the dV GEMM runs while dS is computed)
+//   dQ   = dS K                (wgmma: dS through shared memory by stmatrix, both warpgroups'
+//                               keys)
+// and add dQ into the float32 dq_accum: written to a shared-memory tile in dq_accum's layout,
+// which one thread hands to the bulk-copy engine (cp.reduce.async.bulk, one instruction per
+// tile; double-buffered, so that the engine reads a step's tile during the next step). dK,
+// dV (dK times the softmax scale) are written at the end. Working on S^T (keys as rows) puts
+// P^T and dS^T in the register layout of the A operand of the dV / dK GEMMs, as the
+// forward's P is for P V.
 //
 // dsum = rowsum(dO * O), the zeroing of dq_accum and the conversion of dq_accum into dQ
 // (times the softmax scale) are the sm80 family's kernels (sm80/bwd_kernel.cuh): the sm90
@@ -91,11 +96,18 @@ struct BwdConfig {
   using SmemLayoutDS = RowsK<kBlockM, kBlockN>;      // dS (query rows, keys)
   using SmemLayoutDSt = RowsMN<kBlockM, kBlockN>;    // dS^T, as the consumers write it
 
+  // A step's dQ tile: dq_accum's rows of the 8-row groups that its kBlockM query rows touch
+  // (a packed sequence may start inside a group), in dq_accum's layout.
+  static constexpr int kDqTileRows = kBlockM + 8;
+
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename Pipeline::PipelineState;
+  // The LSE and dsum of a query block, stored by one producer warp beside Q and dO's stages.
+  using PipelineRows = cutlass::PipelineAsync<kStages>;
+  static_assert(std::is_same_v<PipelineState, typename PipelineRows::PipelineState>);
 
   struct SharedStorage {
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
@@ -103,9 +115,13 @@ struct BwdConfig {
     cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
     cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> v;
     cute::array_aligned<Element, cosize_v<SmemLayoutDS>, 1024> ds;
+    cute::array_aligned<float, 2 * kDqTileRows * kHeadDim, 128> dq;  // two dQ tiles
+    cute::array_aligned<float, kStages * kBlockM> lse_log2;  // LSE * log2(e) per stage
+    cute::array_aligned<float, kStages * kBlockM> dsum;
     alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_kv;
     alignas(16) typename Pipeline::SharedStorage pipe_q;
     alignas(16) typename Pipeline::SharedStorage pipe_do;
+    alignas(16) typename PipelineRows::SharedStorage pipe_rows;
   };
 
   // Global tensors as (seqlen, head_dim, heads, batch); strides in elements.
@@ -133,8 +149,10 @@ struct BwdConfig {
 
 // Named barrier ids beside the forward's (8-13); 0 is __syncthreads.
 enum : uint32_t {
-  kBarDsFree = 14,   // both consumers done with the previous block's dQ GEMM (reads of dS)
-  kBarDsReady = 15,  // both consumers' dS in shared memory
+  // both consumers done with the previous block's dQ GEMM (reads of dS) and its dQ tile written
+  kBarDsFree = 14,
+  // both consumers' dS in shared memory, and this block's dQ tile free (its previous copy read)
+  kBarDsReady = 15,
 };
 
 // Query blocks [m_begin, m_end) of a sequence with some row that sees a key of block n_block
@@ -193,6 +211,12 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   pipe_params.num_consumers = Cfg::kConsumerThreads;
   Pipeline pipe_q(shared.pipe_q, pipe_params, Shape<_1, _1, _1>{});
   Pipeline pipe_do(shared.pipe_do, pipe_params, Shape<_1, _1, _1>{});
+  typename Cfg::PipelineRows::Params rows_params;
+  rows_params.role = warpgroup_idx == 0 ? Cfg::PipelineRows::ThreadCategory::Producer
+                                        : Cfg::PipelineRows::ThreadCategory::Consumer;
+  rows_params.producer_arv_count = 32;  // producer warp 1
+  rows_params.consumer_arv_count = Cfg::kConsumerThreads;
+  typename Cfg::PipelineRows pipe_rows(shared.pipe_rows, rows_params);
   __syncthreads();  // barrier inits visible to all before any use
 
   Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Cfg::SmemLayoutQ{});
@@ -200,9 +224,34 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Cfg::SmemLayoutK{});
   Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Cfg::SmemLayoutK{});
 
+  // The LSE (and dsum) of query row 0 of this sequence and head.
+  int64_t const lse_offset = si.q_off(args.lse_batch_stride, args.lse_row_stride) +
+                             int64_t(head) * args.lse_head_stride;
+
   if (warpgroup_idx == 0) {
     // ---------------- producer: its first thread issues every TMA load ----------------
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
+    if (warp_idx == 1) {
+      // Warp 1 stores each query block's LSE (log2 units) and dsum in shared memory: rows
+      // past the sequence get LSE = +inf (P = 0) and dsum = 0, so their dS is 0 too.
+      int const lane = threadIdx.x % 32;
+      PipelineState write = cutlass::make_producer_start_state<typename Cfg::PipelineRows>();
+      for (int m_block = m_begin; m_block < m_end; ++m_block) {
+        pipe_rows.producer_acquire(write);
+        float* lse_log2 = shared.lse_log2.data() + write.index() * kBlockM;
+        float* dsum = shared.dsum.data() + write.index() * kBlockM;
+        for (int r = lane; r < kBlockM; r += 32) {
+          int const query = m_block * kBlockM + r;
+          int64_t const at = lse_offset + int64_t(query) * args.lse_row_stride;
+          bool const in = query < si.len_q;
+          lse_log2[r] = in ? args.lse[at] * float(M_LOG2E) : INFINITY;
+          dsum[r] = in ? args.dsum[at] : 0.f;
+        }
+        pipe_rows.producer_commit(write);
+        ++write;
+      }
+      return;
+    }
     if (threadIdx.x != 0) { return; }
     Tensor mQ = params.tma_q.get_tma_tensor(params.shape_q);
     Tensor mdO = params.tma_do.get_tma_tensor(params.shape_q);
@@ -276,7 +325,11 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   Tensor tdKrQt = thr_kv.partition_fragment_B(sQt);    // (..., stage)
   Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
   Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
-  Tensor tdSsdS = thr_sdp.partition_C(sdSt);           // this thread's dS^T elements
+  // dS^T from the accumulator layout to shared memory by stmatrix (transposing: 8 keys of a
+  // query, contiguous in dS's K-major rows, per matrix row).
+  auto r2s_ds = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, mma_sdp);
+  auto thr_r2s_ds = r2s_ds.get_thread_slice(tidx);
+  Tensor tdSsdS = thr_r2s_ds.partition_D(sdSt);
 
   Tensor tdVrdV = partition_fragment_C(mma_kv, select<0, 1>(typename Cfg::TileKV{}));
   Tensor tdKrdK = partition_fragment_C(mma_kv, select<0, 1>(typename Cfg::TileKV{}));
@@ -291,13 +344,28 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   Tensor cdQ = make_identity_tensor(select<0, 1>(typename Cfg::TileDQ{}));  // (query, column)
   Tensor tdQcdQ = thr_dq.partition_C(cdQ);
 
-  // The LSE (and dsum) of query row 0 of this sequence and head.
-  int64_t const lse_offset = si.q_off(args.lse_batch_stride, args.lse_row_stride) +
-                             int64_t(head) * args.lse_head_stride;
   float* dq_accum = sm80::dqa_block(args, si, 0, head);
+  // dQ tiles: a step's rows from dq_accum's row (lead + query0) on, where lead = the 8-row
+  // group offset of the sequence's first row (packed) or 0; rows before and after (another
+  // sequence's, or past ours) stay zero and add zeros.
+  int const lead = sm80::dqa_row(si, 0) & 7;
+  float* const sdQ = shared.dq.data();
+  for (int i = tidx * 4; i < 2 * Cfg::kDqTileRows * kHeadDim; i += Cfg::kConsumerThreads * 4) {
+    *reinterpret_cast<float4*>(sdQ + i) = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  // The tile of block m (its buffer, alternating per step) goes to dq_accum in whole 8-row
+  // groups; one consumer thread issues every copy (bulk-copy groups are per thread).
+  bool const dq_issuer = tidx == 0;
+  auto dq_tile = [&](int m) { return sdQ + ((m - m_begin) & 1) * Cfg::kDqTileRows * kHeadDim; };
+  auto issue_dq = [&](int m) {
+    int const query = m * kBlockM;
+    int const rows = (lead + min(kBlockM, si.len_q - query) + 7) & ~7;
+    sm90::bulk_reduce_add_f32(dq_accum + int64_t(sm80::dqa_row(si, query) & ~7) * kHeadDim,
+                              cast_smem_ptr_to_uint(dq_tile(m)),
+                              uint32_t(rows * kHeadDim * sizeof(float)));
+  };
   // Keys past the sequence (zero-filled by TMA, or the next packed sequence's) and, causal,
-  // keys past a query's diagonal get P = 0. Query rows past the sequence read LSE = +inf
-  // (P = 0) and dsum = 0, so their dS is 0 too.
+  // keys past a query's diagonal get P = 0 (query rows past it: LSE = +inf, above).
   bool const key_tail = key0 + kBlockN > si.len_k;
   float const scale_log2 = args.scale_softmax_log2;
 
@@ -314,18 +382,18 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
 
     Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
     Tensor dp = make_tensor(tdPrdP.data(), acc_rowcol(tdPrdP.layout()));
-    // The LSE and dsum of this thread's query columns are read where used, a column at a
-    // time (held for all columns across the GEMMs, they spilled).
-    auto row_value = [&](float const* rows, int query, float past_end) {  // LSE's layout
-      return query < si.len_q ? rows[lse_offset + int64_t(query) * args.lse_row_stride]
-                              : past_end;
-    };
+    // The LSE and dsum of this thread's query columns are read from shared memory where
+    // used, a column at a time (held for all columns across the GEMMs, they spilled).
     bool const masked = key_tail || (kCausal && key0 + kBlockN - 1 > query0 + band.off);
+    pipe_rows.consumer_wait(read);
+    float const* lse_log2_of = shared.lse_log2.data() + read.index() * kBlockM;
+    float const* dsum_of = shared.dsum.data() + read.index() * kBlockM;
     warpgroup_wait<1>();  // S^T
+    warpgroup_fence_operand(tSrS);
     CUTE_UNROLL
     for (int c = 0; c < size<1>(s); ++c) {
       int const query = query0 + get<1>(tScS_rc(0, c));
-      float const lse_log2 = row_value(args.lse, query, INFINITY) * float(M_LOG2E);
+      float const lse_log2 = lse_log2_of[get<1>(tScS_rc(0, c))];
       CUTE_UNROLL
       for (int r = 0; r < size<0>(s); ++r) {
         int const key = key0 + get<0>(tScS_rc(r, c));
@@ -333,27 +401,33 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
         s(r, c) = out ? 0.f : fast_exp2(s(r, c) * scale_log2 - lse_log2);
       }
     }
-    warpgroup_wait<0>();  // dP^T
+    // P^T and dS^T as 16-bit A operands (the accumulator registers in operand order). The dV
+    // GEMM runs while dS is computed.
+    Tensor tPrP = make_tensor<Element>(LayoutS{});
+    convert_fragment<Element>(tSrS, tPrP);
+    Tensor tPrP_a = make_tensor(tPrP.data(), acc_as_operand_a(tPrP.layout()));
+    wg_gemm<false>(mma_kv, tPrP_a, tdVrdOt(_, _, _, read.index()), tdVrdV);
+    warpgroup_wait<1>();  // dP^T (committed before dV)
+    warpgroup_fence_operand(tdPrdP);
     CUTE_UNROLL
     for (int c = 0; c < size<1>(s); ++c) {
-      int const query = query0 + get<1>(tScS_rc(0, c));
-      float const dsum = row_value(args.dsum, query, 0.f);
+      float const dsum = dsum_of[get<1>(tScS_rc(0, c))];
       CUTE_UNROLL
       for (int r = 0; r < size<0>(s); ++r) { dp(r, c) = s(r, c) * (dp(r, c) - dsum); }
     }
-    // P^T and dS^T as 16-bit A operands (the accumulator registers in operand order).
-    Tensor tPrP = make_tensor<Element>(LayoutS{});
+    pipe_rows.consumer_release(read);
     Tensor tdSrdS = make_tensor<Element>(LayoutS{});
-    convert_fragment<Element>(tSrS, tPrP);
     convert_fragment<Element>(tdPrdP, tdSrdS);
-    Tensor tPrP_a = make_tensor(tPrP.data(), acc_as_operand_a(tPrP.layout()));
     Tensor tdSrdS_a = make_tensor(tdSrdS.data(), acc_as_operand_a(tdSrdS.layout()));
-    wg_gemm<false>(mma_kv, tPrP_a, tdVrdOt(_, _, _, read.index()), tdVrdV);
     wg_gemm<false>(mma_kv, tdSrdS_a, tdKrQt(_, _, _, read.index()), tdKrdK);
 
     // dS to shared memory for dQ, which needs both warpgroups' keys.
     named_barrier_sync(Cfg::kConsumerThreads, kBarDsFree);
-    copy(tdSrdS, tdSsdS);
+    if (dq_issuer && m_block > m_begin) {
+      issue_dq(m_block - 1);    // the previous block's tile, complete at the barrier
+      sm90::bulk_wait_read<1>();  // the copy before it has read this block's tile buffer
+    }
+    copy(r2s_ds, thr_r2s_ds.retile_S(tdSrdS), tdSsdS);
     cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> wgmma reads
     named_barrier_sync(Cfg::kConsumerThreads, kBarDsReady);
     Tensor tdQrdQ = partition_fragment_C(mma_dq, select<0, 1>(typename Cfg::TileDQ{}));
@@ -363,15 +437,27 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
     pipe_do.consumer_release(read);
     ++read;
 
-    // dQ partial -> dq_accum (rows past the sequence hold zeros, and may be another's).
+    // dQ partial -> this block's tile (issued at the next barrier). Rows past the sequence
+    // (another sequence's, or padding) get zeros. The accumulator's elements 2i, 2i + 1 are
+    // adjacent columns; its rows and columns are constant offsets (multiples of 8) from its
+    // first element's, so the dq_accum layout's offsets are too.
+    int const row0 = get<0>(tdQcdQ(0)), col0 = get<1>(tdQcdQ(0));
+    int const valid_rows = si.len_q - query0;
+    float* const dst = dq_tile(m_block) + sm80::dqa_offset(lead + row0, col0, kHeadDim);
     CUTE_UNROLL
-    for (int i = 0; i < size(tdQrdQ); ++i) {
-      int const row = query0 + get<0>(tdQcdQ(i));
-      if (row < si.len_q) {
-        atomicAdd(dq_accum + sm80::dqa_offset(sm80::dqa_row(si, row), get<1>(tdQcdQ(i)),
-                                              kHeadDim),
-                  tdQrdQ(i));
-      }
+    for (int i = 0; i < size(tdQrdQ); i += 2) {
+      int const row = get<0>(tdQcdQ(i)), col = get<1>(tdQcdQ(i));
+      bool const in = row < valid_rows;
+      *reinterpret_cast<float2*>(dst + (row - row0) * kHeadDim + (col - col0) * 8) =
+          make_float2(in ? tdQrdQ(i) : 0.f, in ? tdQrdQ(i + 1) : 0.f);
+    }
+    sm90::fence_proxy_async_smem();  // generic-proxy writes -> the bulk copy's reads
+  }
+  if (m_end > m_begin) {
+    named_barrier_sync(Cfg::kConsumerThreads, kBarDsFree);  // the last tile is complete
+    if (dq_issuer) {
+      issue_dq(m_end - 1);
+      sm90::bulk_wait_all();  // the copies have read shared memory before the CTA exits
     }
   }
 

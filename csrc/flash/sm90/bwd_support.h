@@ -23,7 +23,7 @@ inline const char* bwd_declines(const BwdParams& p, int arch) {
   if (!no_mask && !causal) return "its backward does not take sliding windows yet";
   if (p.alibi_slopes != nullptr) return "its backward does not take ALiBi";
   if (p.rng_state != nullptr) return "its backward does not take dropout";
-  if (p.deterministic) return "its backward is not deterministic (dQ is added with atomics)";
+  if (p.deterministic) return "its backward is not deterministic (dQ is added by float reductions in any order)";
   return nullptr;
 }
 
