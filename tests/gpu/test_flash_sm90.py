@@ -86,7 +86,8 @@ def run_fwd(q, k, v, layout, causal, family, return_lse=True, bottom_right=False
 
 
 # (b, sq, sk, h, hkv, layout, input gain): small and large grids (the persistent grid loops
-# when tiles outnumber SMs: 4 x 16 x 8 and 8 x 16 x 4 = 512 tiles on 132 SMs), GQA and MQA,
+# when tiles outnumber SMs: 4 x 16 x 8 and 8 x 16 x 4 = 512 tiles on 132 SMs at d128; causal
+# d64 is persistent up to s = 512 only: 12 x 16 x 3 = 576 tiles of 192 rows), GQA and MQA,
 # the layouts' strides, a sharper softmax (gain 4), lengths that are not tile multiples (the
 # key tail masked, the query tail not stored), one token, and sq != sk both ways.
 CASES = {
@@ -99,6 +100,7 @@ CASES = {
     "sharp-b2-s512-h4": (2, 512, 512, 4, 4, "bshd", 4.0),
     "loops-b4-s2048-h8-hkv2": (4, 2048, 2048, 8, 2, "bshd", 1.0),
     "loops-b8-s1024-h16": (8, 1024, 1024, 16, 16, "bshd", 1.0),
+    "loops-b12-s512-h16": (12, 512, 512, 16, 16, "bshd", 1.0),
     "tail-b2-s200-h4": (2, 200, 200, 4, 4, "bshd", 1.0),
     "one-token-b3-s1-h2": (3, 1, 1, 2, 2, "bshd", 1.0),
     "packed-tail-b2-s333-h2": (2, 333, 333, 2, 2, "bs3hd", 1.0),

@@ -1,9 +1,9 @@
 // FlashAttention forward for sm90a: TMA loads into swizzled shared memory,
-// mbarrier pipelines, one producer warp and two consumer warpgroups (64 query
-// rows each) that run both GEMMs on wgmma (P stays in registers for P @ V).
+// mbarrier pipelines, one producer warp and two or three consumer warpgroups (64
+// query rows each) that run both GEMMs on wgmma (P stays in registers for P @ V).
 // Each consumer overlaps the softmax of block n with the QK^T of block n - 1
-// and the PV of block n + 1; the two consumers take turns issuing their GEMMs
-// (named-barrier ping-pong) so one's softmax hides under the other's GEMMs.
+// and the PV of block n + 1; the consumers take turns issuing their GEMMs (a
+// named-barrier ring) so one's softmax hides under the others' GEMMs.
 // With a persistent grid each CTA loops over tiles, so the producer loads the
 // next tile's K and Q while the consumers finish the last one.
 //
@@ -68,8 +68,8 @@ struct TileScheduler {
   }
 };
 
-// A named tile configuration. Two consumer warpgroups of 64 rows each when
-// kBlockM = 128; the producer is the first warpgroup (only its warp 0 works).
+// A named tile configuration: kBlockM / 64 consumer warpgroups (2 or 3) of 64 rows each; the
+// producer is the first warpgroup (only its warp 0 works).
 // kOStagedInQ: the epilogue stages O in Q's shared memory (Q, K and V take all of it at
 // d256); such a config runs one CTA per tile (a persistent CTA would load the next Q there).
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_,
@@ -84,15 +84,17 @@ struct FwdConfig {
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kThreads = 128 + kConsumerThreads;
-  static_assert(kConsumerWarpgroups == 2, "ping-pong schedule assumes two consumer warpgroups");
+  static_assert(kBlockM % 64 == 0 && (kConsumerWarpgroups == 2 || kConsumerWarpgroups == 3),
+                "the turn-taking ring and the register split are for two or three consumers");
   // kBlockN: the N of S = Q K^T (a multiple of 8) and the K of O = P V (of 16); 16 keeps the
   // softmax's four column chains even.
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0);
 
-  // Register split after setmaxnreg: 24 for the producer, 240 per consumer
-  // thread (24 * 128 + 240 * 256 <= 65536).
-  static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = 240;
+  // Register split after setmaxnreg (FlashAttention-3's): 24 for the producer and 240 per
+  // consumer thread with two consumers (24 * 128 + 240 * 256 <= 65536), 32 and 160 with three
+  // (32 * 128 + 160 * 384 = 65536).
+  static constexpr int kProducerRegs = kConsumerWarpgroups == 2 ? 24 : 32;
+  static constexpr int kConsumerRegs = kConsumerWarpgroups == 2 ? 240 : 160;
 
   using TileQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;   // M, N, K of S = Q K^T
   using TilePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;   // M, N, K of O = P V
@@ -186,12 +188,12 @@ struct FwdConfig {
   };
 };
 
-// Named barrier ids; 0 is __syncthreads.
+// Named barrier ids (6-13); 0 is __syncthreads.
 enum : uint32_t {
-  kBarSchedulerWG0 = 8,   // and 9 for consumer warpgroup 1
-  kBarEpilogueWG0 = 10,   // and 11
-  kBarQueryEmpty = 12,    // consumers done with Q -> producer may load the next
-  kBarQueryRead = 13,     // both consumers done with Q -> O may be staged in its buffer
+  kBarQueryEmpty = 6,     // consumers done with Q -> producer may load the next
+  kBarQueryRead = 7,      // all consumers done with Q -> O may be staged in its buffer
+  kBarSchedulerWG0 = 8,   // 8 + w: consumer warpgroup w's turn to issue GEMMs (w < 3)
+  kBarEpilogueWG0 = 11,   // 11 + w: consumer warpgroup w's O staging
 };
 
 __device__ __forceinline__ void named_barrier_sync(uint32_t threads, uint32_t id) {
@@ -447,7 +449,7 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
     return;
   }
 
-  // ---------------- consumers: two warpgroups, 64 query rows each ----------------
+  // ---------------- consumers: kConsumerWarpgroups warpgroups, 64 query rows each ----------------
   cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
   int const tidx = threadIdx.x - 128;
   int const consumer_wg = tidx / 128;
@@ -486,10 +488,16 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   Tensor sO = make_tensor(make_smem_ptr(o_staging), typename Cfg::SmemLayoutO{});
   Tensor tOsO = thr_pv.partition_C(sO);
 
-  // Ping-pong: a warpgroup waits for its turn before issuing GEMMs and hands
-  // the turn to the other after. Warpgroup 0 gives itself the first turn.
+  // Turns in a ring (ping-pong with two): a warpgroup waits for its turn before issuing GEMMs
+  // and hands the turn to the next after. Every warpgroup takes one turn per key block after
+  // the first, the same count for all (they share the tile), so the ring never skips one.
+  // Each turn barrier counts the waiting warpgroup and the one handing over: 2 * 128 threads.
+  // Warpgroup 0 gives itself the first turn.
   auto scheduler_sync = [&] { named_barrier_sync(2 * 128, kBarSchedulerWG0 + consumer_wg); };
-  auto scheduler_hand_over = [&] { named_barrier_arrive(2 * 128, kBarSchedulerWG0 + (1 - consumer_wg)); };
+  auto scheduler_hand_over = [&] {
+    int const next = consumer_wg + 1 == Cfg::kConsumerWarpgroups ? 0 : consumer_wg + 1;
+    named_barrier_arrive(2 * 128, kBarSchedulerWG0 + next);
+  };
   if (consumer_wg == 0) { named_barrier_arrive(2 * 128, kBarSchedulerWG0); }
 
   PipelineState read_k;   // consumer state starts at stage 0, phase 0
@@ -600,7 +608,7 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
     // after the previous tile's reads of the same rows.
     Tensor tOrO_out = make_tensor<Element>(tOrO.layout());
     convert_fragment<Element>(tOrO, tOrO_out);
-    // O in Q's buffer: a warpgroup's rows there hold both warpgroups' Q rows, so both must be
+    // O in Q's buffer: a warpgroup's rows there hold other warpgroups' Q rows, so all must be
     // done with their last QK^T.
     if constexpr (Cfg::kOStagedInQ) { named_barrier_sync(Cfg::kConsumerThreads, kBarQueryRead); }
     named_barrier_sync(128, kBarEpilogueWG0 + consumer_wg);
@@ -613,10 +621,13 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
                       int64_t(head) * params.o_head_stride +
                       int64_t(m_block * kBlockM + consumer_wg * 64) * params.o_row_stride;
     int const rows_here = rows_in_tile - consumer_wg * 64;  // of this warpgroup's 64
+    // Each thread keeps one 16-byte column chunk and steps down the rows (the addresses differ
+    // by constants, so that no per-chunk offset stays live across the tile loop).
+    static_assert(128 % kChunksPerRow == 0);
+    constexpr int kRowStep = 128 / kChunksPerRow;
+    int const col = (tid_in_wg % kChunksPerRow) * 8;
     CUTE_UNROLL
-    for (int i = tid_in_wg; i < 64 * kChunksPerRow; i += 128) {
-      int const row = i / kChunksPerRow;
-      int const col = (i % kChunksPerRow) * 8;
+    for (int row = tid_in_wg / kChunksPerRow; row < 64; row += kRowStep) {
       if (row < rows_here) {
         *reinterpret_cast<uint4*>(o_tile + int64_t(row) * params.o_row_stride + col) =
             *reinterpret_cast<uint4 const*>(&sO(consumer_wg * 64 + row, col));

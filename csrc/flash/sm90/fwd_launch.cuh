@@ -25,16 +25,22 @@ template <class T> struct CuteElement;
 template <> struct CuteElement<__half> { using type = cutlass::half_t; };
 template <> struct CuteElement<__nv_bfloat16> { using type = cutlass::bfloat16_t; };
 
-// Tile configs per head dim: 128 x 128 tiles (two consumer warpgroups of 64 query rows), two
-// K/V stages. Non-causal d128 with 128 x 160 tiles (fewer softmax rounds per GEMM FLOP; the
+// Tile configs per head dim: d128 128 x 128 tiles (two consumer warpgroups of 64 query rows),
+// two K/V stages. Non-causal d128 with 128 x 160 tiles (fewer softmax rounds per GEMM FLOP; the
 // most keys that fit 227 KB beside the O staging buffer) ran 5-15% slower (H100, 2026-11-24).
 template <class Element, int kHeadDim> struct FwdTile {
-  using Config = FwdConfig<Element, kHeadDim, kFwdBlock, kFwdBlock, 2>;
+  using Config = FwdConfig<Element, kHeadDim, 128, 128, 2>;
+};
+// d64: 192 x 128 tiles (FlashAttention-3's d64 causal tile; its non-causal 192 x 192 needs P in
+// shared memory): three consumer warpgroups, so that two warpgroups' GEMMs cover each one's
+// softmax, which at d64 takes as long as its two GEMMs.
+template <class Element> struct FwdTile<Element, 64> {
+  using Config = FwdConfig<Element, 64, 192, 128, 2>;
 };
 // d256: 128 x 80 tiles (FlashAttention-3's choice): Q, two stages of K and V take 224 KB, so
 // O is staged in Q's buffer.
 template <class Element> struct FwdTile<Element, 256> {
-  using Config = FwdConfig<Element, 256, kFwdBlock, 80, 2, true>;
+  using Config = FwdConfig<Element, 256, 128, 80, 2, true>;
 };
 
 // Grid choice measured on the H100 (bf16, batch * seqlen = 16k): at d128 the persistent grid

@@ -9,9 +9,6 @@ namespace transformer_fa {
 namespace flash {
 namespace sm90 {
 
-// The forward's query and key tile (fwd_launch.cuh's FwdConfig).
-constexpr int kFwdBlock = 128;
-
 // Why the sm90 forward cannot run `p` on a device of compute capability `arch` (major * 10 +
 // minor), or nullptr when it can. The binding has checked the tensors already (dtypes,
 // 16-byte aligned pointers, strides in multiples of 8 elements: what TMA needs too).
