@@ -117,19 +117,16 @@ tf::Arch fwd_family(const tf::FwdParams& p, int arch, bool bf16, int requested,
   return tf::Arch::kSm80;
 }
 
-// The family that runs a backward: sm80 unless sm90 is requested (the sm90 backward's first
-// cut is slower than sm80 everywhere it was measured; once it is faster, `kAnyFamily` will
-// follow the measured speed as fwd_family does),
-// and then sm90 where this build has its kernel and bwd_declines accepts the call. Either
+// The family that runs a backward: sm90 where this build has its kernel and bwd_declines
+// accepts the call (measured faster than sm80 at every grid row it serves: H100, 2026-11-25,
+// d64 / d128, s 512-16k, causal or not), unless sm80 is requested; sm80 otherwise. Either
 // family reads the LSE that either family's forward writes (float32, natural log, same
 // layout). `why_not_sm90` says why sm90 was not taken, when it was not.
 tf::Arch bwd_family(const tf::BwdParams& p, int arch, bool bf16, int requested,
                     std::string& why_not_sm90) {
   const char* declined = tf::sm90::bwd_declines(p, arch);
-  if (requested != static_cast<int>(tf::Arch::kSm90)) {
-    why_not_sm90 = requested == kAnyFamily
-                       ? "the sm80 backward is faster (the sm90 one measured at 0.3-0.6x cuDNN, 2026-11-25)"
-                       : "the sm80 family was requested";
+  if (requested == static_cast<int>(tf::Arch::kSm80)) {
+    why_not_sm90 = "the sm80 family was requested";
   } else if (declined != nullptr) {
     why_not_sm90 = declined;
   } else if (!tf::has_bwd(tf::Arch::kSm90, bf16, kernel_head_dim(p.d))) {

@@ -147,7 +147,7 @@ struct BwdConfig {
   };
 };
 
-// Named barrier ids beside the forward's (8-13); 0 is __syncthreads.
+// Named barrier ids beside the forward's (6-13); 0 is __syncthreads.
 enum : uint32_t {
   // both consumers done with the previous block's dQ GEMM (reads of dS) and its dQ tile written
   kBarDsFree = 14,

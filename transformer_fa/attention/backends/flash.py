@@ -115,9 +115,9 @@ not_supported_reasons = never_raises(_reasons)
 
 
 # The backward's kernel family, as TRANSFORMER_FA_FLASH_FAMILY is the forward's (same values).
-# auto runs the sm80 backward: the sm90 backward's first cut (csrc/flash/sm90/bwd_*) is
-# correct but slower (0.3-0.6x cuDNN, H100, 2026-11-25); the choice will follow measured speed. A requested sm90 backward that
-# cannot serve a call fails in the binding with the reason (bwd_family in csrc/flash_api.cpp).
+# auto runs the sm90 backward (csrc/flash/sm90/bwd_*) where it serves the call on an sm_90 GPU
+# (it measured faster than sm80 there), sm80 elsewhere. A requested sm90 backward that cannot
+# serve a call fails in the binding with the reason (bwd_family in csrc/flash_api.cpp).
 ENV_FLASH_BWD_FAMILY = "TRANSFORMER_FA_FLASH_BWD_FAMILY"
 
 
