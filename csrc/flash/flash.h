@@ -14,9 +14,9 @@ namespace flash {
 //   kSm80: mma.sync, ldmatrix, cp.async; runs on every sm80+ GPU (on sm_90a it adds Hopper's
 //          bulk dQ reduction in the backward, sm90/bulk_copy.cuh).
 //   kSm90: wgmma, TMA, mbarrier pipelines, warp specialization; sm_90a only (H100, H200).
-//          The forward for the calls sm90/fwd_support.h accepts; a first backward (not yet
-//          measured: run only when requested) for those sm90/bwd_support.h accepts. The
-//          binding runs the others on kSm80.
+//          The forward for the calls sm90/fwd_support.h accepts, the backward for those
+//          sm90/bwd_support.h accepts (both by default where they serve, the forward unless
+//          fwd_slower_than_sm80 objects). The binding runs the others on kSm80.
 enum class Arch : int { kSm80 = 80, kSm90 = 90 };
 
 enum class DType : int { kFP16 = 0, kBF16 = 1 };
@@ -126,7 +126,7 @@ struct BwdParams : FwdParams {
   float* __restrict__ dsum;
   // Deterministic: num_splits CTAs per (kv head, batch) each own a dq_accum split and add
   // into it in program order; the splits are summed in order. Otherwise num_splits = 1 and
-  // every key block adds into split 0 with atomics.
+  // every key block adds into split 0 with atomics or bulk reductions (sm90 hardware).
   bool deterministic;
   int num_splits;
 };
