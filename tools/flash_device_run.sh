@@ -1,33 +1,76 @@
 #!/usr/bin/env bash
 # One device call: build the flash extension (timed), run its GPU tests, the sanitizers and,
-# unless SKIP_BENCH=1, the standard grid of FlashAttention against torch's FLASH_ATTENTION.
-#   bash tools/flash_device_run.sh            (OUT=... collects logs and the built .so)
+# unless SKIP_BENCH=1, the standard grid of FlashAttention against its peers; a short summary
+# last. Logs and the built .so go to $OUT (the device tool brings back 8 files: build, pytest,
+# sanitizer and bench logs, the .so, the bench's JSON, Markdown and PNG).
+#   bash tools/flash_device_run.sh
+# Settings (environment):
+#   TRANSFORMER_FA_CUDA_ARCHS  build targets (default 90a; "80;90a" times the full build)
+#   PREBUILT=path.so           skip the build, use that extension (same image and Python)
+#   TESTS                      test files (default: the flash, sm90 and sm90 backward tests)
+#   PYTEST_ARGS, TEST_TIMEOUT  extra pytest arguments (e.g. -k 256), its limit in s (240)
+#   SAN_MODES                  flash_sanitize_case.py modes, one racecheck and one memcheck
+#                              run each (default "--sm90 --sm90-backward"; "--backward" for
+#                              the sm80 family; "none" skips them); SAN_TIMEOUT per run (150)
+#   BENCH_BACKENDS             peers in the grid (default FlashAttention beside torch's cuDNN)
+#   BENCH_DIMS, BENCH_TIMEOUT  the grid's head dims (default the preset's), its limit (300)
+#   BENCH_FAMILY               TRANSFORMER_FA_FLASH_FAMILY for the grid (default auto)
+# The wheels in .whl/ (nvidia-cutlass for the sm90 headers; the machine has no network) are
+# installed into /tmp/site first when present (carry .whl).
 set -uo pipefail
 OUT=${OUT:-/tmp/flash_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MAX_JOBS=16 TRANSFORMER_FA_CUDA_ARCHS=${TRANSFORMER_FA_CUDA_ARCHS:-90a}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
 date -u
+summary=()
 if [ -n "${PREBUILT:-}" ] && [ -f "$PREBUILT" ]; then
   cp "$PREBUILT" . && TRANSFORMER_FA_BUILD_CUDA=0 python3 -m pip install --no-build-isolation --no-deps -e . \
     > "$OUT/build.log" 2>&1
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-  echo "using prebuilt $PREBUILT"
+  summary+=("build: prebuilt $PREBUILT")
 else
   start=$(date +%s)
   python3 -m pip install -v --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1
-  echo "build rc=$? in $(( $(date +%s) - start )) s"; tail -3 "$OUT/build.log"
+  rc=$?
+  summary+=("build: rc=$rc in $(( $(date +%s) - start )) s (archs $TRANSFORMER_FA_CUDA_ARCHS, MAX_JOBS=16)")
+  [ $rc -eq 0 ] || { grep -E "error" "$OUT/build.log" | head -20; }
 fi
-so=$(find . -path ./.prebuilt -prune -o -name 'transformer_fa_flash*.so' -print | head -1); echo "extension: $so"; cp "$so" "$OUT/" 2>/dev/null
+so=$(find . -path ./.prebuilt -prune -o -name 'transformer_fa_flash*.so' -print | head -1); cp "$so" "$OUT/" 2>/dev/null
 python3 -c "import torch, transformer_fa_flash as m; print('extension ok', m.HEAD_DIMS)" || exit 1
-timeout ${TEST_TIMEOUT:-150} python3 -m pytest tests/gpu/test_flash.py -q -p no:cacheprovider \
-  --tb=short --maxfail=25 ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -${TEST_TAIL:-40}
-for tool in racecheck memcheck; do
-  timeout ${SAN_TIMEOUT:-150} compute-sanitizer --tool $tool python3 tools/flash_sanitize_case.py ${SAN_ARGS:---backward} \
-    > "$OUT/sanitizer_$tool.log" 2>&1
-  echo "compute-sanitizer $tool rc=$?: $(grep -E 'SUMMARY' "$OUT/sanitizer_$tool.log" | tr '\n' ' ')"
-done
+
+TESTS=${TESTS:-tests/gpu/test_flash.py tests/gpu/test_flash_sm90.py tests/gpu/test_flash_sm90_bwd.py}
+timeout ${TEST_TIMEOUT:-240} python3 -m pytest $TESTS -q -p no:cacheprovider --tb=short --maxfail=25 \
+  ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
+summary+=("pytest rc=$?: $(tail -1 "$OUT/pytest.log")")
+grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -25
+
+SAN_MODES=${SAN_MODES:---sm90 --sm90-backward}
+if [ "$SAN_MODES" != none ]; then
+  for mode in $SAN_MODES; do
+    for tool in racecheck memcheck; do
+      extra=(); [ $tool = racecheck ] && extra=(--racecheck-report all)
+      timeout ${SAN_TIMEOUT:-150} compute-sanitizer --tool $tool "${extra[@]}" \
+        python3 tools/flash_sanitize_case.py $mode > "$OUT/sanitizer.run" 2>&1
+      rc=$?
+      { echo "== $tool $mode rc=$rc"; cat "$OUT/sanitizer.run"; } >> "$OUT/sanitizer.log"
+      summary+=("compute-sanitizer $tool $mode rc=$rc: $(grep -E 'SUMMARY' "$OUT/sanitizer.run" | tr '\n' ' ')")
+    done
+  done
+  rm -f "$OUT/sanitizer.run"
+fi
+
 if [ -z "${SKIP_BENCH:-}" ]; then
-  timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_attention.py --parts grid \
-    --backends FlashAttention,torch:FLASH_ATTENTION --tag flash --out-dir "$OUT" 2>&1 | tail -5
+  dims=(); [ -n "${BENCH_DIMS:-}" ] && dims=(--head-dims "$BENCH_DIMS")
+  TRANSFORMER_FA_FLASH_FAMILY=${BENCH_FAMILY:-auto} timeout ${BENCH_TIMEOUT:-300} \
+    python3 benchmarks/bench_attention.py --parts grid "${dims[@]}" \
+    --backends "${BENCH_BACKENDS:-FlashAttention,torch:CUDNN_ATTENTION}" --tag "${BENCH_TAG:-flash}" \
+    --out-dir "$OUT" > "$OUT/bench.log" 2>&1
+  summary+=("bench rc=$?: $(tail -1 "$OUT/bench.log")")
+  md=$(ls "$OUT"/*.md 2>/dev/null | head -1); [ -n "$md" ] && grep -E "^\|" "$md"
 fi
 date -u
+printf '%s\n' "${summary[@]}"
