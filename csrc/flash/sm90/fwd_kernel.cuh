@@ -11,6 +11,8 @@
 // fwd_launch.cuh. No torch headers here (only the binding includes torch).
 #pragma once
 
+#include "flash/sm90/cute_config.h"  // first: before any CuTe header
+
 #include <cstdint>
 #include <cmath>
 
@@ -106,6 +108,9 @@ struct FwdConfig {
   using MmaPV = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, float, TilePV, GMMA::Major::K, GMMA::Major::MN>(),
       WarpgroupsAlongM{}));
+  // One wgmma spans the whole tile's N (cute_config.h), not a fraction of it issued N times.
+  static_assert(size<1>(typename MmaQK::AtomShape_MNK{}) == kBlockN &&
+                size<1>(typename MmaPV::AtomShape_MNK{}) == kHeadDim, "wgmma N");
 
   // Q and K: rows of head_dim, 128-byte swizzle (K-major for the GEMM).
   using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},

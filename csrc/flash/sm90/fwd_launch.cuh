@@ -2,6 +2,8 @@
 // and the grid. The binding runs it only for calls that fwd_declines (fwd_support.h) accepts.
 #pragma once
 
+#include "flash/sm90/cute_config.h"  // first: before any CuTe header
+
 #include <algorithm>
 #include <cmath>
 
