@@ -73,7 +73,8 @@ struct TileScheduler {
 // A named tile configuration: kBlockM / 64 consumer warpgroups (2 or 3) of 64 rows each; the
 // producer is the first warpgroup (only its warp 0 works).
 // kOStagedInQ: the epilogue stages O in Q's shared memory (Q, K and V take all of it at
-// d256); such a config runs one CTA per tile (a persistent CTA would load the next Q there).
+// d256, and at d128 with 176 keys); such a config runs one CTA per tile (a persistent CTA
+// would load the next Q there).
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_,
           bool kOStagedInQ_ = false>
 struct FwdConfig {
@@ -127,11 +128,16 @@ struct FwdConfig {
   // stay whole for the global stores).
   static constexpr int kOPitch = kHeadDim + 8;
   using SmemLayoutOPadded = Layout<Shape<Int<kBlockM>, Int<kHeadDim>>, Stride<Int<kOPitch>, _1>>;
+  // (the XOR takes the 3 row bits just above a row's own: log2(kHeadDim) - 3 bits of chunk
+  // and element index below them)
+  static constexpr int kRowShift = kHeadDim == 64 ? 3 : kHeadDim == 128 ? 4 : 5;
   using SmemLayoutOSwizzled = decltype(composition(
-      Swizzle<3, 3, 5>{}, Layout<Shape<Int<kBlockM>, Int<kHeadDim>>, Stride<Int<kHeadDim>, _1>>{}));
+      Swizzle<3, 3, kRowShift>{},
+      Layout<Shape<Int<kBlockM>, Int<kHeadDim>>, Stride<Int<kHeadDim>, _1>>{}));
   using SmemLayoutO = conditional_t<kOStagedInQ, SmemLayoutOSwizzled, SmemLayoutOPadded>;
-  static_assert(!kOStagedInQ || (kHeadDim == 256 && cosize_v<SmemLayoutO> <= cosize_v<SmemLayoutQ>),
-                "the swizzle above is for rows of 256 elements");
+  static_assert(!kOStagedInQ || ((kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256) &&
+                                 cosize_v<SmemLayoutO> <= cosize_v<SmemLayoutQ>),
+                "the swizzle above is for rows of 64, 128 or 256 elements");
 
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
