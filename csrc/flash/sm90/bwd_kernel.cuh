@@ -28,6 +28,8 @@
 // (d, rows) with the atoms ordered along the rows (Step<_2, _1>).
 #pragma once
 
+#include "flash/sm90/cute_config.h"  // first: before any CuTe header
+
 #include "flash/common/sequence.cuh"
 #include "flash/sm80/bwd_kernel.cuh"
 #include "flash/sm90/fwd_kernel.cuh"
@@ -78,6 +80,10 @@ struct BwdConfig {
                            Shape<Int<kBlockM>, Int<kHeadDim / kDqWarpgroupsN>, Int<kBlockN>>,
                            GMMA::Major::K, GMMA::Major::MN>(),
       Layout<Shape<Int<kDqWarpgroupsM>, Int<kDqWarpgroupsN>, _1>>{}));
+  // One wgmma spans each GEMM's whole N (cute_config.h).
+  static_assert(size<1>(typename MmaSdP::AtomShape_MNK{}) == kBlockM &&
+                size<1>(typename MmaKV::AtomShape_MNK{}) == kHeadDim &&
+                size<1>(typename MmaDQ::AtomShape_MNK{}) == kHeadDim / kDqWarpgroupsN, "wgmma N");
 
   // K-major tiles as TMA writes them, and their transposed (MN-major) views.
   template <int kRows, int kCols>

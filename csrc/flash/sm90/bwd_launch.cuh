@@ -5,6 +5,8 @@
 // accepts.
 #pragma once
 
+#include "flash/sm90/cute_config.h"  // first: before any CuTe header
+
 #include "flash/common/launch.cuh"
 #include "flash/flash.h"
 #include "flash/sm80/bwd_launch.cuh"

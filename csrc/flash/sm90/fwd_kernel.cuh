@@ -11,6 +11,8 @@
 // fwd_launch.cuh. No torch headers here (only the binding includes torch).
 #pragma once
 
+#include "flash/sm90/cute_config.h"  // first: before any CuTe header
+
 #include <cstdint>
 #include <cmath>
 
@@ -71,7 +73,8 @@ struct TileScheduler {
 // A named tile configuration: kBlockM / 64 consumer warpgroups (2 or 3) of 64 rows each; the
 // producer is the first warpgroup (only its warp 0 works).
 // kOStagedInQ: the epilogue stages O in Q's shared memory (Q, K and V take all of it at
-// d256); such a config runs one CTA per tile (a persistent CTA would load the next Q there).
+// d256, and at d128 with 176 keys); such a config runs one CTA per tile (a persistent CTA
+// would load the next Q there).
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_,
           bool kOStagedInQ_ = false>
 struct FwdConfig {
@@ -106,6 +109,9 @@ struct FwdConfig {
   using MmaPV = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, float, TilePV, GMMA::Major::K, GMMA::Major::MN>(),
       WarpgroupsAlongM{}));
+  // One wgmma spans the whole tile's N (cute_config.h), not a fraction of it issued N times.
+  static_assert(size<1>(typename MmaQK::AtomShape_MNK{}) == kBlockN &&
+                size<1>(typename MmaPV::AtomShape_MNK{}) == kHeadDim, "wgmma N");
 
   // Q and K: rows of head_dim, 128-byte swizzle (K-major for the GEMM).
   using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
@@ -122,11 +128,16 @@ struct FwdConfig {
   // stay whole for the global stores).
   static constexpr int kOPitch = kHeadDim + 8;
   using SmemLayoutOPadded = Layout<Shape<Int<kBlockM>, Int<kHeadDim>>, Stride<Int<kOPitch>, _1>>;
+  // (the XOR takes the 3 row bits just above a row's own: log2(kHeadDim) - 3 bits of chunk
+  // and element index below them)
+  static constexpr int kRowShift = kHeadDim == 64 ? 3 : kHeadDim == 128 ? 4 : 5;
   using SmemLayoutOSwizzled = decltype(composition(
-      Swizzle<3, 3, 5>{}, Layout<Shape<Int<kBlockM>, Int<kHeadDim>>, Stride<Int<kHeadDim>, _1>>{}));
+      Swizzle<3, 3, kRowShift>{},
+      Layout<Shape<Int<kBlockM>, Int<kHeadDim>>, Stride<Int<kHeadDim>, _1>>{}));
   using SmemLayoutO = conditional_t<kOStagedInQ, SmemLayoutOSwizzled, SmemLayoutOPadded>;
-  static_assert(!kOStagedInQ || (kHeadDim == 256 && cosize_v<SmemLayoutO> <= cosize_v<SmemLayoutQ>),
-                "the swizzle above is for rows of 256 elements");
+  static_assert(!kOStagedInQ || ((kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256) &&
+                                 cosize_v<SmemLayoutO> <= cosize_v<SmemLayoutQ>),
+                "the swizzle above is for rows of 64, 128 or 256 elements");
 
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);

@@ -2,6 +2,8 @@
 // and the grid. The binding runs it only for calls that fwd_declines (fwd_support.h) accepts.
 #pragma once
 
+#include "flash/sm90/cute_config.h"  // first: before any CuTe header
+
 #include <algorithm>
 #include <cmath>
 
@@ -25,21 +27,26 @@ template <class T> struct CuteElement;
 template <> struct CuteElement<__half> { using type = cutlass::half_t; };
 template <> struct CuteElement<__nv_bfloat16> { using type = cutlass::bfloat16_t; };
 
-// Tile configs per head dim: d128 128 x 128 tiles (two consumer warpgroups of 64 query rows),
-// two K/V stages. Non-causal d128 with 128 x 160 tiles (fewer softmax rounds per GEMM FLOP; the
-// most keys that fit 227 KB beside the O staging buffer) ran 5-15% slower (H100, 2026-11-24).
-template <class Element, int kHeadDim> struct FwdTile {
+// Tile configs per head dim and mask: d128 128 x 128 tiles (two consumer warpgroups of 64
+// query rows), two K/V stages; non-causal d128 128 x 176 (FlashAttention-3's tile: fewer
+// softmax rounds per GEMM FLOP), whose Q, K and V take 208 KB, so O is staged in Q's buffer.
+// (A 128 x 160 try on 2026-11-24 ran 5-15% slower, but its S = Q K^T was issued as five
+// 64x32x16 wgmmas per k-slice: CuTe's extended shapes were off, cute_config.h.)
+template <class Element, int kHeadDim, bool kCausal> struct FwdTile {
   using Config = FwdConfig<Element, kHeadDim, 128, 128, 2>;
+};
+template <class Element> struct FwdTile<Element, 128, false> {
+  using Config = FwdConfig<Element, 128, 128, 176, 2, true>;
 };
 // d64: 192 x 128 tiles (FlashAttention-3's d64 causal tile; its non-causal 192 x 192 needs P in
 // shared memory): three consumer warpgroups, so that two warpgroups' GEMMs cover each one's
 // softmax, which at d64 takes as long as its two GEMMs.
-template <class Element> struct FwdTile<Element, 64> {
+template <class Element, bool kCausal> struct FwdTile<Element, 64, kCausal> {
   using Config = FwdConfig<Element, 64, 192, 128, 2>;
 };
 // d256: 128 x 80 tiles (FlashAttention-3's choice): Q, two stages of K and V take 224 KB, so
 // O is staged in Q's buffer.
-template <class Element> struct FwdTile<Element, 256> {
+template <class Element, bool kCausal> struct FwdTile<Element, 256, kCausal> {
   using Config = FwdConfig<Element, 256, 128, 80, 2, true>;
 };
 
@@ -107,12 +114,12 @@ void launch(const FwdParams& a, const Device& device, cudaStream_t stream) {
 
 template <class T, int kHeadDim>
 void launch_fwd(const FwdParams& params, const Device& device, cudaStream_t stream) {
-  using Cfg = typename FwdTile<typename CuteElement<T>::type, kHeadDim>::Config;
+  using Element = typename CuteElement<T>::type;
   // fwd_declines let through no mask and causal (window_right = 0) only.
   if (params.window_right == 0) {
-    launch<Cfg, true>(params, device, stream);
+    launch<typename FwdTile<Element, kHeadDim, true>::Config, true>(params, device, stream);
   } else {
-    launch<Cfg, false>(params, device, stream);
+    launch<typename FwdTile<Element, kHeadDim, false>::Config, false>(params, device, stream);
   }
 }
 
