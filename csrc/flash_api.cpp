@@ -234,6 +234,8 @@ int64_t fill_common(tf::FwdParams& p, const char* op, const at::Tensor& q, const
   p.cu_seqlens_k = cu_seqlens_k.has_value() ? cu_seqlens_k->data_ptr<int>() : nullptr;
   p.q_packed = q_thd;
   p.k_packed = k_thd;
+  p.q_tokens = q_thd ? q.size(0) : 0;
+  p.kv_tokens = k_thd ? k.size(0) : 0;
   p.b = static_cast<int>(b);
   p.h = static_cast<int>(h);
   p.h_k = static_cast<int>(h_k);
@@ -377,7 +379,6 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     dv = k_thd ? at::zeros(v.sizes(), v.options()) : at::empty(v.sizes(), v.options());
   }
   p.dq_rows = q.numel() / p.d;
-  p.kv_tokens = k_thd ? k.size(0) : 0;
   // The family plans its shared memory and workspace (the dq_accum layout, the splits).
   tf::BwdPlan plan{};
   TORCH_CHECK(tf::dispatch_plan_bwd(arch, bf16, hd, p, dev, plan),

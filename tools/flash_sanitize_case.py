@@ -26,7 +26,8 @@ parser.add_argument("--backward", action="store_true", help="run the backward to
 parser.add_argument("--dims", default="40,64,128,192,256", help="head dims, comma separated")
 parser.add_argument("--sm90", action="store_true",
                     help="only the sm90 family's forward (bshd, its persistent grid looping "
-                         "over more tiles than SMs, ragged tails, sq != sk), causal and not")
+                         "over more tiles than SMs, ragged tails, sq != sk), causal and not; "
+                         "then varlen thd (ragged, empty sequences) at d64 and d256 with windows")
 parser.add_argument("--sm90-backward", action="store_true",
                     help="only the sm90 family's backward: thd with ragged lengths (a tile "
                          "reaching into the next sequence, a one-token sequence) and bshd with "
@@ -51,6 +52,20 @@ if args.sm90:
                 call = flash.FlashCall("bshd", "bshd", sq, sk, 1 / math.sqrt(d), -1, right, br,
                                        0.0, False, True, 90)
                 out, lse = flash._fwd_impl(q, k, v, None, None, None, None, call)
+    # Varlen thd, ragged: query tiles that start inside a sequence and read the next one's rows
+    # (not stored), key tails whose V rows are zeroed, an empty sequence of each side, a
+    # one-token one; no mask, causal both ways, windows (the empty-tile path).
+    lens_q, lens_k = [1, 63, 65, 200, 0, 5, 129], [1, 63, 65, 200, 9, 0, 81]
+    cu_q, cu_k = (torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32,
+                               device="cuda") for n in (lens_q, lens_k))
+    for d in (64, 256):
+        q = torch.randn(sum(lens_q) + 3, 4, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(sum(lens_k) + 3, 2, d, device="cuda", dtype=torch.bfloat16)
+                for _ in "kv")
+        for left, right, br in ((-1, -1, False), (-1, 0, True), (48, 16, False), (64, 0, False)):
+            call = flash.FlashCall("thd", "thd", max(lens_q), max(lens_k), 1 / math.sqrt(d),
+                                   left, right, br, 0.0, False, True, 90)
+            out, lse = flash._fwd_impl(q, k, v, cu_q, cu_k, None, None, call)
     torch.cuda.synchronize()
     print("sanitize case done (sm90)", out.float().abs().sum().item())
     sys.exit(0)

@@ -53,6 +53,9 @@ struct FwdParams {
   const int* __restrict__ cu_seqlens_q;
   const int* __restrict__ cu_seqlens_k;
   bool q_packed, k_packed;
+  // Thd q / k and v: their tokens (0 otherwise): the sm90 family's TMA extents, where
+  // cu_seqlens[b] is on the GPU (the sm80 family does not read them).
+  int64_t q_tokens, kv_tokens;
 
   int b;          // batch
   int h, h_k;     // query heads, key/value heads (h % h_k == 0)
@@ -119,9 +122,6 @@ struct BwdParams : FwdParams {
   void* __restrict__ dq;
   int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
   int64_t dq_rows;
-  // Thd k / v: their tokens (the sm90 backward's TMA extent, where cu_seqlens_k[b] is on the
-  // GPU; the sm80 family does not read it).
-  int64_t kv_tokens;
   // rowsum(dO * O) per query row, float32, laid out as lse (written by the backward).
   float* __restrict__ dsum;
   // Deterministic: num_splits CTAs per (kv head, batch) each own a dq_accum split and add

@@ -78,6 +78,17 @@ __device__ __forceinline__ Band band_of(const FwdParams& p, const SeqInfo& si) {
               p.window_right};
 }
 
+// Keys [lo, hi) outside which rows [i_lo, i_hi] keep none (hi <= lo: none at all).
+struct KeyRange {
+  int lo, hi;
+};
+__device__ __forceinline__ KeyRange band_keys(const Band& b, int i_lo, int i_hi) {
+  KeyRange r{0, b.len_k};
+  if (b.right >= 0) r.hi = min(r.hi, i_hi + b.off + b.right + 1);
+  if (b.left >= 0) r.lo = max(0, i_lo + b.off - b.left);
+  return r;
+}
+
 // True if some element of rows [i_lo, i_hi] x columns [j_lo, j_hi] is masked.
 __device__ __forceinline__ bool band_cuts(const Band& b, int i_lo, int i_hi, int j_lo, int j_hi) {
   return j_hi >= b.len_k || (b.right >= 0 && j_hi > i_lo + b.off + b.right) ||

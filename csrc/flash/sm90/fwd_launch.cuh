@@ -27,12 +27,13 @@ template <class T> struct CuteElement;
 template <> struct CuteElement<__half> { using type = cutlass::half_t; };
 template <> struct CuteElement<__nv_bfloat16> { using type = cutlass::bfloat16_t; };
 
-// Tile configs per head dim and mask: d128 128 x 128 tiles (two consumer warpgroups of 64
-// query rows), two K/V stages; non-causal d128 128 x 176 (FlashAttention-3's tile: fewer
-// softmax rounds per GEMM FLOP), whose Q, K and V take 208 KB, so O is staged in Q's buffer.
+// Tile configs per head dim, masked (causal or a window) or not: d128 128 x 128 tiles (two
+// consumer warpgroups of 64 query rows), two K/V stages; unmasked d128 128 x 176
+// (FlashAttention-3's tile: fewer softmax rounds per GEMM FLOP), whose Q, K and V take 208 KB,
+// so O is staged in Q's buffer.
 // (A 128 x 160 try on 2026-11-24 ran 5-15% slower, but its S = Q K^T was issued as five
 // 64x32x16 wgmmas per k-slice: CuTe's extended shapes were off, cute_config.h.)
-template <class Element, int kHeadDim, bool kCausal> struct FwdTile {
+template <class Element, int kHeadDim, bool kMasked> struct FwdTile {
   using Config = FwdConfig<Element, kHeadDim, 128, 128, 2>;
 };
 template <class Element> struct FwdTile<Element, 128, false> {
@@ -41,12 +42,12 @@ template <class Element> struct FwdTile<Element, 128, false> {
 // d64: 192 x 128 tiles (FlashAttention-3's d64 causal tile; its non-causal 192 x 192 needs P in
 // shared memory): three consumer warpgroups, so that two warpgroups' GEMMs cover each one's
 // softmax, which at d64 takes as long as its two GEMMs.
-template <class Element, bool kCausal> struct FwdTile<Element, 64, kCausal> {
+template <class Element, bool kMasked> struct FwdTile<Element, 64, kMasked> {
   using Config = FwdConfig<Element, 64, 192, 128, 2>;
 };
 // d256: 128 x 80 tiles (FlashAttention-3's choice): Q, two stages of K and V take 224 KB, so
 // O is staged in Q's buffer.
-template <class Element, bool kCausal> struct FwdTile<Element, 256, kCausal> {
+template <class Element, bool kMasked> struct FwdTile<Element, 256, kMasked> {
   using Config = FwdConfig<Element, 256, 128, 80, 2, true>;
 };
 
@@ -72,40 +73,51 @@ inline TileScheduler make_scheduler(const FwdParams& p, const Device& device, in
   return TileScheduler{num_m_blocks, heads_batches, p.h, per_group, num_m_blocks * heads_batches};
 }
 
-template <class Cfg, bool kCausal>
+// kCausal, kLocal: the kernel's mask cases (fwd_kernel).
+template <class Cfg, bool kCausal, bool kLocal>
 void launch(const FwdParams& a, const Device& device, cudaStream_t stream) {
   using Element = typename Cfg::Element;
   using Params = typename Cfg::Params;
-  auto q_ptr = make_gmem_ptr(static_cast<Element const*>(a.q));
-  auto k_ptr = make_gmem_ptr(static_cast<Element const*>(a.k));
-  auto v_ptr = make_gmem_ptr(static_cast<Element const*>(a.v));
-  typename Cfg::ShapeQKV shape_q = make_shape(a.seqlen_q, Cfg::kHeadDim, a.h, a.b);
-  typename Cfg::ShapeQKV shape_k = make_shape(a.seqlen_k, Cfg::kHeadDim, a.h_k, a.b);
-  typename Cfg::ShapeQKV shape_vt = make_shape(Cfg::kHeadDim, a.seqlen_k, a.h_k, a.b);
-  auto mQ = make_tensor(q_ptr, shape_q,
-                        make_stride(a.q_row_stride, _1{}, a.q_head_stride, a.q_batch_stride));
-  auto mK = make_tensor(k_ptr, shape_k,
-                        make_stride(a.k_row_stride, _1{}, a.k_head_stride, a.k_batch_stride));
-  auto mVt = make_tensor(v_ptr, shape_vt,
-                         make_stride(_1{}, a.v_row_stride, a.v_head_stride, a.v_batch_stride));
+  // Tensors as (rows, d, heads, batch), V as (d, rows, heads, batch): packed (thd) ones as all
+  // their tokens with a batch of one (the stride of that single batch is unused; TMA wants a
+  // valid one).
+  auto rows = [](bool packed, int64_t tokens, int seqlen) { return int(packed ? tokens : seqlen); };
+  auto batches = [&](bool packed) { return packed ? 1 : a.b; };
+  auto batch_stride = [](bool packed, int64_t tokens, int64_t row_stride, int64_t stride) {
+    return packed ? tokens * row_stride : stride;
+  };
+  const int q_rows = rows(a.q_packed, a.q_tokens, a.seqlen_q);
+  const int k_rows = rows(a.k_packed, a.kv_tokens, a.seqlen_k);
+  typename Cfg::ShapeQKV shape_q = make_shape(q_rows, Cfg::kHeadDim, a.h, batches(a.q_packed));
+  typename Cfg::ShapeQKV shape_k = make_shape(k_rows, Cfg::kHeadDim, a.h_k, batches(a.k_packed));
+  typename Cfg::ShapeQKV shape_vt = make_shape(Cfg::kHeadDim, k_rows, a.h_k, batches(a.k_packed));
+  auto mQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(a.q)), shape_q,
+                        make_stride(a.q_row_stride, _1{}, a.q_head_stride,
+                                    batch_stride(a.q_packed, a.q_tokens, a.q_row_stride,
+                                                 a.q_batch_stride)));
+  auto mK = make_tensor(make_gmem_ptr(static_cast<Element const*>(a.k)), shape_k,
+                        make_stride(a.k_row_stride, _1{}, a.k_head_stride,
+                                    batch_stride(a.k_packed, a.kv_tokens, a.k_row_stride,
+                                                 a.k_batch_stride)));
+  auto mVt = make_tensor(make_gmem_ptr(static_cast<Element const*>(a.v)), shape_vt,
+                         make_stride(_1{}, a.v_row_stride, a.v_head_stride,
+                                     batch_stride(a.k_packed, a.kv_tokens, a.v_row_stride,
+                                                  a.v_batch_stride)));
   Params p{make_tma_copy(SM90_TMA_LOAD{}, mQ, typename Cfg::SmemLayoutQ{},
                          select<0, 2>(typename Cfg::TileQK{}), _1{}),
            make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(typename Cfg::SmemLayoutK{}),
                          select<1, 2>(typename Cfg::TileQK{}), _1{}),
            make_tma_copy(SM90_TMA_LOAD{}, mVt, take<0, 2>(typename Cfg::SmemLayoutVt{}),
                          select<1, 2>(typename Cfg::TilePV{}), _1{}),
-           shape_q, shape_k, shape_vt,
-           static_cast<Element*>(a.o), a.o_batch_stride, a.o_row_stride, a.o_head_stride,
-           a.lse, a.lse_batch_stride, a.lse_head_stride, a.lse_row_stride,
-           a.seqlen_q, a.seqlen_k, a.h, a.h / a.h_k, a.bottom_right ? a.seqlen_k - a.seqlen_q : 0,
-           a.scale_softmax, a.scale_softmax_log2,
-           make_scheduler(a, device, Cfg::kBlockM, Cfg::kHeadDim * int(sizeof(Element)))};
+           shape_q, shape_k, shape_vt, a.h / a.h_k,
+           make_scheduler(a, device, Cfg::kBlockM, Cfg::kHeadDim * int(sizeof(Element))), a};
 
-  constexpr auto kernel = fwd_kernel<Cfg, kCausal>;
+  constexpr auto kernel = fwd_kernel<Cfg, kCausal, kLocal>;
   static_assert(sizeof(typename Cfg::SharedStorage) <= 227 * 1024, "over sm90's shared memory");
   const int smem_bytes = int(sizeof(typename Cfg::SharedStorage));
   allow_dynamic_smem<kernel>(smem_bytes);
   const int num_tiles = p.scheduler.num_tiles;
+  if (num_tiles == 0) return;  // thd with every sequence empty (max_seqlen_q = 0)
   const bool persistent = !Cfg::kOStagedInQ && use_persistent_grid(kCausal, a.seqlen_q,
                                                                     Cfg::kHeadDim);
   const int grid = persistent ? std::min(num_tiles, device.sms) : num_tiles;
@@ -115,11 +127,13 @@ void launch(const FwdParams& a, const Device& device, cudaStream_t stream) {
 template <class T, int kHeadDim>
 void launch_fwd(const FwdParams& params, const Device& device, cudaStream_t stream) {
   using Element = typename CuteElement<T>::type;
-  // fwd_declines let through no mask and causal (window_right = 0) only.
-  if (params.window_right == 0) {
-    launch<typename FwdTile<Element, kHeadDim, true>::Config, true>(params, device, stream);
+  // A left window bound (with or without a right one), a right bound alone (causal: 0), none.
+  if (params.window_left >= 0) {
+    launch<typename FwdTile<Element, kHeadDim, true>::Config, false, true>(params, device, stream);
+  } else if (params.window_right >= 0) {
+    launch<typename FwdTile<Element, kHeadDim, true>::Config, true, false>(params, device, stream);
   } else {
-    launch<typename FwdTile<Element, kHeadDim, false>::Config, false>(params, device, stream);
+    launch<typename FwdTile<Element, kHeadDim, false>::Config, false, false>(params, device, stream);
   }
 }
 
