@@ -1,10 +1,10 @@
 // FlashAttention backward for sm90a (csrc/flash/README.md: its measurements and tuning).
 //
-// One CTA per (key block n, query head, batch): K and V of the block (its KV head's) are loaded
-// once by TMA; a
-// producer thread streams the query blocks m that see the key block (Q and dO tiles, TMA, a
-// kStages mbarrier pipeline) and a producer warp their LSE and dsum rows (shared memory,
-// a pipeline of the same stages); two consumer warpgroups, 64 key rows each, compute per block
+// One CTA per (key block n, query head, batch): K and V of the block (its KV head's) are
+// loaded once by TMA; a producer thread streams the query blocks m that see the key block (Q
+// and dO tiles, TMA, a kStages mbarrier pipeline) and a producer warp their LSE and dsum rows
+// (shared memory, a pipeline of the same stages); two consumer warpgroups, 64 key rows each,
+// compute per block
 //   S^T  = K Q^T              (wgmma, both operands in shared memory)
 //   dP^T = V dO^T             (wgmma)
 //   P^T  = exp(S^T - LSE), masked;  dS^T = P^T * (dP^T - dsum)       (registers)
@@ -16,13 +16,13 @@
 // which one thread hands to the bulk-copy engine (cp.reduce.async.bulk, one instruction per
 // tile; double-buffered, so that the engine reads a step's tile during the next step). dK,
 // dV (dK times the softmax scale) are written at the end (GQA / MQA: added into float32
-// accumulators, kv_accum below). Working on S^T (keys as rows) puts
-// P^T and dS^T in the register layout of the A operand of the dV / dK GEMMs, as the
-// forward's P is for P V.
+// accumulators, kv_accum below). Working on S^T (keys as rows) puts P^T and dS^T in the
+// register layout of the A operand of the dV / dK GEMMs, as the forward's P is for P V.
 //
 // dsum = rowsum(dO * O), the zeroing of dq_accum and the conversion of dq_accum into dQ
 // (times the softmax scale) are the sm80 family's kernels (sm80/bwd_kernel.cuh): the sm90
-// backward uses the same dq_accum layout (flash.h, BwdParams), with one split.
+// backward uses the same dq_accum layout (flash.h, BwdParams), with one split. GQA's dK / dV
+// accumulators are converted by the same kernel.
 //
 // Shared memory holds each of Q, dO, K and dS once; the GEMMs that need a transposed operand
 // (Q^T, dO^T, K^T) read the same bytes through the transposed layout: a K-major 128-byte
