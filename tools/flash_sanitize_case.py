@@ -31,7 +31,8 @@ parser.add_argument("--sm90", action="store_true",
 parser.add_argument("--sm90-backward", action="store_true",
                     help="only the sm90 family's backward: thd with ragged lengths (a tile "
                          "reaching into the next sequence, a one-token sequence) and bshd with "
-                         "sq != sk, no mask, causal of both alignments, d64 and d128")
+                         "sq != sk, no mask, causal of both alignments, d64 and d128, MHA and "
+                         "GQA (4 query heads on 2 KV heads: dK / dV reductions)")
 parser.add_argument("--decode", action="store_true",
                     help="only the split-KV decode kernel: thd and padded bshd queries against "
                          "contiguous and paged K/V (shuffled pages of 16 and 64), ragged cached "
@@ -74,10 +75,11 @@ if args.sm90_backward:
     cu_q, cu_k = (torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32,
                                device="cuda") for n in (lens_q, lens_k))
     for d in (int(x) for x in args.dims.split(",") if int(x) in (64, 128)):
-        for dtype in (torch.bfloat16, torch.float16):
-            thd = [torch.randn(sum(n), 4, d, device="cuda", dtype=dtype)
-                   for n in (lens_q, lens_k, lens_k)]
-            bshd = [torch.randn(2, s, 4, d, device="cuda", dtype=dtype) for s in (170, 300, 300)]
+        for dtype, hk in ((torch.bfloat16, 4), (torch.float16, 4), (torch.bfloat16, 2)):
+            thd = [torch.randn(sum(n), h, d, device="cuda", dtype=dtype)
+                   for n, h in ((lens_q, 4), (lens_k, hk), (lens_k, hk))]
+            bshd = [torch.randn(2, s, h, d, device="cuda", dtype=dtype)
+                    for s, h in ((170, 4), (300, hk), (300, hk))]
             for (q, k, v), fmt, cu, sq, sk in ((thd, "thd", (cu_q, cu_k), 200, 129),
                                                (bshd, "bshd", (None, None), 170, 300)):
                 for right, br in ((-1, False), (0, False), (0, True)):

@@ -172,7 +172,8 @@ constexpr int kMaxGridYZ = 65535;
 // the shared memory against the device and allocates the workspace.
 struct BwdPlan {
   int smem_bytes;           // dynamic shared memory per CTA of the main kernel
-  int64_t dq_accum_floats;  // size of dq_accum (float32)
+  int64_t dq_accum_floats;  // size of dq_accum (float32), with any workspace the family
+                            // keeps after it (sm90 GQA: dK / dV accumulators)
   bool dq_accum_zeroed;     // the binding zero-fills dq_accum (BwdParams::dqa_zeroed)
 };
 

@@ -1,8 +1,8 @@
 """FlashAttention's sm90 backward (csrc/flash/sm90/bwd_*: TMA, wgmma, warp specialization) on
 an sm_90 GPU, forced with the binding's family argument (TRANSFORMER_FA_FLASH_BWD_FAMILY=sm90
 in Python): dq, dk, dv against float64 autograd (bshd, sbhd, packed bs3hd, and varlen: thd
-and padded bshd), what it declines and the error when it is forced on such a call, and a
-training step through DotProductAttention.
+and padded bshd; MHA, GQA and MQA), what it declines and the error when it is forced on such a
+call, and training steps through DotProductAttention.
 
 Error rule per gradient: max |ours - float64| <= 2 x max |the same math in the input dtype -
 float64| + 1e-3 (relative to the reference's magnitude; attention_cases.check). The gradients
@@ -26,11 +26,15 @@ if ARCH != 90 or not hasattr(EXT, "bwd_family") or EXT.bwd_family(*SERVED, 90)[0
 
 
 def reference_grads(q, k, v, dout, causal, bottom_right, scale, dtype):
-    """(dq, dk, dv) of bshd q, k, v (MHA) in `dtype` math (float64: the reference; the input
-    dtype: the error baseline). Causal: query i sees keys j <= i + (sk - sq if bottom_right
-    else 0); a query row without any key has P = 0 (the kernels' LSE is +inf there)."""
+    """(dq, dk, dv) of bshd q, k, v in `dtype` math (float64: the reference; the input dtype:
+    the error baseline). GQA / MQA: each KV head serves h / h_k consecutive query heads (its
+    dk / dv: the sum over them, by autograd through the expansion). Causal: query i sees keys
+    j <= i + (sk - sq if bottom_right else 0); a query row without any key has P = 0 (the
+    kernels' LSE is +inf there)."""
     leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
     ql, kl, vl = leaves
+    group = ql.shape[2] // kl.shape[2]
+    kl, vl = kl.repeat_interleave(group, dim=2), vl.repeat_interleave(group, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", ql, kl) * scale
     sq, sk = ql.shape[1], kl.shape[1]
     keep = torch.ones(sq, sk, dtype=torch.bool, device=DEV)
@@ -96,6 +100,54 @@ def test_backward_matches_float64(name, mask, dtype, d):
         check(f"{name} d{which}", to_bshd(g, layout).double(), r, bg.double(), 1e-3)
 
 
+# GQA (8 query heads on 2 KV heads) and MQA (on 1): (b, sq, sk, layout) with ragged lengths,
+# sq != sk both ways, sbhd strides, and k / v as views of a fused [b, s, h + 2 h_k, d]
+# projection (row stride (h + 2 h_k) d).
+GQA_CASES = {
+    "s1-b3": (3, 1, 1, "bshd"),
+    "s257-b2": (2, 257, 257, "bshd"),
+    "sbhd-s113-b2": (2, 113, 113, "sbhd"),
+    "fused-s300-b2": (2, 300, 300, "fused"),
+    "cross-sq113-sk1000-b1": (1, 113, 1000, "bshd"),
+    "cross-sq1000-sk257-b1": (1, 1000, 257, "bshd"),
+}
+GROUPS = {"gqa-h8-hkv2": (8, 2), "mqa-h8-hkv1": (8, 1)}
+
+
+def make_gqa_qkv(b, sq, sk, h, hkv, dtype, layout, d, seed=0):
+    """make_qkv's layouts, and "fused": q, k, v split from one [b, s, h + 2 h_k, d] tensor."""
+    if layout != "fused":
+        return make_qkv(b, sq, sk, h, hkv, dtype, layout, seed=seed, d=d)
+    assert sq == sk
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(b, sq, h + 2 * hkv, d, generator=gen, device=DEV).to(dtype)
+    return x.split([h, hkv, hkv], dim=2)
+
+
+@pytest.mark.parametrize("name", sorted(GQA_CASES))
+@pytest.mark.parametrize("group", sorted(GROUPS))
+@pytest.mark.parametrize("mask", sorted(MASKS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+def test_gqa_backward_matches_float64(name, group, mask, dtype, d):
+    """dk / dv summed over each KV head's query heads (float32 reductions, then converted)."""
+    b, sq, sk, layout = GQA_CASES[name]
+    h, hkv = GROUPS[group]
+    causal, bottom_right = MASKS[mask]
+    if bottom_right and sq == sk:
+        pytest.skip("the same mask as top-left causal")
+    q, k, v = make_gqa_qkv(b, sq, sk, h, hkv, dtype, layout, d)
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    dout = torch.randn(q.shape, generator=gen, device=DEV).to(dtype)
+    grads = run_fwd_bwd(q, k, v, dout, layout, causal, bottom_right, family=90)
+    qb, kb, vb, dob = (to_bshd(x, layout) for x in (q, k, v, dout))
+    scale = 1 / math.sqrt(d)
+    ref = reference_grads(qb, kb, vb, dob, causal, bottom_right, scale, torch.float64)
+    base = reference_grads(qb, kb, vb, dob, causal, bottom_right, scale, dtype)
+    for which, g, r, bg in zip("qkv", grads, ref, base):
+        check(f"{name} {group} d{which}", to_bshd(g, layout).double(), r, bg.double(), 1e-3)
+
+
 THD = 2
 # Sequence lengths (query, key) of the varlen cases: ragged, sq != sk both ways, empty-ish.
 LENS_Q = [1, 17, 113, 257, 1000, 64]
@@ -114,8 +166,23 @@ def cu_seqlens(lens):
 def test_varlen_backward_matches_float64(fmt, mask, dtype, d):
     """cu_seqlens: packed thd tensors (a sequence's tiles reach into the next one's tokens),
     or bshd batch rows padded past each sequence's length (dK / dV padding rows: zeros)."""
+    check_varlen(fmt, mask, dtype, d, 2, 2)
+
+
+@pytest.mark.parametrize("fmt", ["thd", "bshd-padded"])
+@pytest.mark.parametrize("group", sorted(GROUPS))
+@pytest.mark.parametrize("mask", sorted(MASKS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+def test_varlen_gqa_backward_matches_float64(fmt, group, mask, dtype, d):
+    """As above with GQA / MQA: a sequence's dk / dv rows get only its own keys' sums (thd: the
+    accumulators' rows of the next sequence are untouched by its tiles)."""
+    check_varlen(fmt, mask, dtype, d, *GROUPS[group])
+
+
+def check_varlen(fmt, mask, dtype, d, h, hkv):
     causal, bottom_right = MASKS[mask]
-    h, b = 2, len(LENS_Q)
+    b = len(LENS_Q)
     gen = torch.Generator(device=DEV).manual_seed(5)
 
     def randn(*shape):
@@ -123,7 +190,7 @@ def test_varlen_backward_matches_float64(fmt, mask, dtype, d):
 
     if fmt == "thd":
         q, dout = randn(sum(LENS_Q), h, d), randn(sum(LENS_Q), h, d)
-        k, v = randn(sum(LENS_K), h, d), randn(sum(LENS_K), h, d)
+        k, v = randn(sum(LENS_K), hkv, d), randn(sum(LENS_K), hkv, d)
         sq, sk = max(LENS_Q), max(LENS_K)
 
         def rows(x, lens, i):  # sequence i's rows as [1, len, h, d]
@@ -132,7 +199,7 @@ def test_varlen_backward_matches_float64(fmt, mask, dtype, d):
     else:
         sq, sk = max(LENS_Q) + 8, max(LENS_K) + 8  # padded batch rows
         q, dout = randn(b, sq, h, d), randn(b, sq, h, d)
-        k, v = randn(b, sk, h, d), randn(b, sk, h, d)
+        k, v = randn(b, sk, hkv, d), randn(b, sk, hkv, d)
 
         def rows(x, lens, i):
             return x[i:i + 1, :lens[i]]
@@ -189,6 +256,31 @@ def test_auto_runs_the_sm90_backward_where_it_serves():
     assert EXT.bwd_family(*SERVED, 80) == ["sm80", "the sm80 family was requested"]
 
 
+@pytest.mark.parametrize("group", sorted(GROUPS))
+def test_auto_runs_the_sm90_backward_on_gqa(group):
+    """GQA / MQA: auto (family 0) runs the sm90 kernel (no sm80 kernel in the profile), and its
+    dk / dv match the sm80 family's (which sums a group in registers) within the file's rule
+    against float64 (dK / dV reductions run in any order: not bit for bit)."""
+    h, hkv = GROUPS[group]
+    q, k, v = make_qkv(2, 512, 512, h, hkv, torch.bfloat16, "bshd", seed=3)
+    dout = torch.randn_like(q)
+    grads = {}
+    kernels = {}
+    for family in (0, 80):
+        def call(family=family):
+            grads[family] = run_fwd_bwd(q, k, v, dout, "bshd", True, False, family=family)
+        call()
+        kernels[family] = bwd_kernels(call)
+    assert kernels == {0: {"sm90::bwd_kernel"}, 80: {"sm80::bwd_kernel"}}
+    assert EXT.bwd_family(*SERVED[:11], True, False, 0) == ["sm90", ""]
+    scale = 1 / math.sqrt(q.shape[-1])
+    ref = reference_grads(q, k, v, dout, True, False, scale, torch.float64)
+    base = reference_grads(q, k, v, dout, True, False, scale, torch.bfloat16)
+    for family in (0, 80):
+        for which, g, r, bg in zip("qkv", grads[family], ref, base):
+            check(f"family {family} d{which}", g.double(), r, bg.double(), 1e-3)
+
+
 # (d, sq, sk, varlen, window_left, window_right, bottom_right, alibi, dropout, gqa,
 #  deterministic) -> the reason's words
 DECLINED = {
@@ -196,7 +288,8 @@ DECLINED = {
                     "head dim 64 and 128 kernels only"),
     "head dim 256": ((256, 256, 256, False, -1, 0, False, False, False, False, False),
                      "head dim 64 and 128 kernels only"),
-    "gqa": ((128, 256, 256, False, -1, 0, False, False, False, True, False), "GQA / MQA"),
+    "gqa window": ((128, 256, 256, False, 64, 0, True, False, False, True, False),
+                   "sliding windows"),
     "window": ((128, 256, 256, False, 64, 0, True, False, False, False, False),
                "sliding windows"),
     "alibi": ((128, 256, 256, False, -1, 0, False, True, False, False, False), "ALiBi"),
@@ -214,11 +307,11 @@ def test_declined_calls_say_why(name):
     assert EXT.bwd_family(80, True, *SERVED[2:], 90)[0] == "sm80"  # not an sm_90 GPU
 
 
-@pytest.mark.parametrize("case", ["head dim 96", "gqa", "window", "deterministic"])
+@pytest.mark.parametrize("case", ["head dim 96", "gqa window", "window", "deterministic"])
 def test_forced_sm90_on_a_declined_call_is_a_clear_error(case):
     d, h, hkv, left, deterministic, words = {
         "head dim 96": (96, 2, 2, -1, False, "head dim 64 and 128 kernels only"),
-        "gqa": (128, 4, 2, -1, False, "GQA / MQA"),
+        "gqa window": (128, 4, 2, 64, False, "sliding windows"),
         "window": (128, 2, 2, 64, False, "sliding windows"),
         "deterministic": (128, 2, 2, -1, True, "not deterministic"),
     }[case]
@@ -231,8 +324,9 @@ def test_forced_sm90_on_a_declined_call_is_a_clear_error(case):
         run_fwd_bwd(q, k, v, torch.randn_like(q), "bshd", True, True, family=100)
 
 
+@pytest.mark.parametrize("hkv", [4, 2], ids=["mha", "gqa"])
 @pytest.mark.parametrize("causal", [False, True], ids=["no_mask", "causal"])
-def test_training_step_with_the_sm90_backward(monkeypatch, causal):
+def test_training_step_with_the_sm90_backward(monkeypatch, causal, hkv):
     """Through DotProductAttention with TRANSFORMER_FA_FLASH_BWD_FAMILY=sm90: the debug log
     names the sm90 backward, and the gradients obey the rule against float64 autograd."""
     import transformer_fa as tfa
@@ -242,8 +336,8 @@ def test_training_step_with_the_sm90_backward(monkeypatch, causal):
     monkeypatch.setenv("NVTE_DEBUG_LEVEL", "2")
     monkeypatch.setenv("TRANSFORMER_FA_FLASH_BWD_FAMILY", "sm90")
     b, s, h, d = 2, 300, 4, 128
-    q, k, v = make_qkv(b, s, s, h, h, torch.bfloat16, "bshd", seed=7, d=d)
-    dpa = tfa.DotProductAttention(h, d, qkv_format="bshd",
+    q, k, v = make_qkv(b, s, s, h, hkv, torch.bfloat16, "bshd", seed=7, d=d)
+    dpa = tfa.DotProductAttention(h, d, num_gqa_groups=hkv, qkv_format="bshd",
                                   attn_mask_type="causal" if causal else "no_mask").cuda()
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     with capture_log() as lines:
@@ -260,18 +354,20 @@ def test_training_step_with_the_sm90_backward(monkeypatch, causal):
         check(f"d{which}", g.double(), r, bg.double(), 1e-3)
 
 
-def test_forced_sm90_backward_on_gqa_fails_with_the_reason(monkeypatch):
-    """TRANSFORMER_FA_FLASH_BWD_FAMILY=sm90 on a call its backward declines: the forward runs,
-    the backward raises the binding's error naming the reason (no silent fallback)."""
+def test_forced_sm90_backward_on_a_gqa_window_fails_with_the_reason(monkeypatch):
+    """TRANSFORMER_FA_FLASH_BWD_FAMILY=sm90 on a call its backward declines (GQA with a sliding
+    window): the forward runs, the backward raises the binding's error naming the reason (no
+    silent fallback)."""
     import transformer_fa as tfa
 
     monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
     monkeypatch.setenv("TRANSFORMER_FA_FLASH_BWD_FAMILY", "sm90")
     q, k, v = make_qkv(2, 256, 256, 4, 2, torch.bfloat16, "bshd")
-    dpa = tfa.DotProductAttention(4, 128, num_gqa_groups=2, qkv_format="bshd").cuda()
+    dpa = tfa.DotProductAttention(4, 128, num_gqa_groups=2, qkv_format="bshd",
+                                  window_size=(64, 0)).cuda()
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     out = dpa(*leaves)
     assert dpa.last_backend == "FlashAttention"
     with pytest.raises(RuntimeError, match="sm90 family was requested, but its backward does "
-                                           "not take GQA"):
+                                           "not take sliding windows"):
         out.sum().backward()

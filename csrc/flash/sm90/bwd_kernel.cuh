@@ -1,9 +1,10 @@
 // FlashAttention backward for sm90a (csrc/flash/README.md: its measurements and tuning).
 //
-// One CTA per (key block n, head, batch): K and V of the block are loaded once by TMA; a
-// producer thread streams the query blocks m that see the key block (Q and dO tiles, TMA, a
-// kStages mbarrier pipeline) and a producer warp their LSE and dsum rows (shared memory,
-// a pipeline of the same stages); two consumer warpgroups, 64 key rows each, compute per block
+// One CTA per (key block n, query head, batch): K and V of the block (its KV head's) are
+// loaded once by TMA; a producer thread streams the query blocks m that see the key block (Q
+// and dO tiles, TMA, a kStages mbarrier pipeline) and a producer warp their LSE and dsum rows
+// (shared memory, a pipeline of the same stages); two consumer warpgroups, 64 key rows each,
+// compute per block
 //   S^T  = K Q^T              (wgmma, both operands in shared memory)
 //   dP^T = V dO^T             (wgmma)
 //   P^T  = exp(S^T - LSE), masked;  dS^T = P^T * (dP^T - dsum)       (registers)
@@ -14,13 +15,14 @@
 // and add dQ into the float32 dq_accum: written to a shared-memory tile in dq_accum's layout,
 // which one thread hands to the bulk-copy engine (cp.reduce.async.bulk, one instruction per
 // tile; double-buffered, so that the engine reads a step's tile during the next step). dK,
-// dV (dK times the softmax scale) are written at the end. Working on S^T (keys as rows) puts
-// P^T and dS^T in the register layout of the A operand of the dV / dK GEMMs, as the
-// forward's P is for P V.
+// dV (dK times the softmax scale) are written at the end (GQA / MQA: added into float32
+// accumulators, kv_accum below). Working on S^T (keys as rows) puts P^T and dS^T in the
+// register layout of the A operand of the dV / dK GEMMs, as the forward's P is for P V.
 //
 // dsum = rowsum(dO * O), the zeroing of dq_accum and the conversion of dq_accum into dQ
 // (times the softmax scale) are the sm80 family's kernels (sm80/bwd_kernel.cuh): the sm90
-// backward uses the same dq_accum layout (flash.h, BwdParams), with one split.
+// backward uses the same dq_accum layout (flash.h, BwdParams), with one split. GQA's dK / dV
+// accumulators are converted by the same kernel.
 //
 // Shared memory holds each of Q, dO, K and dS once; the GEMMs that need a transposed operand
 // (Q^T, dO^T, K^T) read the same bytes through the transposed layout: a K-major 128-byte
@@ -161,6 +163,32 @@ enum : uint32_t {
   kBarDsReady = 15,
 };
 
+// GQA / MQA (h_k < h): the h / h_k query heads of a KV head add their dK and dV. Each CTA
+// (key block, query head) adds its float32 tiles into two accumulators once, at its end, by
+// reductions from registers (red.global.add.v2.f32: a CTA's share is one tile, against the
+// dQ tile per query block that it reduces anyway), and the launch's conversion kernel writes
+// them into dk / dv with their strides. MHA stores from registers as before. (One CTA per
+// KV head walking its group, as the sm80 family does, would need no workspace but leave
+// h_k * key blocks * b CTAs: 32 for MQA at b = 1 and s = 4k, on 132 SMs.)
+// The accumulators have dq_accum's layout (flash.h) with k-side rows: per (sequence, KV head)
+// a block of seqlen_k rows (thd: all kv_tokens, the sequences one after another) rounded up
+// to 8, dK's then dV's, in the same allocation as dq_accum, after its splits (plan_bwd adds
+// them; the launch zeroes them).
+struct KvAccum {
+  int64_t offset;  // of dK's accumulator from dq_accum, in floats (dV's: offset + floats)
+  int64_t floats;  // each accumulator's size
+  int64_t rows, head_stride, batch_stride;
+};
+__host__ __device__ inline KvAccum kv_accum(const BwdParams& p) {
+  KvAccum a;
+  a.rows = p.k_packed ? p.kv_tokens : p.seqlen_k;
+  a.head_stride = (a.rows + 7) / 8 * 8 * p.dqa_row_stride;
+  a.batch_stride = p.k_packed ? 0 : int64_t(p.h_k) * a.head_stride;
+  a.floats = int64_t(p.k_packed ? 1 : p.b) * p.h_k * a.head_stride;
+  a.offset = int64_t(p.num_splits) * p.dqa_split_stride;
+  return a;
+}
+
 // Query blocks [m_begin, m_end) of a sequence with some row that sees a key of block n_block
 // (none past the sequence's keys). Causal: query i sees keys j <= i + band.off.
 template <class Cfg, bool kCausal>
@@ -194,6 +222,7 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   int const warpgroup_idx = cutlass::canonical_warp_group_idx();
   int const n_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
   BwdParams const& args = params.args;
+  int const kv_head = head / (args.h / args.h_k);
   SeqInfo const si = seq_info(args, batch);
   Band const band = band_of(args, si);
   int const key0 = n_block * kBlockN;
@@ -273,7 +302,7 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
     };
     auto rows_k = [&](auto& m) {
       return domain_offset(make_coord(si.k_packed ? si.start_k : 0, _0{}),
-                           m(_, _, head, si.k_packed ? 0 : batch));
+                           m(_, _, kv_head, si.k_packed ? 0 : batch));
     };
     Tensor gQ = local_tile(rows_q(mQ), tile_q, make_coord(_, _0{}));      // (M, D, m)
     Tensor gdO = local_tile(rows_q(mdO), tile_q, make_coord(_, _0{}));    // (M, D, m)
@@ -468,9 +497,30 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   }
 
   // ---------------- epilogue: dV and dK (times the softmax scale) ----------------
-  // Every row the sequence owns (padding rows past its length get zeros, as from sm80).
   Tensor cKV = make_identity_tensor(select<0, 1>(typename Cfg::TileKV{}));  // (key, column)
   Tensor tKVcKV = thr_kv.partition_C(cKV);
+  if (args.h != args.h_k) {
+    // GQA: into the accumulators (kv_accum), the keys of the sequence only (the conversion
+    // writes the rest as zeros). Elements 2i, 2i + 1 are adjacent columns, an even one first:
+    // adjacent in the accumulators' layout too. dK's softmax scale: in the conversion.
+    KvAccum const acc = kv_accum(args);
+    float* const dk_acc = args.dq_accum + acc.offset +
+                          (si.k_packed ? 0 : int64_t(batch) * acc.batch_stride) +
+                          int64_t(kv_head) * acc.head_stride;
+    float* const dv_acc = dk_acc + acc.floats;
+    int const row0 = si.k_packed ? si.start_k : 0;
+    CUTE_UNROLL
+    for (int i = 0; i < size(tdVrdV); i += 2) {
+      int const key = key0 + get<0>(tKVcKV(i));
+      if (key < si.len_k) {
+        int64_t const at = sm80::dqa_offset(row0 + key, get<1>(tKVcKV(i)), kHeadDim);
+        sm80::atomic_add2(dk_acc + at, tdKrdK(i), tdKrdK(i + 1));
+        sm80::atomic_add2(dv_acc + at, tdVrdV(i), tdVrdV(i + 1));
+      }
+    }
+    return;
+  }
+  // MHA: every row the sequence owns (padding rows past its length get zeros, as from sm80).
   Element* dk = static_cast<Element*>(args.dk) +
                 si.k_off(args.dk_batch_stride, args.dk_row_stride) +
                 int64_t(head) * args.dk_head_stride;

@@ -1,8 +1,8 @@
 // Launch template of the sm90 family's backward: the tile configs, the plan (the sm80
-// family's dq_accum layout with one split, this kernel's shared memory) and the three
-// launches (dsum and dq_accum zeroing, main, dQ conversion; the first and last are the sm80
-// family's kernels). The binding runs it only for calls that bwd_declines (bwd_support.h)
-// accepts.
+// family's dq_accum layout with one split, GQA's dK / dV accumulators after it, this
+// kernel's shared memory) and the launches (dsum and dq_accum zeroing, main, dQ conversion;
+// GQA: the accumulators' zeroing and their conversion; the conversions are the sm80 family's
+// kernel). The binding runs it only for calls that bwd_declines (bwd_support.h) accepts.
 #pragma once
 
 #include "flash/sm90/cute_config.h"  // first: before any CuTe header
@@ -35,11 +35,45 @@ using BwdConfigOf = typename BwdTile<typename CuteElement<T>::type, kHeadDim>::C
 
 // The dq_accum layout and its zeroing are the sm80 family's (its dsum and dQ conversion
 // kernels run here too); bwd_declines leaves deterministic calls to sm80, so one split.
+// GQA: dK's and dV's accumulators (kv_accum) follow in the same allocation.
 template <class T, int kHeadDim>
 BwdPlan plan_bwd(BwdParams& p, const Device& device) {
   BwdPlan plan = sm80::plan_bwd<T, kHeadDim>(p, device);
   plan.smem_bytes = int(sizeof(typename BwdConfigOf<T, kHeadDim>::SharedStorage));
+  if (p.h != p.h_k) {
+    KvAccum const acc = kv_accum(p);
+    plan.dq_accum_floats = acc.offset + 2 * acc.floats;
+  }
   return plan;
+}
+
+// GQA: params as the dQ conversion (sm80::convert_dq_kernel) reads them, describing dK's
+// (dv = false) or dV's accumulator and output instead: one split, h_k heads, k-side rows.
+inline BwdParams kv_conversion(const BwdParams& p, bool dv) {
+  KvAccum const acc = kv_accum(p);
+  BwdParams c = p;
+  c.dq_accum = p.dq_accum + acc.offset + (dv ? acc.floats : 0);
+  c.num_splits = 1;
+  c.h = p.h_k;
+  c.dqa_rows = acc.rows;
+  c.dqa_head_stride = acc.head_stride;
+  c.dqa_batch_stride = acc.batch_stride;
+  c.dq_rows = int64_t(p.k_packed ? 1 : p.b) * p.h_k * acc.rows;
+  c.dq = dv ? p.dv : p.dk;
+  c.dq_batch_stride = dv ? p.dv_batch_stride : p.dk_batch_stride;
+  c.dq_row_stride = dv ? p.dv_row_stride : p.dk_row_stride;
+  c.dq_head_stride = dv ? p.dv_head_stride : p.dk_head_stride;
+  c.scale_softmax = dv ? 1.f : p.scale_softmax;  // dK's scale (the kernel adds it unscaled)
+  return c;
+}
+
+// dq = dq_accum * scale (the sm80 family's kernel, one thread per 8 elements).
+template <class T>
+void convert(const BwdParams& p, cudaStream_t stream) {
+  const int64_t chunks = p.dq_rows * (p.d / 8);
+  if (chunks > 0) {
+    sm80::convert_dq_kernel<T><<<unsigned((chunks + 255) / 256), 256, 0, stream>>>(p);
+  }
 }
 
 template <class Cfg, bool kCausal>
@@ -92,6 +126,11 @@ void launch_bwd(const BwdParams& params, const Device& device, cudaStream_t stre
     dim3 grid((params.seqlen_q + 8 * 32 / kLanes - 1) / (8 * 32 / kLanes), params.h, params.b);
     sm80::dot_do_o_kernel<T, kLanes><<<grid, 256, 0, stream>>>(params);
   }
+  const bool gqa = params.h != params.h_k;
+  if (gqa) {
+    KvAccum const acc = kv_accum(params);
+    cudaMemsetAsync(params.dq_accum + acc.offset, 0, 2 * acc.floats * sizeof(float), stream);
+  }
   if (params.seqlen_k > 0) {
     // bwd_declines let through no mask and causal (window_right = 0) only.
     if (params.window_right == 0) {
@@ -100,9 +139,10 @@ void launch_bwd(const BwdParams& params, const Device& device, cudaStream_t stre
       launch_main<Cfg, false>(params, stream);
     }
   }
-  const int64_t chunks = params.dq_rows * (params.d / 8);
-  if (chunks > 0) {
-    sm80::convert_dq_kernel<T><<<unsigned((chunks + 255) / 256), 256, 0, stream>>>(params);
+  convert<T>(params, stream);
+  if (gqa) {
+    convert<T>(kv_conversion(params, false), stream);
+    convert<T>(kv_conversion(params, true), stream);
   }
 }
 
