@@ -12,7 +12,7 @@
 #include "flash/sm80/bwd_launch.cuh"
 #include "flash/sm90/bwd_kernel.cuh"
 #include "flash/sm90/bwd_support.h"
-#include "flash/sm90/fwd_launch.cuh"  // CuteElement
+#include "flash/sm90/fwd_launch.cuh"  // CuteElement, tma_rows
 
 namespace transformer_fa {
 namespace flash {
@@ -79,24 +79,21 @@ void convert(const BwdParams& p, cudaStream_t stream) {
 template <class Cfg, bool kCausal>
 void launch_main(const BwdParams& a, cudaStream_t stream) {
   using Element = typename Cfg::Element;
-  // A tensor as (rows, d, heads, batch): packed (thd) ones as all their tokens with a batch
-  // of one (the stride of that single batch is unused; TMA wants a valid one).
-  auto rows = [](const void* ptr, bool packed, int64_t tokens, int seqlen, int heads, int batch,
-                 int64_t row_stride, int64_t head_stride, int64_t batch_stride) {
+  // (rows, d, heads, batch) tensors (tma_rows, fwd_launch.cuh)
+  auto rows = [&](const void* ptr, bool packed, int64_t tokens, int seqlen, int heads,
+                  int64_t row_stride, int64_t head_stride, int64_t batch_stride) {
+    TmaRows const r = tma_rows(packed, tokens, seqlen, a.b, row_stride, batch_stride);
     return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)),
-                       make_shape(int(packed ? tokens : seqlen), Cfg::kHeadDim, heads,
-                                  packed ? 1 : batch),
-                       make_stride(row_stride, _1{}, head_stride,
-                                   packed ? tokens * row_stride : batch_stride));
+                       make_shape(r.rows, Cfg::kHeadDim, heads, r.batches),
+                       make_stride(row_stride, _1{}, head_stride, r.batch_stride));
   };
-  const int64_t q_tokens = a.h > 0 ? a.dq_rows / a.h : 0;
-  auto mQ = rows(a.q, a.q_packed, q_tokens, a.seqlen_q, a.h, a.b, a.q_row_stride,
-                 a.q_head_stride, a.q_batch_stride);
-  auto mdO = rows(a.dout, a.q_packed, q_tokens, a.seqlen_q, a.h, a.b, a.do_row_stride,
+  auto mQ = rows(a.q, a.q_packed, a.q_tokens, a.seqlen_q, a.h, a.q_row_stride, a.q_head_stride,
+                 a.q_batch_stride);
+  auto mdO = rows(a.dout, a.q_packed, a.q_tokens, a.seqlen_q, a.h, a.do_row_stride,
                   a.do_head_stride, a.do_batch_stride);
-  auto mK = rows(a.k, a.k_packed, a.kv_tokens, a.seqlen_k, a.h_k, a.b, a.k_row_stride,
+  auto mK = rows(a.k, a.k_packed, a.kv_tokens, a.seqlen_k, a.h_k, a.k_row_stride,
                  a.k_head_stride, a.k_batch_stride);
-  auto mV = rows(a.v, a.k_packed, a.kv_tokens, a.seqlen_k, a.h_k, a.b, a.v_row_stride,
+  auto mV = rows(a.v, a.k_packed, a.kv_tokens, a.seqlen_k, a.h_k, a.v_row_stride,
                  a.v_head_stride, a.v_batch_stride);
   auto tile_q = Shape<Int<Cfg::kBlockM>, Int<Cfg::kHeadDim>>{};
   auto tile_k = Shape<Int<Cfg::kBlockN>, Int<Cfg::kHeadDim>>{};

@@ -73,36 +73,39 @@ inline TileScheduler make_scheduler(const FwdParams& p, const Device& device, in
   return TileScheduler{num_m_blocks, heads_batches, p.h, per_group, num_m_blocks * heads_batches};
 }
 
+// A call's tensor as the TMA descriptors see it, (rows, d, heads, batch) (V^T: (d, rows, heads,
+// batch)): packed (thd) tensors as all their tokens with a batch of one, so that a sequence's
+// tiles start at its first token (the stride of that single batch is unused; TMA wants a
+// valid one). The forward's and the backward's launches share it.
+struct TmaRows {
+  int rows, batches;
+  int64_t batch_stride;
+};
+inline TmaRows tma_rows(bool packed, int64_t tokens, int seqlen, int batch, int64_t row_stride,
+                        int64_t batch_stride) {
+  return packed ? TmaRows{int(tokens), 1, tokens * row_stride} : TmaRows{seqlen, batch, batch_stride};
+}
+
 // kCausal, kLocal: the kernel's mask cases (fwd_kernel).
 template <class Cfg, bool kCausal, bool kLocal>
 void launch(const FwdParams& a, const Device& device, cudaStream_t stream) {
   using Element = typename Cfg::Element;
   using Params = typename Cfg::Params;
-  // Tensors as (rows, d, heads, batch), V as (d, rows, heads, batch): packed (thd) ones as all
-  // their tokens with a batch of one (the stride of that single batch is unused; TMA wants a
-  // valid one).
-  auto rows = [](bool packed, int64_t tokens, int seqlen) { return int(packed ? tokens : seqlen); };
-  auto batches = [&](bool packed) { return packed ? 1 : a.b; };
-  auto batch_stride = [](bool packed, int64_t tokens, int64_t row_stride, int64_t stride) {
-    return packed ? tokens * row_stride : stride;
-  };
-  const int q_rows = rows(a.q_packed, a.q_tokens, a.seqlen_q);
-  const int k_rows = rows(a.k_packed, a.kv_tokens, a.seqlen_k);
-  typename Cfg::ShapeQKV shape_q = make_shape(q_rows, Cfg::kHeadDim, a.h, batches(a.q_packed));
-  typename Cfg::ShapeQKV shape_k = make_shape(k_rows, Cfg::kHeadDim, a.h_k, batches(a.k_packed));
-  typename Cfg::ShapeQKV shape_vt = make_shape(Cfg::kHeadDim, k_rows, a.h_k, batches(a.k_packed));
+  TmaRows const q = tma_rows(a.q_packed, a.q_tokens, a.seqlen_q, a.b, a.q_row_stride,
+                            a.q_batch_stride);
+  TmaRows const k = tma_rows(a.k_packed, a.kv_tokens, a.seqlen_k, a.b, a.k_row_stride,
+                            a.k_batch_stride);
+  TmaRows const v = tma_rows(a.k_packed, a.kv_tokens, a.seqlen_k, a.b, a.v_row_stride,
+                            a.v_batch_stride);
+  typename Cfg::ShapeQKV shape_q = make_shape(q.rows, Cfg::kHeadDim, a.h, q.batches);
+  typename Cfg::ShapeQKV shape_k = make_shape(k.rows, Cfg::kHeadDim, a.h_k, k.batches);
+  typename Cfg::ShapeQKV shape_vt = make_shape(Cfg::kHeadDim, v.rows, a.h_k, v.batches);
   auto mQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(a.q)), shape_q,
-                        make_stride(a.q_row_stride, _1{}, a.q_head_stride,
-                                    batch_stride(a.q_packed, a.q_tokens, a.q_row_stride,
-                                                 a.q_batch_stride)));
+                        make_stride(a.q_row_stride, _1{}, a.q_head_stride, q.batch_stride));
   auto mK = make_tensor(make_gmem_ptr(static_cast<Element const*>(a.k)), shape_k,
-                        make_stride(a.k_row_stride, _1{}, a.k_head_stride,
-                                    batch_stride(a.k_packed, a.kv_tokens, a.k_row_stride,
-                                                 a.k_batch_stride)));
+                        make_stride(a.k_row_stride, _1{}, a.k_head_stride, k.batch_stride));
   auto mVt = make_tensor(make_gmem_ptr(static_cast<Element const*>(a.v)), shape_vt,
-                         make_stride(_1{}, a.v_row_stride, a.v_head_stride,
-                                     batch_stride(a.k_packed, a.kv_tokens, a.v_row_stride,
-                                                  a.v_batch_stride)));
+                         make_stride(_1{}, a.v_row_stride, a.v_head_stride, v.batch_stride));
   Params p{make_tma_copy(SM90_TMA_LOAD{}, mQ, typename Cfg::SmemLayoutQ{},
                          select<0, 2>(typename Cfg::TileQK{}), _1{}),
            make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(typename Cfg::SmemLayoutK{}),
