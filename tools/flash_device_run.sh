@@ -13,6 +13,7 @@
 #                              run each (default "--sm90 --sm90-backward"; "--backward" for
 #                              the sm80 family; "none" skips them); SAN_TIMEOUT per run (150)
 #   BENCH_BACKENDS             peers in the grid (default FlashAttention beside torch's cuDNN)
+#   BENCH_PARTS                bench_attention.py parts (default grid; e.g. grid,gqa,varlen)
 #   BENCH_DIMS, BENCH_TIMEOUT  the grid's head dims (default the preset's), its limit (300)
 #   BENCH_FAMILY               TRANSFORMER_FA_FLASH_FAMILY for the grid (default auto)
 # The wheels in .whl/ (nvidia-cutlass for the sm90 headers; the machine has no network) are
@@ -66,7 +67,7 @@ fi
 if [ -z "${SKIP_BENCH:-}" ]; then
   dims=(); [ -n "${BENCH_DIMS:-}" ] && dims=(--head-dims "$BENCH_DIMS")
   TRANSFORMER_FA_FLASH_FAMILY=${BENCH_FAMILY:-auto} timeout ${BENCH_TIMEOUT:-300} \
-    python3 benchmarks/bench_attention.py --parts grid "${dims[@]}" \
+    python3 benchmarks/bench_attention.py --parts "${BENCH_PARTS:-grid}" "${dims[@]}" \
     --backends "${BENCH_BACKENDS:-FlashAttention,torch:CUDNN_ATTENTION}" --tag "${BENCH_TAG:-flash}" \
     --out-dir "$OUT" > "$OUT/bench.log" 2>&1
   summary+=("bench rc=$?: $(tail -1 "$OUT/bench.log")")
