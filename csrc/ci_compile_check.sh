@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# CI: compile one instantiation of every kernel family with nvcc (no torch, no GPU), so that
-# a change that breaks the kernels' build cannot land. Fails loudly on any error.
+# CI: compile one instantiation of every kernel family with nvcc (no torch, no GPU), then
+# syntax-check the binding against the installed torch, so that a change that breaks the
+# extension's build cannot land. Fails loudly on any error.
 #   csrc/ci_compile_check.sh            # from anywhere; needs nvcc (CUDA 12.x/13.x)
 # Every kernel family (csrc/generate.py's FAMILIES: sm80, whose sm_90a build also compiles
 # sm90/'s bulk dQ copy, and sm90, forward and backward): each direction at each of the family's
@@ -58,5 +59,32 @@ for entry in "${pids[@]}"; do
 done
 if [ $status -ne 0 ]; then
   echo "ci_compile_check: FAILED: a kernel family does not compile" >&2
+fi
+
+# The binding (flash_api.cpp, torch headers) with every kernel's dispatch case in: a syntax
+# check against the installed torch (a CPU build is enough). A CPU build of torch lacks the
+# generated c10/cuda/impl/cuda_cmake_macros.h that the c10/cuda headers include: a stand-in
+# comes after torch's own include dirs, so a real one wins.
+if python3 -c "import torch" 2>/dev/null; then
+  mkdir -p "$TMP/stand-in/c10/cuda/impl"
+  echo "#pragma once" > "$TMP/stand-in/c10/cuda/impl/cuda_cmake_macros.h"
+  read -r -a TORCH_INC < <(python3 -c "import torch.utils.cpp_extension as c
+print(' '.join('-I' + p for p in c.include_paths()))")
+  PY_INC=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['include'])")
+  # nvcc's own include flags (its dry run prints them; nvcc may be a wrapper script)
+  read -r -a CUDA_INC < <(echo | "$NVCC" --dryrun -x cu -c - -o /dev/null 2>&1 \
+    | sed -n 's/^#\$ INCLUDES="\(.*\)" *$/\1/p' | head -1)
+  read -r -a MACROS < <(python3 generate.py --macros)
+  if ${CXX:-g++} -std=c++17 -fsyntax-only -I. "${TORCH_INC[@]}" -I"$TMP/stand-in" "${CUDA_INC[@]}" \
+      -I"$PY_INC" -DTORCH_EXTENSION_NAME=transformer_fa_flash "${MACROS[@]}" flash_api.cpp \
+      >"$TMP/binding.log" 2>&1; then
+    echo "ci_compile_check: ok   flash_api.cpp (the binding, every dispatch case; syntax check)"
+  else
+    echo "ci_compile_check: FAILED flash_api.cpp (the binding):" >&2
+    cat "$TMP/binding.log" >&2
+    status=1
+  fi
+else
+  echo "ci_compile_check: torch not importable: skipping the binding's syntax check"
 fi
 exit $status

@@ -4,6 +4,7 @@ dispatch over them (csrc/flash/dispatch.h).
     python csrc/generate.py          # (re)generate; the files are committed
     python csrc/generate.py --check  # exit 1 if the committed files are stale (CI)
     python csrc/generate.py --compile-check-jobs  # "file target" lines for ci_compile_check.sh
+    python csrc/generate.py --macros  # every instantiation's -D macro (the full build's set)
 
 An instantiation is (family, dtype, head dim), named "<family>_<dtype>_hdim<d>", e.g.
 "sm80_bf16_hdim128". Each of its files (one per direction) defines the family's
@@ -348,6 +349,9 @@ def main():
     if "--compile-check-jobs" in sys.argv[1:]:
         for path, target in compile_check_jobs():
             print(path, target)
+        return
+    if "--macros" in sys.argv[1:]:
+        print(" ".join(selected("", DEFAULT_ARCHS, cutlass=True)[1]))
         return
     os.makedirs(OUT_DIR, exist_ok=True)
     files = dict(generated_files())
