@@ -27,7 +27,7 @@ parser.add_argument("--dims", default="40,64,128,192,256", help="head dims, comm
 parser.add_argument("--sm90", action="store_true",
                     help="only the sm90 family's forward (bshd, its persistent grid looping "
                          "over more tiles than SMs, ragged tails, sq != sk), causal and not; "
-                         "then varlen thd (ragged, empty sequences) at d64 and d256 with windows")
+                         "then varlen thd (ragged, empty sequences) at d64, d256 and d40 with windows; head dims between the kernels' too")
 parser.add_argument("--sm90-backward", action="store_true",
                     help="only the sm90 family's backward: thd with ragged lengths (a tile "
                          "reaching into the next sequence, a one-token sequence) and bshd with "
@@ -44,8 +44,9 @@ if args.sm90:
     # 3 x 8 heads x 8 query tiles = 192 tiles: a persistent CTA takes a second tile (Q and the
     # O staging buffer reused) on a 132-SM H100. GQA (8 query heads on 2 KV heads); length 1000
     # (the key tail masked, the query tail not stored); then sq != sk with the bottom-right
-    # diagonal; head dims 64, 128 and 256 (d256 stages O in Q's buffer, one CTA per tile).
-    for d in (64, 128, 256):
+    # diagonal; head dims 64, 128 and 256 (d256 stages O in Q's buffer, one CTA per tile) and
+    # 96 and 200 (the d128 and d256 kernels with columns past d: zero-filled, not stored).
+    for d in (64, 128, 256, 96, 200):
         for sq, sk, br in ((1000, 1000, False), (300, 700, True)):
             q = torch.randn(3, sq, 8, d, device="cuda", dtype=torch.bfloat16)
             k, v = (torch.randn(3, sk, 2, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
@@ -59,7 +60,7 @@ if args.sm90:
     lens_q, lens_k = [1, 63, 65, 200, 0, 5, 129], [1, 63, 65, 200, 9, 0, 81]
     cu_q, cu_k = (torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32,
                                device="cuda") for n in (lens_q, lens_k))
-    for d in (64, 256):
+    for d in (64, 256, 40):
         q = torch.randn(sum(lens_q) + 3, 4, d, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(sum(lens_k) + 3, 2, d, device="cuda", dtype=torch.bfloat16)
                 for _ in "kv")

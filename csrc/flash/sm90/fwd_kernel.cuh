@@ -728,12 +728,14 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
                       si.q_off(args.o_batch_stride, args.o_row_stride) +
                       int64_t(head) * args.o_head_stride +
                       int64_t(m0 + consumer_wg * 64) * args.o_row_stride;
-    int const rows_here = rows_in_tile - consumer_wg * 64;  // of this warpgroup's 64
+    // Of this warpgroup's 64 rows, those the sequence owns; none where this thread's column
+    // chunk lies past the head dim (d < kHeadDim: the kernel's columns past d are zeros).
+    int const col = (tid_in_wg % kChunksPerRow) * 8;
+    int const rows_here = col < args.d ? rows_in_tile - consumer_wg * 64 : 0;
     // Each thread keeps one 16-byte column chunk and steps down the rows (the addresses differ
     // by constants, so that no per-chunk offset stays live across the tile loop).
     static_assert(128 % kChunksPerRow == 0);
     constexpr int kRowStep = 128 / kChunksPerRow;
-    int const col = (tid_in_wg % kChunksPerRow) * 8;
     CUTE_UNROLL
     for (int row = tid_in_wg / kChunksPerRow; row < 64; row += kRowStep) {
       if (row < rows_here) {

@@ -97,9 +97,10 @@ void launch(const FwdParams& a, const Device& device, cudaStream_t stream) {
                             a.k_batch_stride);
   TmaRows const v = tma_rows(a.k_packed, a.kv_tokens, a.seqlen_k, a.b, a.v_row_stride,
                             a.v_batch_stride);
-  typename Cfg::ShapeQKV shape_q = make_shape(q.rows, Cfg::kHeadDim, a.h, q.batches);
-  typename Cfg::ShapeQKV shape_k = make_shape(k.rows, Cfg::kHeadDim, a.h_k, k.batches);
-  typename Cfg::ShapeQKV shape_vt = make_shape(Cfg::kHeadDim, v.rows, a.h_k, v.batches);
+  // The head dim a.d (at most the kernel's): TMA zero-fills the tiles' columns past it.
+  typename Cfg::ShapeQKV shape_q = make_shape(q.rows, a.d, a.h, q.batches);
+  typename Cfg::ShapeQKV shape_k = make_shape(k.rows, a.d, a.h_k, k.batches);
+  typename Cfg::ShapeQKV shape_vt = make_shape(a.d, v.rows, a.h_k, v.batches);
   auto mQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(a.q)), shape_q,
                         make_stride(a.q_row_stride, _1{}, a.q_head_stride, q.batch_stride));
   auto mK = make_tensor(make_gmem_ptr(static_cast<Element const*>(a.k)), shape_k,
