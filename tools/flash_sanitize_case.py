@@ -27,7 +27,8 @@ parser.add_argument("--dims", default="40,64,128,192,256", help="head dims, comm
 parser.add_argument("--sm90", action="store_true",
                     help="only the sm90 family's forward (bshd, its persistent grid looping "
                          "over more tiles than SMs, ragged tails, sq != sk), causal and not; "
-                         "then varlen thd (ragged, empty sequences) at d64, d256 and d40 with windows; head dims between the kernels' too")
+                         "then varlen thd (ragged, empty sequences) at d64, d256 and d40 with "
+                         "windows; head dims between the kernels' too")
 parser.add_argument("--sm90-backward", action="store_true",
                     help="only the sm90 family's backward: thd with ragged lengths (a tile "
                          "reaching into the next sequence, a one-token sequence) and bshd with "
