@@ -76,7 +76,8 @@ void convert(const BwdParams& p, cudaStream_t stream) {
   }
 }
 
-template <class Cfg, bool kCausal>
+// kCausal, kLocal: the kernel's mask cases (bwd_kernel).
+template <class Cfg, bool kCausal, bool kLocal>
 void launch_main(const BwdParams& a, cudaStream_t stream) {
   using Element = typename Cfg::Element;
   // (rows, d, heads, batch) tensors (tma_rows, fwd_launch.cuh)
@@ -105,7 +106,7 @@ void launch_main(const BwdParams& a, cudaStream_t stream) {
                          make_tma_copy(SM90_TMA_LOAD{}, mV, smem_k, tile_k, _1{}),
                          mQ.shape(), mK.shape(), a};
 
-  constexpr auto kernel = bwd_kernel<Cfg, kCausal>;
+  constexpr auto kernel = bwd_kernel<Cfg, kCausal, kLocal>;
   static_assert(sizeof(typename Cfg::SharedStorage) <= 227 * 1024, "over sm90's shared memory");
   const int smem_bytes = int(sizeof(typename Cfg::SharedStorage));
   allow_dynamic_smem<kernel>(smem_bytes);
@@ -129,11 +130,13 @@ void launch_bwd(const BwdParams& params, const Device& device, cudaStream_t stre
     cudaMemsetAsync(params.dq_accum + acc.offset, 0, 2 * acc.floats * sizeof(float), stream);
   }
   if (params.seqlen_k > 0) {
-    // bwd_declines let through no mask and causal (window_right = 0) only.
-    if (params.window_right == 0) {
-      launch_main<Cfg, true>(params, stream);
+    // A left window bound (with or without a right one), a right bound alone (causal: 0), none.
+    if (params.window_left >= 0) {
+      launch_main<Cfg, false, true>(params, stream);
+    } else if (params.window_right >= 0) {
+      launch_main<Cfg, true, false>(params, stream);
     } else {
-      launch_main<Cfg, false>(params, stream);
+      launch_main<Cfg, false, false>(params, stream);
     }
   }
   convert<T>(params, stream);
