@@ -33,7 +33,7 @@ parser.add_argument("--sm90-backward", action="store_true",
                          "reaching into the next sequence, a one-token sequence) and bshd with "
                          "sq != sk, no mask, causal of both alignments, sliding windows (left, "
                          "right, both), d64 and d128, MHA and GQA (4 query heads on 2 KV heads: "
-                         "dK / dV reductions)")
+                         "dK / dV reductions); MHA also deterministic (dQ additions in turn)")
 parser.add_argument("--decode", action="store_true",
                     help="only the split-KV decode kernel: thd and padded bshd queries against "
                          "contiguous and paged K/V (shuffled pages of 16 and 64), ragged cached "
@@ -90,8 +90,12 @@ if args.sm90_backward:
                     call = flash.FlashCall(fmt, fmt, sq, sk, 1 / math.sqrt(d), left, right, br,
                                            0.0, False, True, bwd_family=90)
                     out, lse = flash._fwd_impl(q, k, v, *cu, None, None, call)
-                    dq, dk, dv = flash._bwd_impl(torch.randn_like(out), q, k, v, out, lse, *cu,
-                                                 None, None, call)
+                    dout = torch.randn_like(out)
+                    # (deterministic GQA runs on sm80)
+                    for deterministic in (False, True) if hk == 4 else (False,):
+                        dq, dk, dv = flash._bwd_impl(
+                            dout, q, k, v, out, lse, *cu, None, None,
+                            call._replace(deterministic=deterministic))
     torch.cuda.synchronize()
     print("sanitize case done (sm90 backward)", dq.float().abs().sum().item())
     sys.exit(0)

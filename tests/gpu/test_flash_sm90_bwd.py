@@ -2,8 +2,9 @@
 an sm_90 GPU, forced with the binding's family argument (TRANSFORMER_FA_FLASH_BWD_FAMILY=sm90
 in Python): dq, dk, dv against float64 autograd (bshd, sbhd, packed bs3hd, and varlen: thd
 and padded bshd; MHA, GQA and MQA; no mask, causal and sliding windows of both diagonal
-alignments), what it declines and the error when it is forced on such a call, and training
-steps through DotProductAttention.
+alignments; deterministic mode: bitwise the same gradients run after run), what it declines
+and the error when it is forced on such a call, and training steps through
+DotProductAttention.
 
 Error rule per gradient: max |ours - float64| <= 2 x max |the same math in the input dtype -
 float64| + 1e-3 (relative to the reference's magnitude; attention_cases.check). The gradients
@@ -399,6 +400,120 @@ def test_auto_runs_the_sm90_backward_on_windows(window, hkv):
         check(f"d{which}", g.double(), r, bg.double(), 1e-3)
 
 
+# Deterministic mode: the key blocks that see a query block add their dQ tiles into it one at a
+# time in the order of the key blocks (bwd_kernel.cuh, dq_turns), so that dq (and dk, dv) are
+# bitwise the same on every run. The cases: many key blocks per query block (s 2048: 16), sq !=
+# sk both ways, ragged tails; no mask, causal of both alignments and windows (whose first key
+# block differs per query block).
+DETERMINISTIC_CASES = {
+    "s2048-b1-h4": (1, 2048, 2048, 4, "bshd", 1.0),
+    "s1000-b1-h4": CASES["s1000-b1-h4"],
+    "sbhd-s113-b2-h4": CASES["sbhd-s113-b2-h4"],
+    "cross-sq113-sk1000-b2-h2": CASES["cross-sq113-sk1000-b2-h2"],
+    "cross-sq1000-sk257-b2-h2": CASES["cross-sq1000-sk257-b2-h2"],
+}
+DETERMINISTIC_MASKS = {"no_mask": ((-1, -1), False), "causal": ((-1, 0), False),
+                       "causal_bottom_right": ((-1, 0), True),
+                       "left48-right16": ((48, 16), False),
+                       "causal-left64-bottom_right": ((64, 0), True),
+                       "left300-right200": ((300, 200), False)}
+
+
+@pytest.mark.parametrize("name", sorted(DETERMINISTIC_CASES))
+@pytest.mark.parametrize("mask", sorted(DETERMINISTIC_MASKS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+def test_deterministic_backward_is_bitwise_reproducible(name, mask, dtype, d):
+    """Three deterministic backwards of one call: dq, dk, dv bit for bit equal, and within the
+    file's rule against float64."""
+    b, sq, sk, h, layout, gain = DETERMINISTIC_CASES[name]
+    window, bottom_right = DETERMINISTIC_MASKS[mask]
+    if bottom_right and sq == sk:
+        pytest.skip("the same mask as top-left")
+    q, k, v = make_qkv(b, sq, sk, h, h, dtype, layout, gain, d=d)
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    dout = torch.randn(q.shape, generator=gen, device=DEV).to(dtype)
+    runs = [run_fwd_bwd(q, k, v, dout, layout, False, bottom_right, family=90,
+                        deterministic=True, window=window) for _ in range(3)]
+    for again in runs[1:]:
+        for which, g, a in zip("qkv", runs[0], again):
+            assert torch.equal(g, a), f"d{which} differs between runs"
+    qb, kb, vb, dob = (to_bshd(x, layout) for x in (q, k, v, dout))
+    scale = 1 / math.sqrt(d)
+    ref = reference_grads(qb, kb, vb, dob, False, bottom_right, scale, torch.float64, window)
+    base = reference_grads(qb, kb, vb, dob, False, bottom_right, scale, dtype, window)
+    for which, g, r, bg in zip("qkv", runs[0], ref, base):
+        check(f"{name} {mask} d{which}", to_bshd(g, layout).double(), r, bg.double(), 1e-3)
+
+
+@pytest.mark.parametrize("fmt", ["thd", "bshd-padded"])
+@pytest.mark.parametrize("mask", sorted(DETERMINISTIC_MASKS))
+@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+def test_varlen_deterministic_backward_is_bitwise_reproducible(fmt, mask, d):
+    """Varlen (bf16): three deterministic backwards bit for bit equal (thd: the 8-row groups
+    that two sequences' tiles share), each sequence within the rule against float64."""
+    window, bottom_right = DETERMINISTIC_MASKS[mask]
+    check_varlen(fmt, window, bottom_right, torch.bfloat16, d, 2, 2, deterministic=True, runs=3)
+
+
+@pytest.mark.parametrize("mask", ["no_mask", "causal", "left48-right16"])
+def test_auto_runs_the_sm90_backward_when_deterministic(mask):
+    """Deterministic MHA: auto (family 0) runs the sm90 kernel (no sm80 kernel in the
+    profile) and bwd_family says so; deterministic GQA runs on sm80, with the reason."""
+    window, bottom_right = DETERMINISTIC_MASKS[mask]
+    q, k, v = make_qkv(2, 1024, 1024, 4, 4, torch.bfloat16, "bshd", seed=3)
+    dout = torch.randn_like(q)
+    grads = []
+
+    def call():
+        grads.append(run_fwd_bwd(q, k, v, dout, "bshd", False, bottom_right, family=0,
+                                 deterministic=True, window=window))
+    call()
+    assert bwd_kernels(call) == {"sm90::bwd_kernel"}
+    assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1]))
+    left, right = window
+    args = (90, True, 128, 1024, 1024, False, left, right, bottom_right, False, False)
+    assert EXT.bwd_family(*args, False, True, 0) == ["sm90", ""]
+    family, why = EXT.bwd_family(*args, True, True, 0)
+    assert family == "sm80" and "not deterministic with GQA" in why, (family, why)
+    q, k, v = make_qkv(2, 1024, 1024, 4, 2, torch.bfloat16, "bshd", seed=3)
+
+    def call_gqa():
+        run_fwd_bwd(q, k, v, dout, "bshd", False, bottom_right, family=0, deterministic=True,
+                    window=window)
+    call_gqa()  # the first call loads the modules
+    assert bwd_kernels(call_gqa) == {"sm80::bwd_kernel"}
+
+
+def test_deterministic_training_step_through_dot_product_attention(monkeypatch):
+    """NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 through DotProductAttention: the debug log names the
+    sm90 backward, two backwards give the same bits, and the rule against float64 holds."""
+    import transformer_fa as tfa
+
+    monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+    monkeypatch.setenv("NVTE_DEBUG", "1")
+    monkeypatch.setenv("NVTE_DEBUG_LEVEL", "2")
+    b, s, h, d = 2, 700, 4, 128
+    q, k, v = make_qkv(b, s, s, h, h, torch.bfloat16, "bshd", seed=7, d=d)
+    dpa = tfa.DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="causal").cuda()
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    with capture_log() as lines:
+        out = dpa(*leaves)
+    assert dpa.last_backend == "FlashAttention"
+    assert any("backward = sm90 (wgmma, TMA)" in line for line in lines), lines
+    dout = torch.randn(out.shape, generator=torch.Generator(device=DEV).manual_seed(11),
+                       device=DEV).to(out.dtype)
+    grads = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    again = torch.autograd.grad(out, leaves, dout)
+    assert all(torch.equal(a, b) for a, b in zip(grads, again))
+    dob = dout.view(b, s, h, d)
+    ref = reference_grads(q, k, v, dob, True, False, 1 / math.sqrt(d), torch.float64)
+    base = reference_grads(q, k, v, dob, True, False, 1 / math.sqrt(d), torch.bfloat16)
+    for which, g, r, bg in zip("qkv", grads, ref, base):
+        check(f"d{which}", g.double(), r, bg.double(), 1e-3)
+
+
 # (d, sq, sk, varlen, window_left, window_right, bottom_right, alibi, dropout, gqa,
 #  deterministic) -> the reason's words
 DECLINED = {
@@ -408,8 +523,8 @@ DECLINED = {
                      "head dim 64 and 128 kernels only"),
     "alibi": ((128, 256, 256, False, -1, 0, False, True, False, False, False), "ALiBi"),
     "dropout": ((128, 256, 256, False, -1, -1, False, False, True, False, False), "dropout"),
-    "deterministic": ((128, 256, 256, False, -1, -1, False, False, False, False, True),
-                      "not deterministic"),
+    "deterministic gqa": ((128, 256, 256, False, -1, -1, False, False, False, True, True),
+                          "not deterministic with GQA"),
 }
 
 
@@ -421,11 +536,11 @@ def test_declined_calls_say_why(name):
     assert EXT.bwd_family(80, True, *SERVED[2:], 90)[0] == "sm80"  # not an sm_90 GPU
 
 
-@pytest.mark.parametrize("case", ["head dim 96", "deterministic"])
+@pytest.mark.parametrize("case", ["head dim 96", "deterministic gqa"])
 def test_forced_sm90_on_a_declined_call_is_a_clear_error(case):
     d, h, hkv, left, deterministic, words = {
         "head dim 96": (96, 2, 2, 64, False, "head dim 64 and 128 kernels only"),
-        "deterministic": (128, 2, 2, -1, True, "not deterministic"),
+        "deterministic gqa": (128, 4, 2, -1, True, "not deterministic with GQA"),
     }[case]
     q, k, v = make_qkv(1, 256, 256, h, hkv, torch.bfloat16, "bshd", d=d)
     with pytest.raises(RuntimeError, match="flash_attn_bwd: the sm90 family was requested, but "

@@ -189,6 +189,33 @@ __host__ __device__ inline KvAccum kv_accum(const BwdParams& p) {
   return a;
 }
 
+// Deterministic mode (BwdParams::deterministic): the key blocks that see query block m add
+// their dQ tiles into it one at a time, in the order of n (bit for bit the same sums on every
+// run). A count per (sequence, head, query block of kBlockM rows), int32, in the workspace
+// after dq_accum (and GQA's accumulators; plan_bwd adds it, the launch zeroes it), says how many
+// have added theirs; key block n adds when it reaches n's rank among the key blocks that see m.
+struct DqTurns {
+  int64_t offset;  // from dq_accum, in 4-byte words
+  int64_t count;   // 0 unless deterministic
+  int blocks;      // query blocks per (sequence, head)
+};
+template <int kBlockM>
+__host__ __device__ inline DqTurns dq_turns(const BwdParams& p) {
+  KvAccum const acc = kv_accum(p);
+  DqTurns t;
+  t.offset = acc.offset + (p.h != p.h_k ? 2 * acc.floats : 0);
+  t.blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
+  t.count = p.deterministic ? int64_t(p.b) * p.h * t.blocks : 0;
+  return t;
+}
+
+// Deterministic mode: this thread's bulk reductions have completed (bulk_wait_all); their
+// writes are made visible, then the count is raised (release).
+__device__ __forceinline__ void pass_dq_turn(int* turn) {
+  sm90::fence_proxy_async_global();  // async-proxy writes before the generic release
+  sm90::release_flag_inc(turn);
+}
+
 // Query blocks [m_begin, m_end) of a sequence with some row that sees a key of block n_block
 // (none past the sequence's keys): from the band (common/sequence.cuh) where the kernel's mask
 // case has one (kBand), else every block of the sequence.
@@ -419,6 +446,33 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
                               cast_smem_ptr_to_uint(dq_tile(m)),
                               uint32_t(rows * kHeadDim * sizeof(float)));
   };
+  // Deterministic mode (dq_turns; a uniform branch of the issuing thread): block m's count.
+  // The key blocks that see m are a run [first, last] of n (the band's keys of m's rows), so
+  // n's rank is n - first. A CTA waits only on CTAs of the same (head, batch) with a smaller
+  // blockIdx.x, which the hardware dispatched earlier and which wait on none of their
+  // successors: no deadlock, even with fewer SMs than CTAs. The 8-row group that the tiles of
+  // two query blocks (or sequences) share gets zeros from the one it is not of: exact in any
+  // order.
+  auto dq_turn = [&](int m) {
+    DqTurns const t = dq_turns<kBlockM>(args);
+    return reinterpret_cast<int*>(args.dq_accum + t.offset) +
+           (int64_t(batch) * args.h + head) * t.blocks + m;
+  };
+  // First the previous block's addition, once complete (its writes done, not only its source
+  // read), passes its turn on: one step late, so that the reduction's latency hides under that
+  // step. Then block m's tile is added when the key blocks before this one have added theirs.
+  auto add_dq = [&](int m) {
+    if (args.deterministic) {
+      if (m > m_begin) {
+        sm90::bulk_wait_all();
+        pass_dq_turn(dq_turn(m - 1));
+      }
+      int const first = band_keys(band, m * kBlockM, m * kBlockM + kBlockM - 1).lo / kBlockN;
+      sm90::wait_flag_eq(dq_turn(m), n_block - first);
+      sm90::fence_proxy_async_global();  // the acquire before the reduction (async proxy)
+    }
+    issue_dq(m);
+  };
   // Keys past the sequence (zero-filled by TMA, or the next packed sequence's) and keys outside
   // a query's band get P = 0 (query rows past the sequence, or without any key: LSE = +inf,
   // whence P = 0 too).
@@ -481,7 +535,7 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
     // dS to shared memory for dQ, which needs both warpgroups' keys.
     named_barrier_sync(Cfg::kConsumerThreads, kBarDsFree);
     if (dq_issuer && m_block > m_begin) {
-      issue_dq(m_block - 1);    // the previous block's tile, complete at the barrier
+      add_dq(m_block - 1);        // the previous block's tile, complete at the barrier
       sm90::bulk_wait_read<1>();  // the copy before it has read this block's tile buffer
     }
     copy(r2s_ds, thr_r2s_ds.retile_S(tdSrdS), tdSsdS);
@@ -513,8 +567,9 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   if (m_end > m_begin) {
     named_barrier_sync(Cfg::kConsumerThreads, kBarDsFree);  // the last tile is complete
     if (dq_issuer) {
-      issue_dq(m_end - 1);
+      add_dq(m_end - 1);
       sm90::bulk_wait_all();  // the copies have read shared memory before the CTA exits
+      if (args.deterministic) { pass_dq_turn(dq_turn(m_end - 1)); }
     }
   }
 
