@@ -32,8 +32,9 @@ parser.add_argument("--sm90", action="store_true",
 parser.add_argument("--sm90-backward", action="store_true",
                     help="only the sm90 family's backward: thd with ragged lengths (a tile "
                          "reaching into the next sequence, a one-token sequence) and bshd with "
-                         "sq != sk, no mask, causal of both alignments, d64 and d128, MHA and "
-                         "GQA (4 query heads on 2 KV heads: dK / dV reductions)")
+                         "sq != sk, no mask, causal of both alignments, sliding windows (left, "
+                         "right, both), d64 and d128, MHA and GQA (4 query heads on 2 KV heads: "
+                         "dK / dV reductions); MHA also deterministic (dQ additions in turn)")
 parser.add_argument("--decode", action="store_true",
                     help="only the split-KV decode kernel: thd and padded bshd queries against "
                          "contiguous and paged K/V (shuffled pages of 16 and 64), ragged cached "
@@ -84,12 +85,19 @@ if args.sm90_backward:
                     for s, h in ((170, 4), (300, hk), (300, hk))]
             for (q, k, v), fmt, cu, sq, sk in ((thd, "thd", (cu_q, cu_k), 200, 129),
                                                (bshd, "bshd", (None, None), 170, 300)):
-                for right, br in ((-1, False), (0, False), (0, True)):
-                    call = flash.FlashCall(fmt, fmt, sq, sk, 1 / math.sqrt(d), -1, right, br,
+                # (window_left, window_right, bottom_right): no mask, causal both ways, windows
+                # (key blocks that no query sees, masked steps on both sides of the band)
+                for left, right, br in ((-1, -1, False), (-1, 0, False), (-1, 0, True),
+                                        (48, 16, False), (64, 0, True), (-1, 37, True)):
+                    call = flash.FlashCall(fmt, fmt, sq, sk, 1 / math.sqrt(d), left, right, br,
                                            0.0, False, True, bwd_family=90)
                     out, lse = flash._fwd_impl(q, k, v, *cu, None, None, call)
-                    dq, dk, dv = flash._bwd_impl(torch.randn_like(out), q, k, v, out, lse, *cu,
-                                                 None, None, call)
+                    dout = torch.randn_like(out)
+                    # (deterministic GQA runs on sm80)
+                    for deterministic in (False, True) if hk == 4 else (False,):
+                        dq, dk, dv = flash._bwd_impl(
+                            dout, q, k, v, out, lse, *cu, None, None,
+                            call._replace(deterministic=deterministic))
     torch.cuda.synchronize()
     print("sanitize case done (sm90 backward)", dq.float().abs().sum().item())
     sys.exit(0)

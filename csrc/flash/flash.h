@@ -124,9 +124,11 @@ struct BwdParams : FwdParams {
   int64_t dq_rows;
   // rowsum(dO * O) per query row, float32, laid out as lse (written by the backward).
   float* __restrict__ dsum;
-  // Deterministic: num_splits CTAs per (kv head, batch) each own a dq_accum split and add
-  // into it in program order; the splits are summed in order. Otherwise num_splits = 1 and
-  // every key block adds into split 0 with atomics or bulk reductions (sm90 hardware).
+  // Deterministic: the sm80 family runs num_splits CTAs per (kv head, batch), each owning a
+  // dq_accum split that it adds into in program order; the splits are summed in order. The
+  // sm90 family keeps one split and adds the key blocks' dQ tiles in a fixed order (flags in
+  // its workspace, sm90/bwd_kernel.cuh dq_turns). Otherwise num_splits = 1 and every key block
+  // adds into split 0 with atomics or bulk reductions (sm90 hardware) in any order.
   bool deterministic;
   int num_splits;
 };

@@ -189,23 +189,52 @@ __host__ __device__ inline KvAccum kv_accum(const BwdParams& p) {
   return a;
 }
 
+// Deterministic mode (BwdParams::deterministic): the key blocks that see query block m add
+// their dQ tiles into it one at a time, in the order of n (bit for bit the same sums on every
+// run). A count per (sequence, head, query block of kBlockM rows), int32, in the workspace
+// after dq_accum (and GQA's accumulators; plan_bwd adds it, the launch zeroes it), says how many
+// have added theirs; key block n adds when it reaches n's rank among the key blocks that see m.
+struct DqTurns {
+  int64_t offset;  // from dq_accum, in 4-byte words
+  int64_t count;   // 0 unless deterministic
+  int blocks;      // query blocks per (sequence, head)
+};
+template <int kBlockM>
+__host__ __device__ inline DqTurns dq_turns(const BwdParams& p) {
+  KvAccum const acc = kv_accum(p);
+  DqTurns t;
+  t.offset = acc.offset + (p.h != p.h_k ? 2 * acc.floats : 0);
+  t.blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
+  t.count = p.deterministic ? int64_t(p.b) * p.h * t.blocks : 0;
+  return t;
+}
+
+// Deterministic mode: this thread's bulk reductions have completed (bulk_wait_all); their
+// writes are made visible, then the count is raised (release).
+__device__ __forceinline__ void pass_dq_turn(int* turn) {
+  sm90::fence_proxy_async_global();  // async-proxy writes before the generic release
+  sm90::release_flag_inc(turn);
+}
+
 // Query blocks [m_begin, m_end) of a sequence with some row that sees a key of block n_block
-// (none past the sequence's keys). Causal: query i sees keys j <= i + band.off.
-template <class Cfg, bool kCausal>
+// (none past the sequence's keys): from the band (common/sequence.cuh) where the kernel's mask
+// case has one (kBand), else every block of the sequence.
+template <class Cfg, bool kBand>
 __device__ __forceinline__ void query_blocks(SeqInfo const& si, Band const& band, int n_block,
                                              int& m_begin, int& m_end) {
   constexpr int kBlockM = Cfg::kBlockM;
   int const key0 = n_block * Cfg::kBlockN;
-  m_end = key0 < si.len_k ? (si.len_q + kBlockM - 1) / kBlockM : 0;
-  m_begin = 0;
-  if constexpr (kCausal) {
-    int const first_row = key0 - band.off;  // the first query row that sees key0
-    m_begin = first_row <= 0 ? 0 : first_row / kBlockM;
-  }
-  m_begin = min(m_begin, m_end);
+  RowRange rows{0, si.len_q};
+  if constexpr (kBand) { rows = band_queries(band, si.len_q, key0, key0 + Cfg::kBlockN - 1); }
+  m_end = key0 < si.len_k && rows.hi > rows.lo ? (rows.hi + kBlockM - 1) / kBlockM : 0;
+  m_begin = min(rows.lo / kBlockM, m_end);
 }
 
-template <class Cfg, bool kCausal>
+// The mask, as compile-time cases (the forward's): kCausal, a right bound alone
+// (window_right >= 0, window_left < 0; causal is window_right = 0); kLocal, a left bound
+// (window_left >= 0) with or without a right one; neither: only the keys' end. A key block's
+// query blocks come from the band, and only the steps whose tile the band cuts are masked.
+template <class Cfg, bool kCausal, bool kLocal>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
 bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   using Element = typename Cfg::Element;
@@ -214,6 +243,8 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   constexpr int kBlockM = Cfg::kBlockM;
   constexpr int kBlockN = Cfg::kBlockN;
   constexpr int kHeadDim = Cfg::kHeadDim;
+  static_assert(!(kCausal && kLocal), "kLocal covers a right bound too");
+  constexpr bool kBand = kCausal || kLocal;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   auto& shared = *reinterpret_cast<typename Cfg::SharedStorage*>(smem_raw);
@@ -224,11 +255,27 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   BwdParams const& args = params.args;
   int const kv_head = head / (args.h / args.h_k);
   SeqInfo const si = seq_info(args, batch);
-  Band const band = band_of(args, si);
+  Band band = band_of(args, si);
+  // The same band as this mask case sees it: the sides it lacks as the constants they are, and
+  // its diagonal moved onto its left bound (kLocal) or its right one (kCausal), that bound now
+  // 0 (the bounds are j >= i + off - left, j <= i + off + right), so that the main loop keeps
+  // fewer values (the causal one: off alone, as before windows).
+  if constexpr (kLocal) {
+    band.off -= band.left;
+    if (band.right >= 0) { band.right += band.left; }
+    band.left = 0;
+  } else {
+    band.left = -1;
+  }
+  if constexpr (kCausal) {
+    band.off += band.right;
+    band.right = 0;
+  }
+  if constexpr (!kBand) { band.right = -1; }
   int const key0 = n_block * kBlockN;
   if (key0 >= si.rows_k) { return; }  // past this (packed) sequence: the whole CTA leaves
   int m_begin, m_end;
-  query_blocks<Cfg, kCausal>(si, band, n_block, m_begin, m_end);
+  query_blocks<Cfg, kBand>(si, band, n_block, m_begin, m_end);
 
   if (warp_idx == 0 && threadIdx.x == 0) {
     cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
@@ -399,9 +446,36 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
                               cast_smem_ptr_to_uint(dq_tile(m)),
                               uint32_t(rows * kHeadDim * sizeof(float)));
   };
-  // Keys past the sequence (zero-filled by TMA, or the next packed sequence's) and, causal,
-  // keys past a query's diagonal get P = 0 (query rows past it: LSE = +inf, above).
-  bool const key_tail = key0 + kBlockN > si.len_k;
+  // Deterministic mode (dq_turns; a uniform branch of the issuing thread): block m's count.
+  // The key blocks that see m are a run [first, last] of n (the band's keys of m's rows), so
+  // n's rank is n - first. A CTA waits only on CTAs of the same (head, batch) with a smaller
+  // blockIdx.x, which the hardware dispatched earlier and which wait on none of their
+  // successors: no deadlock, even with fewer SMs than CTAs. The 8-row group that the tiles of
+  // two query blocks (or sequences) share gets zeros from the one it is not of: exact in any
+  // order.
+  auto dq_turn = [&](int m) {
+    DqTurns const t = dq_turns<kBlockM>(args);
+    return reinterpret_cast<int*>(args.dq_accum + t.offset) +
+           (int64_t(batch) * args.h + head) * t.blocks + m;
+  };
+  // First the previous block's addition, once complete (its writes done, not only its source
+  // read), passes its turn on: one step late, so that the reduction's latency hides under that
+  // step. Then block m's tile is added when the key blocks before this one have added theirs.
+  auto add_dq = [&](int m) {
+    if (args.deterministic) {
+      if (m > m_begin) {
+        sm90::bulk_wait_all();
+        pass_dq_turn(dq_turn(m - 1));
+      }
+      int const first = band_keys(band, m * kBlockM, m * kBlockM + kBlockM - 1).lo / kBlockN;
+      sm90::wait_flag_eq(dq_turn(m), n_block - first);
+      sm90::fence_proxy_async_global();  // the acquire before the reduction (async proxy)
+    }
+    issue_dq(m);
+  };
+  // Keys past the sequence (zero-filled by TMA, or the next packed sequence's) and keys outside
+  // a query's band get P = 0 (query rows past the sequence, or without any key: LSE = +inf,
+  // whence P = 0 too).
   float const scale_log2 = args.scale_softmax_log2;
 
   shared.barrier_kv.wait(0);
@@ -419,7 +493,7 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
     Tensor dp = make_tensor(tdPrdP.data(), acc_rowcol(tdPrdP.layout()));
     // The LSE and dsum of this thread's query columns are read from shared memory where
     // used, a column at a time (held for all columns across the GEMMs, they spilled).
-    bool const masked = key_tail || (kCausal && key0 + kBlockN - 1 > query0 + band.off);
+    bool const masked = band_cuts(band, query0, query0 + kBlockM - 1, key0, key0 + kBlockN - 1);
     pipe_rows.consumer_wait(read);
     float const* lse_log2_of = shared.lse_log2.data() + read.index() * kBlockM;
     float const* dsum_of = shared.dsum.data() + read.index() * kBlockM;
@@ -432,7 +506,9 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
       CUTE_UNROLL
       for (int r = 0; r < size<0>(s); ++r) {
         int const key = key0 + get<0>(tScS_rc(r, c));
-        bool const out = masked && (key >= si.len_k || (kCausal && key > query + band.off));
+        bool const out = masked && (key >= si.len_k ||
+                                    (band.right >= 0 && key > query + band.off + band.right) ||
+                                    (band.left >= 0 && key < query + band.off - band.left));
         s(r, c) = out ? 0.f : fast_exp2(s(r, c) * scale_log2 - lse_log2);
       }
     }
@@ -459,7 +535,7 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
     // dS to shared memory for dQ, which needs both warpgroups' keys.
     named_barrier_sync(Cfg::kConsumerThreads, kBarDsFree);
     if (dq_issuer && m_block > m_begin) {
-      issue_dq(m_block - 1);    // the previous block's tile, complete at the barrier
+      add_dq(m_block - 1);        // the previous block's tile, complete at the barrier
       sm90::bulk_wait_read<1>();  // the copy before it has read this block's tile buffer
     }
     copy(r2s_ds, thr_r2s_ds.retile_S(tdSrdS), tdSsdS);
@@ -491,8 +567,9 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   if (m_end > m_begin) {
     named_barrier_sync(Cfg::kConsumerThreads, kBarDsFree);  // the last tile is complete
     if (dq_issuer) {
-      issue_dq(m_end - 1);
+      add_dq(m_end - 1);
       sm90::bulk_wait_all();  // the copies have read shared memory before the CTA exits
+      if (args.deterministic) { pass_dq_turn(dq_turn(m_end - 1)); }
     }
   }
 

@@ -1,8 +1,8 @@
 // Launch template of the sm90 family's backward: the tile configs, the plan (the sm80
-// family's dq_accum layout with one split, GQA's dK / dV accumulators after it, this
-// kernel's shared memory) and the launches (dsum and dq_accum zeroing, main, dQ conversion;
-// GQA: the accumulators' zeroing and their conversion; the conversions are the sm80 family's
-// kernel). The binding runs it only for calls that bwd_declines (bwd_support.h) accepts.
+// family's dq_accum layout with one split, GQA's dK / dV accumulators after it, deterministic
+// mode's counts after those, this kernel's shared memory) and the launches (dsum and dq_accum
+// zeroing, main, dQ conversion; GQA: the accumulators' zeroing and their conversion;
+// deterministic: the counts' zeroing; the conversions are the sm80 family's kernel). The binding runs it only for calls that bwd_declines (bwd_support.h) accepts.
 #pragma once
 
 #include "flash/sm90/cute_config.h"  // first: before any CuTe header
@@ -34,16 +34,17 @@ template <class T, int kHeadDim>
 using BwdConfigOf = typename BwdTile<typename CuteElement<T>::type, kHeadDim>::Config;
 
 // The dq_accum layout and its zeroing are the sm80 family's (its dsum and dQ conversion
-// kernels run here too); bwd_declines leaves deterministic calls to sm80, so one split.
-// GQA: dK's and dV's accumulators (kv_accum) follow in the same allocation.
+// kernels run here too), with one split also in deterministic mode, which orders the
+// additions itself (dq_turns). GQA: dK's and dV's accumulators (kv_accum) follow in the same
+// allocation, then deterministic mode's counts.
 template <class T, int kHeadDim>
 BwdPlan plan_bwd(BwdParams& p, const Device& device) {
+  using Cfg = BwdConfigOf<T, kHeadDim>;
   BwdPlan plan = sm80::plan_bwd<T, kHeadDim>(p, device);
-  plan.smem_bytes = int(sizeof(typename BwdConfigOf<T, kHeadDim>::SharedStorage));
-  if (p.h != p.h_k) {
-    KvAccum const acc = kv_accum(p);
-    plan.dq_accum_floats = acc.offset + 2 * acc.floats;
-  }
+  p.num_splits = 1;
+  DqTurns const turns = dq_turns<Cfg::kBlockM>(p);
+  plan.dq_accum_floats = turns.offset + turns.count;
+  plan.smem_bytes = int(sizeof(typename Cfg::SharedStorage));
   return plan;
 }
 
@@ -76,7 +77,8 @@ void convert(const BwdParams& p, cudaStream_t stream) {
   }
 }
 
-template <class Cfg, bool kCausal>
+// kCausal, kLocal: the kernel's mask cases (bwd_kernel).
+template <class Cfg, bool kCausal, bool kLocal>
 void launch_main(const BwdParams& a, cudaStream_t stream) {
   using Element = typename Cfg::Element;
   // (rows, d, heads, batch) tensors (tma_rows, fwd_launch.cuh)
@@ -105,7 +107,7 @@ void launch_main(const BwdParams& a, cudaStream_t stream) {
                          make_tma_copy(SM90_TMA_LOAD{}, mV, smem_k, tile_k, _1{}),
                          mQ.shape(), mK.shape(), a};
 
-  constexpr auto kernel = bwd_kernel<Cfg, kCausal>;
+  constexpr auto kernel = bwd_kernel<Cfg, kCausal, kLocal>;
   static_assert(sizeof(typename Cfg::SharedStorage) <= 227 * 1024, "over sm90's shared memory");
   const int smem_bytes = int(sizeof(typename Cfg::SharedStorage));
   allow_dynamic_smem<kernel>(smem_bytes);
@@ -128,12 +130,18 @@ void launch_bwd(const BwdParams& params, const Device& device, cudaStream_t stre
     KvAccum const acc = kv_accum(params);
     cudaMemsetAsync(params.dq_accum + acc.offset, 0, 2 * acc.floats * sizeof(float), stream);
   }
+  DqTurns const turns = dq_turns<Cfg::kBlockM>(params);
+  if (turns.count > 0) {
+    cudaMemsetAsync(params.dq_accum + turns.offset, 0, turns.count * sizeof(int), stream);
+  }
   if (params.seqlen_k > 0) {
-    // bwd_declines let through no mask and causal (window_right = 0) only.
-    if (params.window_right == 0) {
-      launch_main<Cfg, true>(params, stream);
+    // A left window bound (with or without a right one), a right bound alone (causal: 0), none.
+    if (params.window_left >= 0) {
+      launch_main<Cfg, false, true>(params, stream);
+    } else if (params.window_right >= 0) {
+      launch_main<Cfg, true, false>(params, stream);
     } else {
-      launch_main<Cfg, false>(params, stream);
+      launch_main<Cfg, false, false>(params, stream);
     }
   }
   convert<T>(params, stream);
