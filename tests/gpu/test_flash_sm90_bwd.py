@@ -101,15 +101,22 @@ def test_backward_matches_float64(name, mask, dtype, d):
     if bottom_right and sq == sk:
         pytest.skip("the same mask as top-left causal")
     q, k, v = make_qkv(b, sq, sk, h, h, dtype, layout, gain, d=d)
+    check_grads(name, q, k, v, layout, causal, bottom_right)
+
+
+def check_grads(tag, q, k, v, layout, causal, bottom_right, window=None):
+    """q, k, v through the binding's forward and the sm90 backward (family 90: an error if it
+    declines the call): dq, dk, dv against float64 by the rule (the input dtype's math as the
+    baseline). window = (left, right) overrides causal."""
     gen = torch.Generator(device=DEV).manual_seed(1)
-    dout = torch.randn(q.shape, generator=gen, device=DEV).to(dtype)
-    grads = run_fwd_bwd(q, k, v, dout, layout, causal, bottom_right, family=90)
+    dout = torch.randn(q.shape, generator=gen, device=DEV).to(q.dtype)
+    grads = run_fwd_bwd(q, k, v, dout, layout, causal, bottom_right, family=90, window=window)
     qb, kb, vb, dob = (to_bshd(x, layout) for x in (q, k, v, dout))
-    scale = 1 / math.sqrt(d)
-    ref = reference_grads(qb, kb, vb, dob, causal, bottom_right, scale, torch.float64)
-    base = reference_grads(qb, kb, vb, dob, causal, bottom_right, scale, dtype)
+    scale = 1 / math.sqrt(q.shape[-1])
+    ref = reference_grads(qb, kb, vb, dob, causal, bottom_right, scale, torch.float64, window)
+    base = reference_grads(qb, kb, vb, dob, causal, bottom_right, scale, q.dtype, window)
     for which, g, r, bg in zip("qkv", grads, ref, base):
-        check(f"{name} d{which}", to_bshd(g, layout).double(), r, bg.double(), 1e-3)
+        check(f"{tag} d{which}", to_bshd(g, layout).double(), r, bg.double(), 1e-3)
 
 
 # GQA (8 query heads on 2 KV heads) and MQA (on 1): (b, sq, sk, layout) with ragged lengths,
@@ -149,15 +156,7 @@ def test_gqa_backward_matches_float64(name, group, mask, dtype, d):
     if bottom_right and sq == sk:
         pytest.skip("the same mask as top-left causal")
     q, k, v = make_gqa_qkv(b, sq, sk, h, hkv, dtype, layout, d)
-    gen = torch.Generator(device=DEV).manual_seed(1)
-    dout = torch.randn(q.shape, generator=gen, device=DEV).to(dtype)
-    grads = run_fwd_bwd(q, k, v, dout, layout, causal, bottom_right, family=90)
-    qb, kb, vb, dob = (to_bshd(x, layout) for x in (q, k, v, dout))
-    scale = 1 / math.sqrt(d)
-    ref = reference_grads(qb, kb, vb, dob, causal, bottom_right, scale, torch.float64)
-    base = reference_grads(qb, kb, vb, dob, causal, bottom_right, scale, dtype)
-    for which, g, r, bg in zip("qkv", grads, ref, base):
-        check(f"{name} {group} d{which}", to_bshd(g, layout).double(), r, bg.double(), 1e-3)
+    check_grads(f"{name} {group}", q, k, v, layout, causal, bottom_right)
 
 
 # Sliding windows (left, right), TE's: with the causal bound, left or right alone, both, a
@@ -181,17 +180,7 @@ def test_window_backward_matches_float64(name, window, bottom_right, dtype, d):
     if bottom_right and sq == sk:
         pytest.skip("the same mask as top-left")
     q, k, v = make_qkv(b, sq, sk, h, h, dtype, layout, gain, d=d)
-    gen = torch.Generator(device=DEV).manual_seed(1)
-    dout = torch.randn(q.shape, generator=gen, device=DEV).to(dtype)
-    grads = run_fwd_bwd(q, k, v, dout, layout, False, bottom_right, family=90,
-                        window=WINDOWS[window])
-    qb, kb, vb, dob = (to_bshd(x, layout) for x in (q, k, v, dout))
-    scale = 1 / math.sqrt(d)
-    ref = reference_grads(qb, kb, vb, dob, False, bottom_right, scale, torch.float64,
-                          WINDOWS[window])
-    base = reference_grads(qb, kb, vb, dob, False, bottom_right, scale, dtype, WINDOWS[window])
-    for which, g, r, bg in zip("qkv", grads, ref, base):
-        check(f"{name} {window} d{which}", to_bshd(g, layout).double(), r, bg.double(), 1e-3)
+    check_grads(f"{name} {window}", q, k, v, layout, False, bottom_right, WINDOWS[window])
 
 
 @pytest.mark.parametrize("name", ["s257-b2", "cross-sq113-sk1000-b1", "cross-sq1000-sk257-b1"])
@@ -207,17 +196,8 @@ def test_gqa_window_backward_matches_float64(name, group, window, bottom_right, 
     if bottom_right and sq == sk:
         pytest.skip("the same mask as top-left")
     q, k, v = make_gqa_qkv(b, sq, sk, h, hkv, torch.bfloat16, layout, d)
-    gen = torch.Generator(device=DEV).manual_seed(1)
-    dout = torch.randn(q.shape, generator=gen, device=DEV).to(torch.bfloat16)
-    grads = run_fwd_bwd(q, k, v, dout, layout, False, bottom_right, family=90,
-                        window=WINDOWS[window])
-    scale = 1 / math.sqrt(d)
-    ref = reference_grads(q, k, v, dout, False, bottom_right, scale, torch.float64,
-                          WINDOWS[window])
-    base = reference_grads(q, k, v, dout, False, bottom_right, scale, torch.bfloat16,
-                           WINDOWS[window])
-    for which, g, r, bg in zip("qkv", grads, ref, base):
-        check(f"{name} {group} {window} d{which}", g.double(), r, bg.double(), 1e-3)
+    check_grads(f"{name} {group} {window}", q, k, v, layout, False, bottom_right,
+                WINDOWS[window])
 
 
 THD = 2
