@@ -465,18 +465,18 @@ def test_auto_runs_the_sm90_backward_when_deterministic(mask):
     assert bwd_kernels(call_gqa) == {"sm80::bwd_kernel"}
 
 
-def test_deterministic_training_step_through_dot_product_attention(monkeypatch):
-    """NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 through DotProductAttention: the debug log names the
-    sm90 backward, two backwards give the same bits, and the rule against float64 holds."""
+def sm90_backward_through_dpa(monkeypatch, q, k, v, hkv, causal, window=None):
+    """bshd q, k, v through DotProductAttention with FlashAttention alone (debug log on): its
+    output, the leaves and a dout; the log must name the sm90 backward."""
     import transformer_fa as tfa
 
     monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
-    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
     monkeypatch.setenv("NVTE_DEBUG", "1")
     monkeypatch.setenv("NVTE_DEBUG_LEVEL", "2")
-    b, s, h, d = 2, 700, 4, 128
-    q, k, v = make_qkv(b, s, s, h, h, torch.bfloat16, "bshd", seed=7, d=d)
-    dpa = tfa.DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="causal").cuda()
+    h, d = q.shape[2], q.shape[3]
+    dpa = tfa.DotProductAttention(h, d, num_gqa_groups=hkv, qkv_format="bshd",
+                                  attn_mask_type="causal" if causal else "no_mask",
+                                  window_size=window).cuda()
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     with capture_log() as lines:
         out = dpa(*leaves)
@@ -484,6 +484,16 @@ def test_deterministic_training_step_through_dot_product_attention(monkeypatch):
     assert any("backward = sm90 (wgmma, TMA)" in line for line in lines), lines
     dout = torch.randn(out.shape, generator=torch.Generator(device=DEV).manual_seed(11),
                        device=DEV).to(out.dtype)
+    return out, leaves, dout
+
+
+def test_deterministic_training_step_through_dot_product_attention(monkeypatch):
+    """NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 through DotProductAttention: the debug log names the
+    sm90 backward, two backwards give the same bits, and the rule against float64 holds."""
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+    b, s, h, d = 2, 700, 4, 128
+    q, k, v = make_qkv(b, s, s, h, h, torch.bfloat16, "bshd", seed=7, d=d)
+    out, leaves, dout = sm90_backward_through_dpa(monkeypatch, q, k, v, h, True)
     grads = torch.autograd.grad(out, leaves, dout, retain_graph=True)
     again = torch.autograd.grad(out, leaves, dout)
     assert all(torch.equal(a, b) for a, b in zip(grads, again))
@@ -537,26 +547,12 @@ def test_training_step_with_the_sm90_backward(monkeypatch, mask, hkv):
     """Through DotProductAttention with TRANSFORMER_FA_FLASH_BWD_FAMILY=sm90: the debug log
     names the sm90 backward, and the gradients obey the rule against float64 autograd
     (window: causal with window_size (64, 0))."""
-    import transformer_fa as tfa
-
-    monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
-    monkeypatch.setenv("NVTE_DEBUG", "1")
-    monkeypatch.setenv("NVTE_DEBUG_LEVEL", "2")
     monkeypatch.setenv("TRANSFORMER_FA_FLASH_BWD_FAMILY", "sm90")
     b, s, h, d = 2, 300, 4, 128
     q, k, v = make_qkv(b, s, s, h, hkv, torch.bfloat16, "bshd", seed=7, d=d)
     causal = mask != "no_mask"
     window = (64, 0) if mask == "window" else None
-    dpa = tfa.DotProductAttention(h, d, num_gqa_groups=hkv, qkv_format="bshd",
-                                  attn_mask_type="causal" if causal else "no_mask",
-                                  window_size=window).cuda()
-    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    with capture_log() as lines:
-        out = dpa(*leaves)
-    assert dpa.last_backend == "FlashAttention"
-    assert any("backward = sm90 (wgmma, TMA)" in line for line in lines), lines
-    dout = torch.randn(out.shape, generator=torch.Generator(device=DEV).manual_seed(11),
-                       device=DEV).to(out.dtype)
+    out, leaves, dout = sm90_backward_through_dpa(monkeypatch, q, k, v, hkv, causal, window)
     grads = torch.autograd.grad(out, leaves, dout)
     dob = dout.view(b, s, h, d)
     ref = reference_grads(q, k, v, dob, causal, False, 1 / math.sqrt(d), torch.float64, window)
