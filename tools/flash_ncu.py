@@ -1,0 +1,181 @@
+"""Nsight Compute figures for one attention call: ours (the flash extension, a chosen kernel
+family) or torch's cuDNN / FA2 SDPA on the same shape, for the "why is this row slower" question
+that a benchmark cannot answer. For the GPU machine:
+
+    python tools/flash_ncu.py fwd:256:nc:4096 bwd:128:c:4096 fwd:256:nc:4096:cudnn [--out DIR]
+
+A case is direction:head_dim:mask:seqlen[:who]: direction fwd or bwd; mask nc (no mask) or c
+(causal); who sm90 (default), sm80, cudnn or fa2. The shape is the benchmark grid's (bf16,
+batch * seqlen = 16k, hidden 2048). Each case runs in a child process under ncu, which
+profiles every kernel inside the NVTX range of one call after a warm-up call (the backward's
+dsum and conversion kernels too), collecting the SpeedOfLight, ComputeWorkloadAnalysis,
+MemoryWorkloadAnalysis, WarpStateStats, LaunchStats and Occupancy sections. Printed per kernel:
+duration, SM / memory / DRAM / L1 throughput, registers, achieved occupancy, issue slots, the
+tensor-pipe metrics that ncu reports, and the six largest warp stall reasons (cycles per issued
+instruction). The raw CSV of each case goes to DIR (default: none). --metrics adds raw metric
+names (an unknown name makes ncu fail).
+"""
+import argparse
+import csv
+import io
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+NVTX_RANGE = "tfa_profile"
+SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis",
+            "WarpStateStats", "LaunchStats", "Occupancy")
+# (label, raw metric name) printed when the CSV has them
+SUMMARY = (
+    ("duration us", "gpu__time_duration.sum"),
+    ("SM throughput %", "sm__throughput.avg.pct_of_peak_sustained_elapsed"),
+    ("memory throughput %", "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed"),
+    ("DRAM throughput %", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed"),
+    ("L1/shared throughput %", "l1tex__throughput.avg.pct_of_peak_sustained_active"),
+    ("registers / thread", "launch__registers_per_thread"),
+    ("achieved occupancy %", "sm__warps_active.avg.pct_of_peak_sustained_active"),
+    ("issue slots busy %", "sm__inst_issued.avg.pct_of_peak_sustained_active"),
+    ("cycles / issued inst", "smsp__average_warp_latency_per_inst_issued.ratio"),
+)
+STALL = re.compile(r"smsp__average_warps?(?:_latency)?_issue_stalled_(\w+?)_per_issue_active\.ratio")
+TENSOR = re.compile(r"pipe_tensor")
+
+
+def parse_case(text):
+    parts = text.split(":")
+    if len(parts) not in (4, 5) or parts[0] not in ("fwd", "bwd") or parts[2] not in ("nc", "c"):
+        raise argparse.ArgumentTypeError(
+            f"case {text!r}: expected direction:head_dim:mask:seqlen[:who], e.g. fwd:128:c:4096")
+    who = parts[4] if len(parts) == 5 else "sm90"
+    if who not in ("sm90", "sm80", "cudnn", "fa2"):
+        raise argparse.ArgumentTypeError(f"case {text!r}: who must be sm90, sm80, cudnn or fa2")
+    d, s = int(parts[1]), int(parts[3])
+    if d % 8 or not 0 < d <= 256 or s <= 0 or 16384 % s:
+        raise argparse.ArgumentTypeError(f"case {text!r}: head_dim a multiple of 8 up to 256, "
+                                         "seqlen a divisor of 16384")
+    return dict(direction=parts[0], d=d, causal=parts[2] == "c", s=s, who=who)
+
+
+def run_case(case):
+    """The child: one warm-up call, then one inside the NVTX range that ncu profiles."""
+    import torch
+
+    d, s, causal, who = case["d"], case["s"], case["causal"], case["who"]
+    b, h = 16384 // s, 2048 // d
+    q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(4))
+    scale = 1 / math.sqrt(d)
+    if who in ("sm90", "sm80"):
+        import transformer_fa_flash as ext
+
+        family = 90 if who == "sm90" else 80
+        right = 0 if causal else -1
+
+        def forward():
+            return ext.fwd(q, k, v, None, None, 0, 0, s, s, scale, -1, right, False, True, 0.0,
+                           None, None, family)
+
+        out, lse = forward()
+        call = forward if case["direction"] == "fwd" else (
+            lambda: ext.bwd(do, q, k, v, out, lse, None, None, 0, 0, s, s, scale, -1, right,
+                            False, 0.0, None, None, False, None, family))
+    else:
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = SDPBackend.CUDNN_ATTENTION if who == "cudnn" else SDPBackend.FLASH_ATTENTION
+        qt, kt, vt = (x.transpose(1, 2).requires_grad_() for x in (q, k, v))
+        with sdpa_kernel(backend):
+            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+        def call():
+            with sdpa_kernel(backend):
+                if case["direction"] == "fwd":
+                    return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                return torch.autograd.grad(o, (qt, kt, vt), do.transpose(1, 2),
+                                           retain_graph=True)
+    call()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_push(NVTX_RANGE)
+    call()
+    torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
+
+
+def profile(text, metrics):
+    """ncu over the child: the raw CSV (one row per kernel), or None with ncu's output."""
+    cmd = ["ncu", "--nvtx", "--nvtx-include", f"{NVTX_RANGE}/", "--csv", "--page", "raw",
+           "--print-units", "base"]
+    for section in SECTIONS:
+        cmd += ["--section", section]
+    if metrics:
+        cmd += ["--metrics", metrics]
+    cmd += [sys.executable, os.path.abspath(__file__), "--run", text]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    lines = done.stdout.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
+    if done.returncode != 0 or start is None:
+        return None, done.stdout[-3000:] + done.stderr[-3000:]
+    return "\n".join(lines[start:]), None
+
+
+def summarize(raw):
+    """Rows of (kernel, {label: value}) from ncu's raw CSV (header, units row, one row a
+    kernel)."""
+    rows = list(csv.reader(io.StringIO(raw)))
+    header, data = rows[0], [r for r in rows[2:] if len(r) == len(rows[0])]
+    out = []
+    for row in data:
+        values = dict(zip(header, row))
+        summary = {}
+        for label, name in SUMMARY:
+            if values.get(name):
+                value = float(values[name].replace(",", ""))
+                summary[label] = value / 1000 if name == "gpu__time_duration.sum" else value
+        for name, value in values.items():
+            if TENSOR.search(name) and value:
+                summary[name] = float(value.replace(",", ""))
+        stalls = sorted(((float(v.replace(",", "")), STALL.match(n).group(1))
+                         for n, v in values.items() if STALL.match(n) and v), reverse=True)
+        summary["top stalls"] = ", ".join(f"{reason} {value:.2f}" for value, reason in stalls[:6])
+        out.append((values.get("Kernel Name", "?")[:80], summary))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("cases", nargs="*", help="direction:head_dim:mask:seqlen[:who]")
+    ap.add_argument("--run", help=argparse.SUPPRESS)  # the child: one case
+    ap.add_argument("--out", help="directory for each case's raw CSV")
+    ap.add_argument("--metrics", default="", help="extra raw metric names, comma separated")
+    args = ap.parse_args()
+    try:
+        if args.run:
+            run_case(parse_case(args.run))
+            return
+        cases = [(text, parse_case(text)) for text in args.cases]
+    except argparse.ArgumentTypeError as exc:
+        ap.error(str(exc))
+    if not cases:
+        ap.error("give at least one case, e.g. fwd:256:nc:4096")
+    for text, case in cases:
+        raw, error = profile(text, args.metrics)
+        print(f"== {text} (b={16384 // case['s']}, h={2048 // case['d']})", flush=True)
+        if raw is None:
+            print("ncu failed:\n" + error)
+            continue
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / f"ncu-{text.replace(':', '-')}.csv").write_text(raw)
+        for kernel, summary in summarize(raw):
+            print(f"  {kernel}")
+            for label, value in summary.items():
+                shown = f"{value:.1f}" if isinstance(value, float) else value
+                print(f"    {label}: {shown}")
+
+
+if __name__ == "__main__":
+    main()
