@@ -33,8 +33,9 @@ parser.add_argument("--sm90-backward", action="store_true",
                     help="only the sm90 family's backward: thd with ragged lengths (a tile "
                          "reaching into the next sequence, a one-token sequence) and bshd with "
                          "sq != sk, no mask, causal of both alignments, sliding windows (left, "
-                         "right, both), d64 and d128, MHA and GQA (4 query heads on 2 KV heads: "
-                         "dK / dV reductions); MHA also deterministic (dQ additions in turn)")
+                         "right, both), d40 (the d64 kernel, columns past d), d64 and d128, MHA "
+                         "and GQA (4 query heads on 2 KV heads: dK / dV reductions); MHA also "
+                         "deterministic (dQ additions in turn)")
 parser.add_argument("--decode", action="store_true",
                     help="only the split-KV decode kernel: thd and padded bshd queries against "
                          "contiguous and paged K/V (shuffled pages of 16 and 64), ragged cached "
@@ -77,7 +78,7 @@ if args.sm90_backward:
     lens_q, lens_k = [37, 130, 1, 200], [50, 129, 9, 70]
     cu_q, cu_k = (torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32,
                                device="cuda") for n in (lens_q, lens_k))
-    for d in (int(x) for x in args.dims.split(",") if int(x) in (64, 128)):
+    for d in (int(x) for x in args.dims.split(",") if int(x) <= 128):
         for dtype, hk in ((torch.bfloat16, 4), (torch.float16, 4), (torch.bfloat16, 2)):
             thd = [torch.randn(sum(n), h, d, device="cuda", dtype=dtype)
                    for n, h in ((lens_q, 4), (lens_k, hk), (lens_k, hk))]

@@ -306,37 +306,38 @@ def test_training_step_sm90_forward_sm80_backward(monkeypatch, causal):
         check(f"d{name}", g.double(), r, bg.double(), 1e-3)
 
 
-def logged_d96_call(monkeypatch, heads):
-    """A causal bf16 call at head dim 96 (no sm90 kernel) with FusedAttention off and the
-    debug log on: (the backend that ran, the log lines)."""
+def logged_call(monkeypatch, heads, d, alibi=False):
+    """A causal bf16 call at head dim d (ALiBi: with TE's default slopes) with FusedAttention
+    off and the debug log on: (the backend that ran, the log lines)."""
     import transformer_fa as tfa
 
     monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
     monkeypatch.setenv("NVTE_DEBUG", "1")
     monkeypatch.setenv("NVTE_DEBUG_LEVEL", "2")
-    dpa = tfa.DotProductAttention(heads, 96, qkv_format="bshd", attn_mask_type="causal").cuda()
-    q = torch.randn(2, 256, heads, 96, device=DEV, dtype=torch.bfloat16)
+    dpa = tfa.DotProductAttention(heads, d, qkv_format="bshd", attn_mask_type="causal").cuda()
+    q = torch.randn(2, 256, heads, d, device=DEV, dtype=torch.bfloat16)
     with capture_log() as lines, torch.no_grad():
-        dpa(q, q, q)
+        dpa(q, q, q, core_attention_bias_type="alibi" if alibi else "no_bias")
     return dpa.last_backend, lines
 
 
 def test_debug_log_names_the_family_and_why_not_sm90(monkeypatch):
-    backend, lines = logged_d96_call(monkeypatch, heads=4)
+    # head dim 160: sm80's d192 kernel, not measured against sm90's d256 one
+    backend, lines = logged_call(monkeypatch, heads=4, d=160)
     assert backend == "FlashAttention"
-    assert any("FlashAttention kernel family = sm80 (not sm90: it has head dim 64, 128 and "
-               "256 kernels only)" in line for line in lines), lines
+    assert any("FlashAttention kernel family = sm80 (not sm90: its d256 kernel is not measured "
+               "against the sm80 d192 kernel" in line for line in lines), lines
 
 
 def test_requested_sm90_family_declines_with_a_reason(monkeypatch):
-    """TRANSFORMER_FA_FLASH_FAMILY=sm90 on a call the sm90 kernels do not serve: FlashAttention
-    is declined with the reason and the next backend runs."""
+    """TRANSFORMER_FA_FLASH_FAMILY=sm90 on a call the sm90 kernels do not serve (ALiBi):
+    FlashAttention is declined with the reason and the next backend runs."""
     monkeypatch.setenv("TRANSFORMER_FA_FLASH_FAMILY", "sm90")
-    backend, lines = logged_d96_call(monkeypatch, heads=2)
+    backend, lines = logged_call(monkeypatch, heads=2, d=128, alibi=True)
     assert backend == "UnfusedDotProductAttention"
     assert any("Disabling FlashAttention as TRANSFORMER_FA_FLASH_FAMILY=sm90 and the sm90 "
-               "kernels do not serve this call: it has head dim 64, 128 and 256 kernels "
-               "only" in line for line in lines), lines
+               "kernels do not serve this call: it does not take ALiBi" in line
+               for line in lines), lines
 
 
 def test_auto_family_prefers_the_faster_family_at_d256():

@@ -507,10 +507,10 @@ def test_deterministic_training_step_through_dot_product_attention(monkeypatch):
 # (d, sq, sk, varlen, window_left, window_right, bottom_right, alibi, dropout, gqa,
 #  deterministic) -> the reason's words
 DECLINED = {
-    "head dim 96": ((96, 256, 256, False, -1, 0, False, False, False, False, False),
-                    "head dim 64 and 128 kernels only"),
+    "head dim 160": ((160, 256, 256, False, -1, 0, False, False, False, False, False),
+                     "head dims up to 128 only"),
     "head dim 256": ((256, 256, 256, False, -1, 0, False, False, False, False, False),
-                     "head dim 64 and 128 kernels only"),
+                     "head dims up to 128 only"),
     "alibi": ((128, 256, 256, False, -1, 0, False, True, False, False, False), "ALiBi"),
     "dropout": ((128, 256, 256, False, -1, -1, False, False, True, False, False), "dropout"),
     "deterministic gqa": ((128, 256, 256, False, -1, -1, False, False, False, True, True),
@@ -526,10 +526,10 @@ def test_declined_calls_say_why(name):
     assert EXT.bwd_family(80, True, *SERVED[2:], 90)[0] == "sm80"  # not an sm_90 GPU
 
 
-@pytest.mark.parametrize("case", ["head dim 96", "deterministic gqa"])
+@pytest.mark.parametrize("case", ["head dim 160", "deterministic gqa"])
 def test_forced_sm90_on_a_declined_call_is_a_clear_error(case):
     d, h, hkv, left, deterministic, words = {
-        "head dim 96": (96, 2, 2, 64, False, "head dim 64 and 128 kernels only"),
+        "head dim 160": (160, 2, 2, 64, False, "head dims up to 128 only"),
         "deterministic gqa": (128, 4, 2, -1, True, "not deterministic with GQA"),
     }[case]
     q, k, v = make_qkv(1, 256, 256, h, hkv, torch.bfloat16, "bshd", d=d)
@@ -562,19 +562,19 @@ def test_training_step_with_the_sm90_backward(monkeypatch, mask, hkv):
 
 
 def test_forced_sm90_backward_on_a_declined_call_fails_with_the_reason(monkeypatch):
-    """TRANSFORMER_FA_FLASH_BWD_FAMILY=sm90 on a call its backward declines (head dim 96, GQA
+    """TRANSFORMER_FA_FLASH_BWD_FAMILY=sm90 on a call its backward declines (head dim 160, GQA
     with a sliding window): the forward runs, the backward raises the binding's error naming
     the reason (no silent fallback)."""
     import transformer_fa as tfa
 
     monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
     monkeypatch.setenv("TRANSFORMER_FA_FLASH_BWD_FAMILY", "sm90")
-    q, k, v = make_qkv(2, 256, 256, 4, 2, torch.bfloat16, "bshd", d=96)
-    dpa = tfa.DotProductAttention(4, 96, num_gqa_groups=2, qkv_format="bshd",
+    q, k, v = make_qkv(2, 256, 256, 4, 2, torch.bfloat16, "bshd", d=160)
+    dpa = tfa.DotProductAttention(4, 160, num_gqa_groups=2, qkv_format="bshd",
                                   window_size=(64, 0)).cuda()
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     out = dpa(*leaves)
     assert dpa.last_backend == "FlashAttention"
     with pytest.raises(RuntimeError, match="sm90 family was requested, but its backward has "
-                                           "head dim 64 and 128 kernels only"):
+                                           "kernels for head dims up to 128 only"):
         out.sum().backward()

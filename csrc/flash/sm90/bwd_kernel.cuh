@@ -604,11 +604,12 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   Element* dv = static_cast<Element*>(args.dv) +
                 si.k_off(args.dv_batch_stride, args.dv_row_stride) +
                 int64_t(head) * args.dv_head_stride;
+  // (columns past the head dim d: none)
   CUTE_UNROLL
   for (int i = 0; i < size(tdVrdV); ++i) {
     int const key = key0 + get<0>(tKVcKV(i));
     int const col = get<1>(tKVcKV(i));
-    if (key < si.rows_k) {
+    if (key < si.rows_k && col < args.d) {
       dv[int64_t(key) * args.dv_row_stride + col] = Element(tdVrdV(i));
       dk[int64_t(key) * args.dk_row_stride + col] = Element(tdKrdK(i) * args.scale_softmax);
     }

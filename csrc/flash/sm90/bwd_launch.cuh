@@ -81,12 +81,13 @@ void convert(const BwdParams& p, cudaStream_t stream) {
 template <class Cfg, bool kCausal, bool kLocal>
 void launch_main(const BwdParams& a, cudaStream_t stream) {
   using Element = typename Cfg::Element;
-  // (rows, d, heads, batch) tensors (tma_rows, fwd_launch.cuh)
+  // (rows, d, heads, batch) tensors (tma_rows, fwd_launch.cuh); d at most the kernel's head
+  // dim: TMA zero-fills the tiles' columns past it
   auto rows = [&](const void* ptr, bool packed, int64_t tokens, int seqlen, int heads,
                   int64_t row_stride, int64_t head_stride, int64_t batch_stride) {
     TmaRows const r = tma_rows(packed, tokens, seqlen, a.b, row_stride, batch_stride);
     return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)),
-                       make_shape(r.rows, Cfg::kHeadDim, heads, r.batches),
+                       make_shape(r.rows, a.d, heads, r.batches),
                        make_stride(row_stride, _1{}, head_stride, r.batch_stride));
   };
   auto mQ = rows(a.q, a.q_packed, a.q_tokens, a.seqlen_q, a.h, a.q_row_stride, a.q_head_stride,

@@ -18,8 +18,9 @@ namespace sm90 {
 // order, bwd_kernel.cuh, dq_turns).
 inline const char* bwd_declines(const BwdParams& p, int arch) {
   if (arch != 90) return "it runs on sm_90 GPUs only (sm_90a code)";
-  // (other head dims would need their columns past d masked; 192 and 256 need other tiles)
-  if (p.d != 64 && p.d != 128) return "its backward has head dim 64 and 128 kernels only";
+  // (head dims up to 128 run on the d64 or d128 kernel, columns past d zero-filled by TMA and
+  // not stored; 192 and 256 need other tiles: dK and dV of 64 keys would take all registers)
+  if (p.d > 128) return "its backward has kernels for head dims up to 128 only";
   if (p.alibi_slopes != nullptr) return "its backward does not take ALiBi";
   if (p.rng_state != nullptr) return "its backward does not take dropout";
   if (p.deterministic && p.h != p.h_k) {
