@@ -27,28 +27,40 @@ template <class T> struct CuteElement;
 template <> struct CuteElement<__half> { using type = cutlass::half_t; };
 template <> struct CuteElement<__nv_bfloat16> { using type = cutlass::bfloat16_t; };
 
-// Tile configs per head dim, masked (causal or a window) or not: d128 128 x 128 tiles (two
-// consumer warpgroups of 64 query rows), two K/V stages; unmasked d128 128 x 176
-// (FlashAttention-3's tile: fewer softmax rounds per GEMM FLOP), whose Q, K and V take 208 KB,
-// so O is staged in Q's buffer.
+// The kernel's mask cases (fwd_kernel's kCausal / kLocal): none, a right bound alone (causal
+// is right = 0), a left bound (with or without a right one).
+enum class FwdMask { kNone, kRight, kLocal };
+
+// Tile configs per head dim and mask case. d128: 128 x 128 tiles (two consumer warpgroups of
+// 64 query rows), two K/V stages; unmasked 128 x 176 (FlashAttention-3's tile: fewer softmax
+// rounds per GEMM FLOP), whose Q, K and V take 208 KB, so O is staged in Q's buffer.
 // (A 128 x 160 try on 2026-11-24 ran 5-15% slower, but its S = Q K^T was issued as five
 // 64x32x16 wgmmas per k-slice: CuTe's extended shapes were off, cute_config.h.)
-template <class Element, int kHeadDim, bool kMasked> struct FwdTile {
+template <class Element, int kHeadDim, FwdMask kMask> struct FwdTile {
   using Config = FwdConfig<Element, kHeadDim, 128, 128, 2>;
 };
-template <class Element> struct FwdTile<Element, 128, false> {
+template <class Element> struct FwdTile<Element, 128, FwdMask::kNone> {
   using Config = FwdConfig<Element, 128, 128, 176, 2, true>;
 };
 // d64: 192 x 128 tiles (FlashAttention-3's d64 causal tile; its non-causal 192 x 192 needs P in
 // shared memory): three consumer warpgroups, so that two warpgroups' GEMMs cover each one's
-// softmax, which at d64 takes as long as its two GEMMs.
-template <class Element, bool kMasked> struct FwdTile<Element, 64, kMasked> {
+// softmax, which at d64 takes as long as its two GEMMs. With a left window bound the mask's
+// values do not fit three warpgroups' 160 registers (ptxas: 164 B of spills, reloads in the
+// key loop), so windows take 128 x 128 (two warpgroups, 240 registers each).
+template <class Element, FwdMask kMask> struct FwdTile<Element, 64, kMask> {
   using Config = FwdConfig<Element, 64, 192, 128, 2>;
 };
+template <class Element> struct FwdTile<Element, 64, FwdMask::kLocal> {
+  using Config = FwdConfig<Element, 64, 128, 128, 2>;
+};
 // d256: 128 x 80 tiles (FlashAttention-3's choice): Q, two stages of K and V take 224 KB, so
-// O is staged in Q's buffer.
-template <class Element, bool kMasked> struct FwdTile<Element, 256, kMasked> {
+// O is staged in Q's buffer. Windows: 128 x 64 (FlashAttention-3's local tile: a smaller S
+// beside the mask's values).
+template <class Element, FwdMask kMask> struct FwdTile<Element, 256, kMask> {
   using Config = FwdConfig<Element, 256, 128, 80, 2, true>;
+};
+template <class Element> struct FwdTile<Element, 256, FwdMask::kLocal> {
+  using Config = FwdConfig<Element, 256, 128, 64, 2, true>;
 };
 
 // Grid choice measured on the H100 (bf16, batch * seqlen = 16k): at d128 the persistent grid
@@ -133,11 +145,14 @@ void launch_fwd(const FwdParams& params, const Device& device, cudaStream_t stre
   using Element = typename CuteElement<T>::type;
   // A left window bound (with or without a right one), a right bound alone (causal: 0), none.
   if (params.window_left >= 0) {
-    launch<typename FwdTile<Element, kHeadDim, true>::Config, false, true>(params, device, stream);
+    using Cfg = typename FwdTile<Element, kHeadDim, FwdMask::kLocal>::Config;
+    launch<Cfg, false, true>(params, device, stream);
   } else if (params.window_right >= 0) {
-    launch<typename FwdTile<Element, kHeadDim, true>::Config, true, false>(params, device, stream);
+    using Cfg = typename FwdTile<Element, kHeadDim, FwdMask::kRight>::Config;
+    launch<Cfg, true, false>(params, device, stream);
   } else {
-    launch<typename FwdTile<Element, kHeadDim, false>::Config, false, false>(params, device, stream);
+    using Cfg = typename FwdTile<Element, kHeadDim, FwdMask::kNone>::Config;
+    launch<Cfg, false, false>(params, device, stream);
   }
 }
 
