@@ -17,6 +17,7 @@
 #   BENCH_PARTS                bench_attention.py parts (default grid; e.g. grid,gqa,varlen)
 #   BENCH_DIMS, BENCH_TIMEOUT  the grid's head dims (default the preset's), its limit (300)
 #   BENCH_FAMILY               TRANSFORMER_FA_FLASH_FAMILY for the grid (default auto)
+#   BENCH_TAG                  suffix of the result files' names (default flash)
 # The wheels in .whl/ (nvidia-cutlass for the sm90 headers; the machine has no network) are
 # installed into /tmp/site first when present (carry .whl).
 set -uo pipefail
