@@ -17,7 +17,7 @@ def test_case_syntax():
                                                            s=4096, who="sm90")
     assert flash_ncu.parse_case("fwd:256:nc:1024:cudnn")["who"] == "cudnn"
     for bad in ("fwd:128:c", "up:128:c:4096", "fwd:100:c:4096", "fwd:128:x:4096",
-                "fwd:128:c:3000", "fwd:128:c:4096:cublas"):
+                "fwd:128:c:3000", "fwd:128:c:4096:cublas", "fwd:x:c:4096", "fwd:128:c:4k"):
         with pytest.raises(argparse.ArgumentTypeError, match="case"):
             flash_ncu.parse_case(bad)
 

@@ -52,7 +52,7 @@ def parse_case(text):
     who = parts[4] if len(parts) == 5 else "sm90"
     if who not in ("sm90", "sm80", "cudnn", "fa2"):
         raise argparse.ArgumentTypeError(f"case {text!r}: who must be sm90, sm80, cudnn or fa2")
-    d, s = int(parts[1]), int(parts[3])
+    d, s = (int(x) if x.isdigit() else 0 for x in (parts[1], parts[3]))
     if d % 8 or not 0 < d <= 256 or s <= 0 or 16384 % s:
         raise argparse.ArgumentTypeError(f"case {text!r}: head_dim a multiple of 8 up to 256, "
                                          "seqlen a divisor of 16384")
