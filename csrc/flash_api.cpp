@@ -83,7 +83,9 @@ const tf::Device& device_info(int device) {
   return info;
 }
 
-// The kernel head dim a head dim d runs on (the first built-in one >= d), or 0.
+// The kernel head dim a head dim d runs on in the family that serves every GPU (the first
+// built-in one >= d), or 0: the head dims the binding takes. A call runs on its family's
+// (tf::family_head_dim).
 int kernel_head_dim(int64_t d) {
   for (int hd : tf::kKernelHeadDims) {
     if (d <= hd) return hd;
@@ -107,7 +109,7 @@ tf::Arch fwd_family(const tf::FwdParams& p, int arch, bool bf16, int requested,
     why_not_sm90 = "the sm80 family was requested";
   } else if (declined != nullptr) {
     why_not_sm90 = declined;
-  } else if (!tf::has_fwd(tf::Arch::kSm90, bf16, kernel_head_dim(p.d))) {
+  } else if (!tf::has_fwd(tf::Arch::kSm90, bf16, tf::family_head_dim(tf::Arch::kSm90, p.d))) {
     why_not_sm90 = "this build has no sm90 kernel for this dtype and head dim";
   } else if (requested == kAnyFamily && slower != nullptr) {
     why_not_sm90 = slower;  // a requested sm90 runs anyway
@@ -129,7 +131,7 @@ tf::Arch bwd_family(const tf::BwdParams& p, int arch, bool bf16, int requested,
     why_not_sm90 = "the sm80 family was requested";
   } else if (declined != nullptr) {
     why_not_sm90 = declined;
-  } else if (!tf::has_bwd(tf::Arch::kSm90, bf16, kernel_head_dim(p.d))) {
+  } else if (!tf::has_bwd(tf::Arch::kSm90, bf16, tf::family_head_dim(tf::Arch::kSm90, p.d))) {
     why_not_sm90 = "this build has no sm90 backward kernel for this dtype and head dim";
   } else {
     return tf::Arch::kSm90;
@@ -234,6 +236,8 @@ int64_t fill_common(tf::FwdParams& p, const char* op, const at::Tensor& q, const
   p.cu_seqlens_k = cu_seqlens_k.has_value() ? cu_seqlens_k->data_ptr<int>() : nullptr;
   p.q_packed = q_thd;
   p.k_packed = k_thd;
+  p.q_tokens = q_thd ? q.size(0) : 0;
+  p.kv_tokens = k_thd ? k.size(0) : 0;
   p.b = static_cast<int>(b);
   p.h = static_cast<int>(h);
   p.h_k = static_cast<int>(h_k);
@@ -297,11 +301,11 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
   p.o_batch_stride = so.batch; p.o_row_stride = so.row; p.o_head_stride = so.head;
 
   const bool bf16 = q.scalar_type() == at::kBFloat16;
-  const int hd = kernel_head_dim(p.d);
   const tf::Device& dev = device_info(q.get_device());
   check_family("flash_attn_fwd", family);
   std::string why_not_sm90;
   const tf::Arch arch = fwd_family(p, dev.arch, bf16, static_cast<int>(family), why_not_sm90);
+  const int hd = tf::family_head_dim(arch, p.d);
   TORCH_CHECK(family != static_cast<int>(tf::Arch::kSm90) || arch == tf::Arch::kSm90,
               "flash_attn_fwd: the sm90 family was requested, but ", why_not_sm90);
   TORCH_CHECK(tf::dispatch_fwd(arch, bf16, hd, p, dev,
@@ -348,12 +352,12 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
               "flash_attn_bwd: lse must be the forward's float32 ", dims(lse_shape));
 
   const bool bf16 = q.scalar_type() == at::kBFloat16;
-  const int hd = kernel_head_dim(p.d);
   const tf::Device& dev = device_info(q.get_device());
   check_family("flash_attn_bwd", family);
   p.deterministic = deterministic;
   std::string why_not_sm90;
   const tf::Arch arch = bwd_family(p, dev.arch, bf16, static_cast<int>(family), why_not_sm90);
+  const int hd = tf::family_head_dim(arch, p.d);
   TORCH_CHECK(family != static_cast<int>(tf::Arch::kSm90) || arch == tf::Arch::kSm90,
               "flash_attn_bwd: the sm90 family was requested, but ", why_not_sm90);
 
@@ -377,7 +381,6 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     dv = k_thd ? at::zeros(v.sizes(), v.options()) : at::empty(v.sizes(), v.options());
   }
   p.dq_rows = q.numel() / p.d;
-  p.kv_tokens = k_thd ? k.size(0) : 0;
   // The family plans its shared memory and workspace (the dq_accum layout, the splits).
   tf::BwdPlan plan{};
   TORCH_CHECK(tf::dispatch_plan_bwd(arch, bf16, hd, p, dev, plan),
@@ -486,7 +489,7 @@ at::Tensor fwd_kvcache(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   p.num_splits = static_cast<int>(num_splits);
 
   const bool bf16 = q.scalar_type() == at::kBFloat16;
-  const int hd = kernel_head_dim(p.d);
+  const int hd = tf::family_head_dim(tf::Arch::kSm80, p.d);
   const tf::Device& dev = device_info(q.get_device());
   tf::DecodePlan plan{};
   TORCH_CHECK(tf::dispatch_plan_decode(tf::Arch::kSm80, bf16, hd, p, dev, plan), op,

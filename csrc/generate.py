@@ -113,6 +113,12 @@ namespace flash {{
 // The kernel head dims, ascending: a head dim d runs on the first one >= d.
 constexpr int kKernelHeadDims[] = {{{dims}}};
 
+// The head dim of family `arch`'s kernel that a head dim d runs on (the family's first one
+// >= d: the kernels zero-fill the columns past d), or 0 if the family has none.
+inline int family_head_dim(Arch arch, int d) {{
+{family_dims}  return 0;
+}}
+
 // Each runs (or plans) this build's kernel for (family, dtype, kernel head dim); false if the
 // build lacks it.
 inline bool dispatch_fwd(Arch arch, bool bf16, int hd, const FwdParams& params,
@@ -164,6 +170,13 @@ CASE = """#ifdef {macro}
 HAS_CASE = """#ifdef {macro}
   if (arch == Arch::{enum} && {not_}bf16 && hd == {d}) return true;
 #endif
+"""
+FAMILY_DIMS = """  if (arch == Arch::{enum}) {{
+    for (int hd : {{{dims}}}) {{
+      if (d <= hd) return hd;
+    }}
+    return 0;
+  }}
 """
 BUILT_CASE = """#ifdef {macro}
   built.push_back("{name}");
@@ -316,7 +329,11 @@ def dispatch_header() -> str:
                                       **kw))
         if family == EVERY_GPU_FAMILY:
             built.append(BUILT_CASE.format(macro=kw["macro"], name=kernel_name(dtype, d)))
+    family_dims = "".join(
+        FAMILY_DIMS.format(enum=spec.enum, dims=", ".join(map(str, spec.head_dims)))
+        for spec in FAMILIES.values())
     return DISPATCH_HEADER.format(dims=", ".join(map(str, HEAD_DIMS)), fwd_cases="".join(fwd),
+                                  family_dims=family_dims,
                                   has_fwd_cases="".join(has_fwd),
                                   plan_cases="".join(plan), bwd_cases="".join(bwd),
                                   has_bwd_cases="".join(has_bwd),

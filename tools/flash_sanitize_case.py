@@ -26,11 +26,16 @@ parser.add_argument("--backward", action="store_true", help="run the backward to
 parser.add_argument("--dims", default="40,64,128,192,256", help="head dims, comma separated")
 parser.add_argument("--sm90", action="store_true",
                     help="only the sm90 family's forward (bshd, its persistent grid looping "
-                         "over more tiles than SMs, ragged tails, sq != sk), causal and not")
+                         "over more tiles than SMs, ragged tails, sq != sk), causal and not; "
+                         "then varlen thd (ragged, empty sequences) at d64, d256 and d40 with "
+                         "windows; head dims between the kernels' too")
 parser.add_argument("--sm90-backward", action="store_true",
                     help="only the sm90 family's backward: thd with ragged lengths (a tile "
                          "reaching into the next sequence, a one-token sequence) and bshd with "
-                         "sq != sk, no mask, causal of both alignments, d64 and d128")
+                         "sq != sk, no mask, causal of both alignments, sliding windows (left, "
+                         "right, both), d40 (the d64 kernel, columns past d), d64 and d128, MHA "
+                         "and GQA (4 query heads on 2 KV heads: dK / dV reductions); MHA also "
+                         "deterministic (dQ additions in turn)")
 parser.add_argument("--decode", action="store_true",
                     help="only the split-KV decode kernel: thd and padded bshd queries against "
                          "contiguous and paged K/V (shuffled pages of 16 and 64), ragged cached "
@@ -42,8 +47,9 @@ if args.sm90:
     # 3 x 8 heads x 8 query tiles = 192 tiles: a persistent CTA takes a second tile (Q and the
     # O staging buffer reused) on a 132-SM H100. GQA (8 query heads on 2 KV heads); length 1000
     # (the key tail masked, the query tail not stored); then sq != sk with the bottom-right
-    # diagonal; head dims 64, 128 and 256 (d256 stages O in Q's buffer, one CTA per tile).
-    for d in (64, 128, 256):
+    # diagonal; head dims 64, 128 and 256 (d256 stages O in Q's buffer, one CTA per tile) and
+    # 96 and 200 (the d128 and d256 kernels with columns past d: zero-filled, not stored).
+    for d in (64, 128, 256, 96, 200):
         for sq, sk, br in ((1000, 1000, False), (300, 700, True)):
             q = torch.randn(3, sq, 8, d, device="cuda", dtype=torch.bfloat16)
             k, v = (torch.randn(3, sk, 2, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
@@ -51,6 +57,20 @@ if args.sm90:
                 call = flash.FlashCall("bshd", "bshd", sq, sk, 1 / math.sqrt(d), -1, right, br,
                                        0.0, False, True, 90)
                 out, lse = flash._fwd_impl(q, k, v, None, None, None, None, call)
+    # Varlen thd, ragged: query tiles that start inside a sequence and read the next one's rows
+    # (not stored), key tails whose V rows are zeroed, an empty sequence of each side, a
+    # one-token one; no mask, causal both ways, windows (the empty-tile path).
+    lens_q, lens_k = [1, 63, 65, 200, 0, 5, 129], [1, 63, 65, 200, 9, 0, 81]
+    cu_q, cu_k = (torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32,
+                               device="cuda") for n in (lens_q, lens_k))
+    for d in (64, 256, 40):
+        q = torch.randn(sum(lens_q) + 3, 4, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(sum(lens_k) + 3, 2, d, device="cuda", dtype=torch.bfloat16)
+                for _ in "kv")
+        for left, right, br in ((-1, -1, False), (-1, 0, True), (48, 16, False), (64, 0, False)):
+            call = flash.FlashCall("thd", "thd", max(lens_q), max(lens_k), 1 / math.sqrt(d),
+                                   left, right, br, 0.0, False, True, 90)
+            out, lse = flash._fwd_impl(q, k, v, cu_q, cu_k, None, None, call)
     torch.cuda.synchronize()
     print("sanitize case done (sm90)", out.float().abs().sum().item())
     sys.exit(0)
@@ -58,19 +78,27 @@ if args.sm90_backward:
     lens_q, lens_k = [37, 130, 1, 200], [50, 129, 9, 70]
     cu_q, cu_k = (torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32,
                                device="cuda") for n in (lens_q, lens_k))
-    for d in (int(x) for x in args.dims.split(",") if int(x) in (64, 128)):
-        for dtype in (torch.bfloat16, torch.float16):
-            thd = [torch.randn(sum(n), 4, d, device="cuda", dtype=dtype)
-                   for n in (lens_q, lens_k, lens_k)]
-            bshd = [torch.randn(2, s, 4, d, device="cuda", dtype=dtype) for s in (170, 300, 300)]
+    for d in (int(x) for x in args.dims.split(",") if int(x) <= 128):
+        for dtype, hk in ((torch.bfloat16, 4), (torch.float16, 4), (torch.bfloat16, 2)):
+            thd = [torch.randn(sum(n), h, d, device="cuda", dtype=dtype)
+                   for n, h in ((lens_q, 4), (lens_k, hk), (lens_k, hk))]
+            bshd = [torch.randn(2, s, h, d, device="cuda", dtype=dtype)
+                    for s, h in ((170, 4), (300, hk), (300, hk))]
             for (q, k, v), fmt, cu, sq, sk in ((thd, "thd", (cu_q, cu_k), 200, 129),
                                                (bshd, "bshd", (None, None), 170, 300)):
-                for right, br in ((-1, False), (0, False), (0, True)):
-                    call = flash.FlashCall(fmt, fmt, sq, sk, 1 / math.sqrt(d), -1, right, br,
+                # (window_left, window_right, bottom_right): no mask, causal both ways, windows
+                # (key blocks that no query sees, masked steps on both sides of the band)
+                for left, right, br in ((-1, -1, False), (-1, 0, False), (-1, 0, True),
+                                        (48, 16, False), (64, 0, True), (-1, 37, True)):
+                    call = flash.FlashCall(fmt, fmt, sq, sk, 1 / math.sqrt(d), left, right, br,
                                            0.0, False, True, bwd_family=90)
                     out, lse = flash._fwd_impl(q, k, v, *cu, None, None, call)
-                    dq, dk, dv = flash._bwd_impl(torch.randn_like(out), q, k, v, out, lse, *cu,
-                                                 None, None, call)
+                    dout = torch.randn_like(out)
+                    # (deterministic GQA runs on sm80)
+                    for deterministic in (False, True) if hk == 4 else (False,):
+                        dq, dk, dv = flash._bwd_impl(
+                            dout, q, k, v, out, lse, *cu, None, None,
+                            call._replace(deterministic=deterministic))
     torch.cuda.synchronize()
     print("sanitize case done (sm90 backward)", dq.float().abs().sum().item())
     sys.exit(0)

@@ -12,6 +12,24 @@ namespace flash {
 // The kernel head dims, ascending: a head dim d runs on the first one >= d.
 constexpr int kKernelHeadDims[] = {64, 128, 192, 256};
 
+// The head dim of family `arch`'s kernel that a head dim d runs on (the family's first one
+// >= d: the kernels zero-fill the columns past d), or 0 if the family has none.
+inline int family_head_dim(Arch arch, int d) {
+  if (arch == Arch::kSm80) {
+    for (int hd : {64, 128, 192, 256}) {
+      if (d <= hd) return hd;
+    }
+    return 0;
+  }
+  if (arch == Arch::kSm90) {
+    for (int hd : {64, 128, 256}) {
+      if (d <= hd) return hd;
+    }
+    return 0;
+  }
+  return 0;
+}
+
 // Each runs (or plans) this build's kernel for (family, dtype, kernel head dim); false if the
 // build lacks it.
 inline bool dispatch_fwd(Arch arch, bool bf16, int hd, const FwdParams& params,

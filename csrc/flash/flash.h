@@ -53,6 +53,9 @@ struct FwdParams {
   const int* __restrict__ cu_seqlens_q;
   const int* __restrict__ cu_seqlens_k;
   bool q_packed, k_packed;
+  // Thd q / k and v: their tokens (0 otherwise): the sm90 family's TMA extents, where
+  // cu_seqlens[b] is on the GPU (the sm80 family does not read them).
+  int64_t q_tokens, kv_tokens;
 
   int b;          // batch
   int h, h_k;     // query heads, key/value heads (h % h_k == 0)
@@ -119,14 +122,13 @@ struct BwdParams : FwdParams {
   void* __restrict__ dq;
   int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
   int64_t dq_rows;
-  // Thd k / v: their tokens (the sm90 backward's TMA extent, where cu_seqlens_k[b] is on the
-  // GPU; the sm80 family does not read it).
-  int64_t kv_tokens;
   // rowsum(dO * O) per query row, float32, laid out as lse (written by the backward).
   float* __restrict__ dsum;
-  // Deterministic: num_splits CTAs per (kv head, batch) each own a dq_accum split and add
-  // into it in program order; the splits are summed in order. Otherwise num_splits = 1 and
-  // every key block adds into split 0 with atomics or bulk reductions (sm90 hardware).
+  // Deterministic: the sm80 family runs num_splits CTAs per (kv head, batch), each owning a
+  // dq_accum split that it adds into in program order; the splits are summed in order. The
+  // sm90 family keeps one split and adds the key blocks' dQ tiles in a fixed order (flags in
+  // its workspace, sm90/bwd_kernel.cuh dq_turns). Otherwise num_splits = 1 and every key block
+  // adds into split 0 with atomics or bulk reductions (sm90 hardware) in any order.
   bool deterministic;
   int num_splits;
 };
@@ -172,7 +174,8 @@ constexpr int kMaxGridYZ = 65535;
 // the shared memory against the device and allocates the workspace.
 struct BwdPlan {
   int smem_bytes;           // dynamic shared memory per CTA of the main kernel
-  int64_t dq_accum_floats;  // size of dq_accum (float32)
+  int64_t dq_accum_floats;  // size of dq_accum (float32), with any workspace the family
+                            // keeps after it (sm90 GQA: dK / dV accumulators)
   bool dq_accum_zeroed;     // the binding zero-fills dq_accum (BwdParams::dqa_zeroed)
 };
 

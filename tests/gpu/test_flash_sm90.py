@@ -1,11 +1,13 @@
 """FlashAttention's sm90 kernel family (csrc/flash/sm90/: wgmma, TMA, warp specialization) on
-an sm_90 GPU: its forward against float64 math, the family choice (what it serves, what it
-declines, the debug log), and the sm80 backward of an sm90 forward.
+an sm_90 GPU: its forward against float64 math (dense and varlen, causal masks of both
+diagonals, sliding windows), the family choice (what it serves, what it declines, the debug
+log), and the backward of an sm90 forward.
 
 Error rule per case, for O and for the LSE: max |ours - float64| <= 2 x max |the same math in
 the input dtype - float64| + 1e-3 (relative to the reference's magnitude; attention_cases.check
 with a float64 reference). Outputs are allocated over NaN-poisoned memory, so an element the
-kernel does not write fails. Skipped without an sm_90 GPU or without the family in the build.
+kernel does not write fails. Query rows that keep no key have O = 0 and LSE = +inf exactly.
+Skipped without an sm_90 GPU or without the family in the build.
 """
 import math
 
@@ -20,7 +22,7 @@ from transformer_fa.attention.backends import flash  # noqa: E402
 if not flash.is_built() or flash._extension() is None:
     pytest.skip("transformer_fa_flash is not built", allow_module_level=True)
 
-from attention_cases import DEV, capture_log, check  # noqa: E402
+from attention_cases import DEV, capture_log, check, cu_seqlens  # noqa: E402
 
 EXT = flash._extension()
 CC = torch.cuda.get_device_capability()
@@ -54,22 +56,40 @@ def to_bshd(x, layout):
     return x.transpose(0, 1) if layout == "sbhd" else x
 
 
-def reference(q, k, v, causal, scale, dtype, bottom_right=False):
+def reference(q, k, v, causal, scale, dtype, bottom_right=False, window=None):
     """(out [b, sq, h, d], lse [b, h, sq]) of bshd q, k, v in `dtype` math (float64 for the
-    reference, the input dtype for the error baseline). Causal: query i sees keys
-    j <= i + (sk - sq if bottom_right else 0)."""
+    reference, the input dtype for the error baseline). window = (left, right), TE's (default:
+    (-1, 0) if causal, else (-1, -1)): query i keeps keys i + off - left <= j <= i + off + right
+    (a bound of -1: none), off = sk - sq if bottom_right else 0. Rows that keep no key: O = 0,
+    LSE = +inf (the kernels' values)."""
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     g = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    if causal:
-        sq, sk = q.shape[1], k.shape[1]
-        keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(
-            sk - sq if bottom_right else 0)
-        s = s.masked_fill(~keep, float("-inf"))
+    left, right = window if window is not None else ((-1, 0) if causal else (-1, -1))
+    sq, sk = q.shape[1], k.shape[1]
+    i = torch.arange(sq, device=q.device)[:, None]
+    j = torch.arange(sk, device=q.device)[None, :]
+    off = sk - sq if bottom_right else 0
+    keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+    if left >= 0:
+        keep &= j >= i + off - left
+    if right >= 0:
+        keep &= j <= i + off + right
+    s = s.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(s.double(), dim=-1)
-    p = torch.softmax(s.double(), dim=-1).to(dtype)
-    return torch.einsum("bhqk,bkhd->bqhd", p, v), lse
+    lse = lse.masked_fill(lse == float("-inf"), float("inf"))
+    p = torch.softmax(s.double(), dim=-1)
+    if not keep.any(-1).all():
+        p = p.nan_to_num(0.0)
+    return torch.einsum("bhqk,bkhd->bqhd", p.to(dtype), v), lse
+
+
+def check_lse(name, lse, ref, base):
+    """+inf exactly on the rows that keep no key; the rule on the others."""
+    inf = torch.isinf(ref)
+    assert torch.equal(torch.isposinf(lse), inf), f"{name}: +inf must mark the rows with no key"
+    check(name, lse[~inf].double(), ref[~inf], base[~inf], 1e-3)
 
 
 def poison():
@@ -118,12 +138,16 @@ MASKS = {"no_mask": (False, False), "causal": (True, False), "causal_bottom_righ
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256"])
 def test_forward_matches_float64(name, mask, dtype, d):
+    check_case(name, mask, dtype, d)
+
+
+def check_case(name, mask, dtype, d):
+    """CASES[name] with MASKS[mask] on the sm90 forward (family 90: an error if it declined
+    the call) against float64; the sm80 family on the same call obeys the same rule."""
     b, sq, sk, h, hkv, layout, gain = CASES[name]
     causal, bottom_right = MASKS[mask]
     if bottom_right and sq == sk:
         pytest.skip("the same mask as top-left causal")
-    if bottom_right and sq > sk:
-        pytest.skip("declined by the sm90 family (test_declined_calls_...)")
     q, k, v = make_qkv(b, sq, sk, h, hkv, dtype, layout, gain, d=d)
     out, lse = run_fwd(q, k, v, layout, causal, family=90, bottom_right=bottom_right)
     qb, kb, vb = (to_bshd(x, layout) for x in (q, k, v))
@@ -131,10 +155,50 @@ def test_forward_matches_float64(name, mask, dtype, d):
     ref, ref_lse = reference(qb, kb, vb, causal, scale, torch.float64, bottom_right)
     base, base_lse = reference(qb, kb, vb, causal, scale, dtype, bottom_right)
     check(f"{name} out", to_bshd(out, layout).double(), ref, base.double(), 1e-3)
-    check(f"{name} lse", lse.double(), ref_lse, base_lse, 1e-3)
+    check_lse(f"{name} lse", lse, ref_lse, base_lse)
     # the sm80 family on the same call obeys the same rule (and so agrees with sm90)
     out80, _ = run_fwd(q, k, v, layout, causal, family=80, bottom_right=bottom_right)
     check(f"{name} sm80 out", to_bshd(out80, layout).double(), ref, base.double(), 1e-3)
+
+
+# Head dims that are not a kernel's (multiples of 8 up to 256) run on the next kernel up (64,
+# 128 or 256): TMA zero-fills the columns past d and the epilogue stores none of them (a store
+# past d would land in the next head's or row's columns and fail the check there).
+OTHER_DIMS = [8, 40, 80, 96, 136, 160, 200, 248]
+OTHER_DIM_CASES = ["tail-b2-s200-h4", "gqa-b2-s512-h8-hkv2", "sbhd-b3-s256-h4-hkv2",
+                   "packed-tail-b2-s333-h2", "cross-b2-sq300-sk700-h4-hkv2"]
+
+
+@pytest.mark.parametrize("name", OTHER_DIM_CASES)
+@pytest.mark.parametrize("mask", sorted(MASKS))
+@pytest.mark.parametrize("d", OTHER_DIMS, ids=[f"d{d}" for d in OTHER_DIMS])
+def test_other_head_dims_match_float64(name, mask, d):
+    check_case(name, mask, torch.bfloat16, d)
+
+
+@pytest.mark.parametrize("d", [40, 96, 200], ids=["d40", "d96", "d200"])
+@pytest.mark.parametrize("fmt", ["thd", "bshd"])
+def test_varlen_other_head_dims_match_float64(d, fmt):
+    for case in sorted(VARLEN):
+        for mask in ("no_mask", "causal"):
+            test_varlen_matches_float64(case, mask, fmt, torch.float16, d)
+
+
+def test_auto_family_for_other_head_dims():
+    """d <= 128 runs on sm90 (both families pad to the same kernel head dim); 128 < d <= 192
+    on sm80 (its d192 kernel against sm90's d256: not measured); d > 192 as d256 does."""
+    def family(d, s, causal=False):
+        return EXT.fwd_family(ARCH, True, d, s, s, False, -1, 0 if causal else -1, False, False,
+                              False)
+
+    assert family(96, 1024) == ["sm90", ""]
+    assert family(40, 512, causal=True) == ["sm90", ""]
+    fam, why = family(160, 4096)
+    assert fam == "sm80" and "not measured" in why, why
+    assert family(200, 4096) == ["sm90", ""]
+    assert family(200, 512)[0] == "sm80"
+    assert EXT.fwd_family(ARCH, True, 160, 4096, 4096, False, -1, -1, False, False, False,
+                          90) == ["sm90", ""]  # a requested sm90 runs anyway
 
 
 def test_forward_without_lse():
@@ -158,16 +222,28 @@ def test_auto_family_runs_sm90_where_it_serves():
 # (d, sq, sk, varlen, window_left, window_right, bottom_right, alibi, dropout) -> the
 # reason's words
 DECLINED = {
-    "head dim 96": ((96, 256, 256, False, -1, -1, False, False, False),
-                    "head dim 64, 128 and 256 kernels only"),
-    "bottom-right sq > sk": ((128, 384, 256, False, -1, 0, True, False, False),
-                             "bottom-right causal masks with seqlen_q > seqlen_kv"),
+    "head dim 160": ((160, 4096, 4096, False, -1, -1, False, False, False),
+                     "not measured against the sm80 d192 kernel"),
     "no keys": ((128, 256, 0, False, -1, -1, False, False, False), "at least one key"),
-    "varlen": ((128, 256, 256, True, -1, -1, False, False, False), "varlen"),
-    "window": ((128, 256, 256, False, 64, 0, False, False, False), "sliding windows"),
     "alibi": ((128, 256, 256, False, -1, 0, False, True, False), "ALiBi"),
     "dropout": ((128, 256, 256, False, -1, -1, False, False, True), "dropout"),
 }
+# What the sm90 forward serves since 2026-11 (ran on sm80 before): varlen, windows and
+# bottom-right causal with sq > sk.
+SERVED = {
+    "varlen": (128, 256, 256, True, -1, -1, False, False, False),
+    "varlen causal": (64, 300, 200, True, -1, 0, True, False, False),
+    "window": (128, 256, 256, False, 64, 0, False, False, False),
+    "right window": (64, 256, 256, False, -1, 32, False, False, False),
+    "varlen window": (128, 256, 512, True, 100, 20, True, False, False),
+    "bottom-right sq > sk": (128, 384, 256, False, -1, 0, True, False, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SERVED))
+def test_varlen_and_windows_run_on_sm90(name):
+    assert EXT.fwd_family(ARCH, True, *SERVED[name]) == ["sm90", ""]
+    assert EXT.fwd_family(ARCH, False, *SERVED[name]) == ["sm90", ""]
 
 
 @pytest.mark.parametrize("name", sorted(DECLINED))
@@ -182,10 +258,11 @@ def test_declined_calls_run_on_sm80_and_say_why(name):
 
 
 def test_forced_sm90_on_a_declined_call_is_a_clear_error():
-    q = torch.randn(1, 256, 2, 96, device=DEV, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="sm90 family was requested, but it has head dim 64, "
-                                           "128 and 256 kernels only"):
-        EXT.fwd(q, q, q, None, None, 0, 0, 256, 256, 0.1, -1, -1, False, True, 0.0, None, None,
+    q = torch.randn(1, 256, 2, 128, device=DEV, dtype=torch.bfloat16)
+    slopes = torch.rand(2, device=DEV)
+    with pytest.raises(RuntimeError, match="sm90 family was requested, but it does not take "
+                                           "ALiBi"):
+        EXT.fwd(q, q, q, None, None, 0, 0, 256, 256, 0.1, -1, -1, False, True, 0.0, None, slopes,
                 90)
     with pytest.raises(RuntimeError, match="family must be 0"):
         EXT.fwd(q, q, q, None, None, 0, 0, 256, 256, 0.1, -1, -1, False, True, 0.0, None, None,
@@ -229,37 +306,38 @@ def test_training_step_sm90_forward_sm80_backward(monkeypatch, causal):
         check(f"d{name}", g.double(), r, bg.double(), 1e-3)
 
 
-def logged_d96_call(monkeypatch, heads):
-    """A causal bf16 call at head dim 96 (no sm90 kernel) with FusedAttention off and the
-    debug log on: (the backend that ran, the log lines)."""
+def logged_call(monkeypatch, heads, d, alibi=False):
+    """A causal bf16 call at head dim d (ALiBi: with TE's default slopes) with FusedAttention
+    off and the debug log on: (the backend that ran, the log lines)."""
     import transformer_fa as tfa
 
     monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
     monkeypatch.setenv("NVTE_DEBUG", "1")
     monkeypatch.setenv("NVTE_DEBUG_LEVEL", "2")
-    dpa = tfa.DotProductAttention(heads, 96, qkv_format="bshd", attn_mask_type="causal").cuda()
-    q = torch.randn(2, 256, heads, 96, device=DEV, dtype=torch.bfloat16)
+    dpa = tfa.DotProductAttention(heads, d, qkv_format="bshd", attn_mask_type="causal").cuda()
+    q = torch.randn(2, 256, heads, d, device=DEV, dtype=torch.bfloat16)
     with capture_log() as lines, torch.no_grad():
-        dpa(q, q, q)
+        dpa(q, q, q, core_attention_bias_type="alibi" if alibi else "no_bias")
     return dpa.last_backend, lines
 
 
 def test_debug_log_names_the_family_and_why_not_sm90(monkeypatch):
-    backend, lines = logged_d96_call(monkeypatch, heads=4)
+    # head dim 160: sm80's d192 kernel, not measured against sm90's d256 one
+    backend, lines = logged_call(monkeypatch, heads=4, d=160)
     assert backend == "FlashAttention"
-    assert any("FlashAttention kernel family = sm80 (not sm90: it has head dim 64, 128 and "
-               "256 kernels only)" in line for line in lines), lines
+    assert any("FlashAttention kernel family = sm80 (not sm90: its d256 kernel is not measured "
+               "against the sm80 d192 kernel" in line for line in lines), lines
 
 
 def test_requested_sm90_family_declines_with_a_reason(monkeypatch):
-    """TRANSFORMER_FA_FLASH_FAMILY=sm90 on a call the sm90 kernels do not serve: FlashAttention
-    is declined with the reason and the next backend runs."""
+    """TRANSFORMER_FA_FLASH_FAMILY=sm90 on a call the sm90 kernels do not serve (ALiBi):
+    FlashAttention is declined with the reason and the next backend runs."""
     monkeypatch.setenv("TRANSFORMER_FA_FLASH_FAMILY", "sm90")
-    backend, lines = logged_d96_call(monkeypatch, heads=2)
+    backend, lines = logged_call(monkeypatch, heads=2, d=128, alibi=True)
     assert backend == "UnfusedDotProductAttention"
     assert any("Disabling FlashAttention as TRANSFORMER_FA_FLASH_FAMILY=sm90 and the sm90 "
-               "kernels do not serve this call: it has head dim 64, 128 and 256 kernels "
-               "only" in line for line in lines), lines
+               "kernels do not serve this call: it does not take ALiBi" in line
+               for line in lines), lines
 
 
 def test_auto_family_prefers_the_faster_family_at_d256():
@@ -273,3 +351,193 @@ def test_auto_family_prefers_the_faster_family_at_d256():
     assert EXT.fwd_family(ARCH, True, *long_causal)[0] == "sm90"
     assert EXT.fwd_family(ARCH, True, 256, 1024, 1024, False, -1, -1, False, False,
                           False)[0] == "sm90"
+
+
+# ---------------------------------------------------------------------------------------------
+# Varlen (cu_seqlens) and sliding windows
+# ---------------------------------------------------------------------------------------------
+THD = 2
+FORMATS = {"bshd": BSHD, "sbhd": SBHD, "thd": THD}
+# (lens_q, lens_k, h, hkv). Lengths around the tiles (64, 128, 192 query rows; 80 or 128 keys),
+# so that thd query tiles start inside a sequence and read the next one's rows through TMA
+# (never stored), and key tiles reach past a sequence (masked, V rows zeroed); empty
+# sequences: no queries (nothing written), no keys (O = 0, LSE = +inf).
+VARLEN = {
+    "ragged": ([1, 63, 64, 65, 127, 200, 0, 5, 129], [1, 63, 64, 65, 127, 200, 9, 0, 81], 4, 2),
+    "cross": ([300, 17, 129, 1], [70, 260, 129, 400], 4, 4),
+    # 8 sequences x 8 heads x 6-8 tiles: the persistent grid's CTAs take several tiles,
+    # empty tiles (short sequences) among them
+    "loops": ([1000, 3, 700, 1000, 64, 999, 250, 1000], [1000, 5, 700, 1200, 64, 999, 1, 800],
+              8, 2),
+}
+# (window_left, window_right, bottom_right)
+WINDOWS = {
+    "no_mask": (-1, -1, False),
+    "causal": (-1, 0, False),
+    "causal_bottom_right": (-1, 0, True),
+    "left": (100, -1, False),
+    "right": (-1, 40, False),
+    "both": (48, 16, False),
+    "both_bottom_right": (70, 3, True),
+    "causal_left": (64, 0, False),
+    "causal_left_bottom_right": (130, 0, True),
+}
+
+
+def varlen_inputs(lens_q, lens_k, h, hkv, d, dtype, fmt, seed=0):
+    """q, k, v in fmt with cu_seqlens: thd packs the sequences with 3 tokens past the last one,
+    bshd / sbhd pad every sequence (3 rows past the longest). Rows that belong to no sequence
+    are NaN: a kernel must neither read them into a sequence's output nor write them."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    b = len(lens_q)
+    out = []
+    for lens, heads in ((lens_q, h), (lens_k, hkv), (lens_k, hkv)):
+        if fmt == "thd":
+            x = torch.randn(sum(lens) + 3, heads, d, generator=gen, device=DEV).to(dtype)
+            x[sum(lens):] = float("nan")
+        else:
+            x = torch.randn(b, max(lens) + 3, heads, d, generator=gen, device=DEV).to(dtype)
+            for i, n in enumerate(lens):
+                x[i, n:] = float("nan")
+            if fmt == "sbhd":
+                x = x.transpose(0, 1).contiguous()
+        out.append(x)
+    return out
+
+
+def sequence(x, fmt, lens, i):
+    """Sequence i's rows of x (in fmt) as [1, len, h, d]."""
+    if fmt == "thd":
+        start = sum(lens[:i])
+        return x[start:start + lens[i]][None]
+    return (x[:, i] if fmt == "sbhd" else x[i])[:lens[i]][None]
+
+
+def run_varlen(q, k, v, fmt, lens_q, lens_k, window, bottom_right, family):
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+    if fmt == "thd":
+        sq, sk = max(lens_q), max(lens_k)
+    else:
+        sq, sk = (q.shape[0], k.shape[0]) if fmt == "sbhd" else (q.shape[1], k.shape[1])
+    poison()
+    return EXT.fwd(q, k, v, cu_q, cu_k, FORMATS[fmt], FORMATS[fmt], sq, sk,
+                   1 / math.sqrt(q.shape[-1]), window[0], window[1], bottom_right, True, 0.0,
+                   None, None, family)
+
+
+def check_varlen(name, q, k, v, out, lse, fmt, lens_q, lens_k, window, bottom_right):
+    """Each sequence against float64; rows that belong to no sequence: thd out 0 / LSE +inf
+    (the binding's fill), padding rows O = 0 and LSE = +inf (the kernel's, as from sm80)."""
+    dtype, d = q.dtype, q.shape[-1]
+    scale = 1 / math.sqrt(d)
+    for i, (nq, nk) in enumerate(zip(lens_q, lens_k)):
+        if nq == 0:
+            continue
+        qs, ks, vs = (sequence(x, fmt, lens, i) for x, lens in ((q, lens_q), (k, lens_k),
+                                                                  (v, lens_k)))
+        ref, ref_lse = reference(qs, ks, vs, False, scale, torch.float64, bottom_right, window)
+        base, base_lse = reference(qs, ks, vs, False, scale, dtype, bottom_right, window)
+        o = sequence(out, fmt, lens_q, i)
+        if fmt == "thd":
+            start = sum(lens_q[:i])
+            ls = lse[:, start:start + nq][None]
+        else:
+            ls = lse[i:i + 1, :, :nq]
+        check(f"{name} seq {i} out", o.double(), ref, base.double(), 1e-3)
+        check_lse(f"{name} seq {i} lse", ls, ref_lse, base_lse)
+    if fmt == "thd":
+        rest = slice(sum(lens_q), None)
+        assert (out[rest] == 0).all() and torch.isposinf(lse[:, rest]).all(), name
+    else:
+        outp = out.transpose(0, 1) if fmt == "sbhd" else out
+        for i, nq in enumerate(lens_q):
+            assert (outp[i, nq:] == 0).all(), f"{name}: padding rows of seq {i} must be 0"
+            assert torch.isposinf(lse[i, :, nq:]).all(), f"{name}: padding LSE of seq {i}"
+
+
+@pytest.mark.parametrize("case", sorted(VARLEN))
+@pytest.mark.parametrize("mask", sorted(WINDOWS))
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256"])
+def test_varlen_matches_float64(case, mask, fmt, dtype, d):
+    """Varlen on the sm90 forward (family 90: an error if it declined the call), against
+    float64 per sequence; the sm80 forward obeys the same rule and marks the same rows."""
+    lens_q, lens_k, h, hkv = VARLEN[case]
+    left, right, bottom_right = WINDOWS[mask]
+    q, k, v = varlen_inputs(lens_q, lens_k, h, hkv, d, dtype, fmt)
+    out, lse = run_varlen(q, k, v, fmt, lens_q, lens_k, (left, right), bottom_right, family=90)
+    check_varlen(f"{case} {mask} {fmt}", q, k, v, out, lse, fmt, lens_q, lens_k, (left, right),
+                 bottom_right)
+    out80, lse80 = run_varlen(q, k, v, fmt, lens_q, lens_k, (left, right), bottom_right,
+                              family=80)
+    assert torch.equal(torch.isposinf(lse80), torch.isposinf(lse))
+    check_varlen(f"{case} {mask} {fmt} sm80", q, k, v, out80, lse80, fmt, lens_q, lens_k,
+                 (left, right), bottom_right)
+
+
+@pytest.mark.parametrize("mask", sorted(WINDOWS))
+@pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256"])
+def test_windows_dense_matches_float64(mask, d):
+    """Sliding windows without cu_seqlens (bshd, sq != sk both ways, tails), GQA."""
+    left, right, bottom_right = WINDOWS[mask]
+    for b, sq, sk in ((2, 333, 333), (2, 200, 517), (3, 517, 200)):
+        q, k, v = make_qkv(b, sq, sk, 4, 2, torch.bfloat16, "bshd", d=d)
+        poison()
+        out, lse = EXT.fwd(q, k, v, None, None, BSHD, BSHD, sq, sk, 1 / math.sqrt(d), left, right,
+                           bottom_right, True, 0.0, None, None, 90)
+        scale = 1 / math.sqrt(d)
+        ref, ref_lse = reference(q, k, v, False, scale, torch.float64, bottom_right, (left, right))
+        base, base_lse = reference(q, k, v, False, scale, torch.bfloat16, bottom_right,
+                                   (left, right))
+        check(f"{mask} {sq}x{sk} out", out.double(), ref, base.double(), 1e-3)
+        check_lse(f"{mask} {sq}x{sk} lse", lse, ref_lse, base_lse)
+
+
+def test_varlen_auto_family_is_sm90():
+    """The default family runs varlen on sm90 (bitwise the forced sm90's output)."""
+    lens = [300, 17, 129, 1]
+    q, k, v = varlen_inputs(lens, lens, 4, 2, 128, torch.bfloat16, "thd", seed=5)
+    auto, _ = run_varlen(q, k, v, "thd", lens, lens, (-1, 0), False, family=0)
+    sm90, _ = run_varlen(q, k, v, "thd", lens, lens, (-1, 0), False, family=90)
+    assert torch.equal(auto, sm90)
+
+
+@pytest.mark.parametrize("window", [(-1, 0), (48, 0)], ids=["causal", "causal_left"])
+def test_thd_training_step_sm90_forward(monkeypatch, window):
+    """Through DotProductAttention (thd, padding_causal; FlashAttention selected): the sm90
+    forward's O and LSE feed the backward (sm90's for causal, sm80's with the window);
+    gradients obey the rule against float64 autograd per sequence."""
+    import transformer_fa as tfa
+
+    monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
+    monkeypatch.setenv("NVTE_DEBUG", "1")
+    monkeypatch.setenv("NVTE_DEBUG_LEVEL", "2")
+    lens, h = [200, 1, 65, 127, 300], 4
+    q, k, v = (torch.nan_to_num(x) for x in varlen_inputs(lens, lens, h, h, D, torch.bfloat16,
+                                                         "thd", seed=9))
+    cu = cu_seqlens(lens)
+    dpa = tfa.DotProductAttention(h, D, qkv_format="thd", attn_mask_type="padding_causal",
+                                  window_size=window).cuda()
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    with capture_log() as lines:
+        out = dpa(*leaves, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens),
+                  max_seqlen_kv=max(lens))
+        gen = torch.Generator(device=DEV).manual_seed(11)
+        dout = torch.randn(out.shape, generator=gen, device=DEV).to(out.dtype)
+        grads = torch.autograd.grad(out, leaves, dout)
+    assert dpa.last_backend == "FlashAttention"
+    assert any("FlashAttention forward kernel family = sm90" in line for line in lines), lines
+    scale = 1 / math.sqrt(D)
+    for i, n in enumerate(lens):
+        rows = slice(sum(lens[:i]), sum(lens[:i]) + n)
+        results = {}
+        for dtype in (torch.float64, torch.bfloat16):
+            seq = [x[rows][None].detach().to(dtype).requires_grad_() for x in (q, k, v)]
+            ref, _ = reference(*seq, True, scale, dtype, window=window)
+            g = torch.autograd.grad(ref, seq, dout[rows].view(1, n, h, D).to(dtype))
+            results[dtype] = (ref, g)
+        (ref, ref_grads), (base, base_grads) = results[torch.float64], results[torch.bfloat16]
+        check(f"seq {i} out", out[rows].view(1, n, h, D).double(), ref, base.double(), 1e-3)
+        for name, g, r, bg in zip("qkv", grads, ref_grads, base_grads):
+            check(f"seq {i} d{name}", g[rows][None].double(), r, bg.double(), 1e-3)

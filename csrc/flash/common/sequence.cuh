@@ -78,6 +78,29 @@ __device__ __forceinline__ Band band_of(const FwdParams& p, const SeqInfo& si) {
               p.window_right};
 }
 
+// Keys [lo, hi) outside which rows [i_lo, i_hi] keep none (hi <= lo: none at all).
+struct KeyRange {
+  int lo, hi;
+};
+__device__ __forceinline__ KeyRange band_keys(const Band& b, int i_lo, int i_hi) {
+  KeyRange r{0, b.len_k};
+  if (b.right >= 0) r.hi = min(r.hi, i_hi + b.off + b.right + 1);
+  if (b.left >= 0) r.lo = max(0, i_lo + b.off - b.left);
+  return r;
+}
+
+// Query rows [lo, hi) outside which no row keeps a key of [j_lo, j_hi] (hi <= lo: none;
+// len_q: the sequence's rows). The backwards walk a key block's query rows with it.
+struct RowRange {
+  int lo, hi;
+};
+__device__ __forceinline__ RowRange band_queries(const Band& b, int len_q, int j_lo, int j_hi) {
+  RowRange r{0, len_q};
+  if (b.right >= 0) r.lo = max(0, j_lo - b.off - b.right);
+  if (b.left >= 0) r.hi = min(r.hi, j_hi - b.off + b.left + 1);
+  return r;
+}
+
 // True if some element of rows [i_lo, i_hi] x columns [j_lo, j_hi] is masked.
 __device__ __forceinline__ bool band_cuts(const Band& b, int i_lo, int i_hi, int j_lo, int j_hi) {
   return j_hi >= b.len_k || (b.right >= 0 && j_hi > i_lo + b.off + b.right) ||

@@ -255,12 +255,10 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, const SeqInfo&
   const int n0 = n_block * BN;
   const int valid_k = min(BN, si.len_k - n0);
   const Band band = band_of(p, si);
-  // Query rows that see a key of this block: [i_lo, i_hi).
-  int i_lo = 0, i_hi = si.len_q;
-  if (band.right >= 0) i_lo = max(0, n0 - band.off - band.right);
-  if (band.left >= 0) i_hi = min(i_hi, n0 + BN - 1 - band.off + band.left + 1);
-  const int m_block_min = i_lo / BM;
-  const int num_m = valid_k > 0 && i_hi > i_lo ? (i_hi + BM - 1) / BM - m_block_min : 0;
+  // Query rows that see a key of this block.
+  const RowRange seen = band_queries(band, si.len_q, n0, n0 + BN - 1);
+  const int m_block_min = seen.lo / BM;
+  const int num_m = valid_k > 0 && seen.hi > seen.lo ? (seen.hi + BM - 1) / BM - m_block_min : 0;
   const int group = p.h / p.h_k;
   const int total = num_m * group;  // (query head, query block) steps
 

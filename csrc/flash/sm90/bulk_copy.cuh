@@ -1,6 +1,6 @@
 // Hopper-only device code: the bulk-copy engine's float reduction into global memory
 // (cp.reduce.async.bulk), with which both backwards (sm80 built for sm_90a, and sm90) add their
-// dQ tiles.
+// dQ tiles, and the flags that put the reductions of several CTAs in order.
 #pragma once
 
 #include <cstdint>
@@ -36,6 +36,27 @@ __device__ __forceinline__ void bulk_wait_all() {
 // reads of them.
 __device__ __forceinline__ void fence_proxy_async_smem() {
   TFA_SM90("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Ordering bulk reductions of different CTAs (the sm90 backward's deterministic dQ): a CTA
+// whose reductions have completed (bulk_wait_all) orders their async-proxy writes before its
+// later generic-proxy operations with this fence, then releases a flag; the CTA that acquires
+// the flag issues the same fence before its own reductions.
+__device__ __forceinline__ void fence_proxy_async_global() {
+  TFA_SM90("fence.proxy.async.global;\n" ::: "memory");
+}
+// Waits until *flag == value (acquire, GPU scope), sleeping between reads.
+__device__ __forceinline__ void wait_flag_eq(const int* flag, int value) {
+  for (int ns = 32;; ns = ns < 1024 ? 2 * ns : ns) {
+    int seen = value;  // (the load's; below sm90 the load traps)
+    TFA_SM90("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(flag) : "memory");
+    if (seen == value) { return; }
+    __nanosleep(ns);
+  }
+}
+// *flag += 1 (release, GPU scope): what this thread wrote before is visible to an acquirer.
+__device__ __forceinline__ void release_flag_inc(int* flag) {
+  TFA_SM90("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(flag) : "memory");
 }
 #undef TFA_SM90
 

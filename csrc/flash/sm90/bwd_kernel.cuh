@@ -1,9 +1,10 @@
 // FlashAttention backward for sm90a (csrc/flash/README.md: its measurements and tuning).
 //
-// One CTA per (key block n, head, batch): K and V of the block are loaded once by TMA; a
-// producer thread streams the query blocks m that see the key block (Q and dO tiles, TMA, a
-// kStages mbarrier pipeline) and a producer warp their LSE and dsum rows (shared memory,
-// a pipeline of the same stages); two consumer warpgroups, 64 key rows each, compute per block
+// One CTA per (key block n, query head, batch): K and V of the block (its KV head's) are
+// loaded once by TMA; a producer thread streams the query blocks m that see the key block (Q
+// and dO tiles, TMA, a kStages mbarrier pipeline) and a producer warp their LSE and dsum rows
+// (shared memory, a pipeline of the same stages); two consumer warpgroups, 64 key rows each,
+// compute per block
 //   S^T  = K Q^T              (wgmma, both operands in shared memory)
 //   dP^T = V dO^T             (wgmma)
 //   P^T  = exp(S^T - LSE), masked;  dS^T = P^T * (dP^T - dsum)       (registers)
@@ -14,19 +15,22 @@
 // and add dQ into the float32 dq_accum: written to a shared-memory tile in dq_accum's layout,
 // which one thread hands to the bulk-copy engine (cp.reduce.async.bulk, one instruction per
 // tile; double-buffered, so that the engine reads a step's tile during the next step). dK,
-// dV (dK times the softmax scale) are written at the end. Working on S^T (keys as rows) puts
-// P^T and dS^T in the register layout of the A operand of the dV / dK GEMMs, as the
-// forward's P is for P V.
+// dV (dK times the softmax scale) are written at the end (GQA / MQA: added into float32
+// accumulators, kv_accum below). Working on S^T (keys as rows) puts P^T and dS^T in the
+// register layout of the A operand of the dV / dK GEMMs, as the forward's P is for P V.
 //
 // dsum = rowsum(dO * O), the zeroing of dq_accum and the conversion of dq_accum into dQ
 // (times the softmax scale) are the sm80 family's kernels (sm80/bwd_kernel.cuh): the sm90
-// backward uses the same dq_accum layout (flash.h, BwdParams), with one split.
+// backward uses the same dq_accum layout (flash.h, BwdParams), with one split. GQA's dK / dV
+// accumulators are converted by the same kernel.
 //
 // Shared memory holds each of Q, dO, K and dS once; the GEMMs that need a transposed operand
 // (Q^T, dO^T, K^T) read the same bytes through the transposed layout: a K-major 128-byte
 // swizzled tile of (rows, d) is, element for element, the MN-major 128-byte swizzled tile of
 // (d, rows) with the atoms ordered along the rows (Step<_2, _1>).
 #pragma once
+
+#include "flash/sm90/cute_config.h"  // first: before any CuTe header
 
 #include "flash/common/sequence.cuh"
 #include "flash/sm80/bwd_kernel.cuh"
@@ -78,6 +82,10 @@ struct BwdConfig {
                            Shape<Int<kBlockM>, Int<kHeadDim / kDqWarpgroupsN>, Int<kBlockN>>,
                            GMMA::Major::K, GMMA::Major::MN>(),
       Layout<Shape<Int<kDqWarpgroupsM>, Int<kDqWarpgroupsN>, _1>>{}));
+  // One wgmma spans each GEMM's whole N (cute_config.h).
+  static_assert(size<1>(typename MmaSdP::AtomShape_MNK{}) == kBlockM &&
+                size<1>(typename MmaKV::AtomShape_MNK{}) == kHeadDim &&
+                size<1>(typename MmaDQ::AtomShape_MNK{}) == kHeadDim / kDqWarpgroupsN, "wgmma N");
 
   // K-major tiles as TMA writes them, and their transposed (MN-major) views.
   template <int kRows, int kCols>
@@ -155,23 +163,78 @@ enum : uint32_t {
   kBarDsReady = 15,
 };
 
+// GQA / MQA (h_k < h): the h / h_k query heads of a KV head add their dK and dV. Each CTA
+// (key block, query head) adds its float32 tiles into two accumulators once, at its end, by
+// reductions from registers (red.global.add.v2.f32: a CTA's share is one tile, against the
+// dQ tile per query block that it reduces anyway), and the launch's conversion kernel writes
+// them into dk / dv with their strides. MHA stores from registers as before. (One CTA per
+// KV head walking its group, as the sm80 family does, would need no workspace but leave
+// h_k * key blocks * b CTAs: 32 for MQA at b = 1 and s = 4k, on 132 SMs.)
+// The accumulators have dq_accum's layout (flash.h) with k-side rows: per (sequence, KV head)
+// a block of seqlen_k rows (thd: all kv_tokens, the sequences one after another) rounded up
+// to 8, dK's then dV's, in the same allocation as dq_accum, after its splits (plan_bwd adds
+// them; the launch zeroes them).
+struct KvAccum {
+  int64_t offset;  // of dK's accumulator from dq_accum, in floats (dV's: offset + floats)
+  int64_t floats;  // each accumulator's size
+  int64_t rows, head_stride, batch_stride;
+};
+__host__ __device__ inline KvAccum kv_accum(const BwdParams& p) {
+  KvAccum a;
+  a.rows = p.k_packed ? p.kv_tokens : p.seqlen_k;
+  a.head_stride = (a.rows + 7) / 8 * 8 * p.dqa_row_stride;
+  a.batch_stride = p.k_packed ? 0 : int64_t(p.h_k) * a.head_stride;
+  a.floats = int64_t(p.k_packed ? 1 : p.b) * p.h_k * a.head_stride;
+  a.offset = int64_t(p.num_splits) * p.dqa_split_stride;
+  return a;
+}
+
+// Deterministic mode (BwdParams::deterministic): the key blocks that see query block m add
+// their dQ tiles into it one at a time, in the order of n (bit for bit the same sums on every
+// run). A count per (sequence, head, query block of kBlockM rows), int32, in the workspace
+// after dq_accum (and GQA's accumulators; plan_bwd adds it, the launch zeroes it), says how many
+// have added theirs; key block n adds when it reaches n's rank among the key blocks that see m.
+struct DqTurns {
+  int64_t offset;  // from dq_accum, in 4-byte words
+  int64_t count;   // 0 unless deterministic
+  int blocks;      // query blocks per (sequence, head)
+};
+template <int kBlockM>
+__host__ __device__ inline DqTurns dq_turns(const BwdParams& p) {
+  KvAccum const acc = kv_accum(p);
+  DqTurns t;
+  t.offset = acc.offset + (p.h != p.h_k ? 2 * acc.floats : 0);
+  t.blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
+  t.count = p.deterministic ? int64_t(p.b) * p.h * t.blocks : 0;
+  return t;
+}
+
+// Deterministic mode: this thread's bulk reductions have completed (bulk_wait_all); their
+// writes are made visible, then the count is raised (release).
+__device__ __forceinline__ void pass_dq_turn(int* turn) {
+  sm90::fence_proxy_async_global();  // async-proxy writes before the generic release
+  sm90::release_flag_inc(turn);
+}
+
 // Query blocks [m_begin, m_end) of a sequence with some row that sees a key of block n_block
-// (none past the sequence's keys). Causal: query i sees keys j <= i + band.off.
-template <class Cfg, bool kCausal>
+// (none past the sequence's keys): from the band (common/sequence.cuh) where the kernel's mask
+// case has one (kBand), else every block of the sequence.
+template <class Cfg, bool kBand>
 __device__ __forceinline__ void query_blocks(SeqInfo const& si, Band const& band, int n_block,
                                              int& m_begin, int& m_end) {
   constexpr int kBlockM = Cfg::kBlockM;
   int const key0 = n_block * Cfg::kBlockN;
-  m_end = key0 < si.len_k ? (si.len_q + kBlockM - 1) / kBlockM : 0;
-  m_begin = 0;
-  if constexpr (kCausal) {
-    int const first_row = key0 - band.off;  // the first query row that sees key0
-    m_begin = first_row <= 0 ? 0 : first_row / kBlockM;
-  }
-  m_begin = min(m_begin, m_end);
+  RowRange rows{0, si.len_q};
+  if constexpr (kBand) { rows = band_queries(band, si.len_q, key0, key0 + Cfg::kBlockN - 1); }
+  m_end = key0 < si.len_k && rows.hi > rows.lo ? (rows.hi + kBlockM - 1) / kBlockM : 0;
+  m_begin = min(rows.lo / kBlockM, m_end);
 }
 
-template <class Cfg, bool kCausal>
+// The mask, as compile-time cases (the forward's): kCausal, a right bound alone
+// (window_right >= 0, window_left < 0; causal is window_right = 0); kLocal, a left bound
+// (window_left >= 0) with or without a right one; neither: only the keys' end. A key block's
+// query blocks come from the band, and only the steps whose tile the band cuts are masked.
+template <class Cfg, bool kCausal, bool kLocal>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
 bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   using Element = typename Cfg::Element;
@@ -180,6 +243,8 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   constexpr int kBlockM = Cfg::kBlockM;
   constexpr int kBlockN = Cfg::kBlockN;
   constexpr int kHeadDim = Cfg::kHeadDim;
+  static_assert(!(kCausal && kLocal), "kLocal covers a right bound too");
+  constexpr bool kBand = kCausal || kLocal;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   auto& shared = *reinterpret_cast<typename Cfg::SharedStorage*>(smem_raw);
@@ -188,12 +253,29 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   int const warpgroup_idx = cutlass::canonical_warp_group_idx();
   int const n_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
   BwdParams const& args = params.args;
+  int const kv_head = head / (args.h / args.h_k);
   SeqInfo const si = seq_info(args, batch);
-  Band const band = band_of(args, si);
+  Band band = band_of(args, si);
+  // The same band as this mask case sees it: the sides it lacks as the constants they are, and
+  // its diagonal moved onto its left bound (kLocal) or its right one (kCausal), that bound now
+  // 0 (the bounds are j >= i + off - left, j <= i + off + right), so that the main loop keeps
+  // fewer values (the causal one: off alone, as before windows).
+  if constexpr (kLocal) {
+    band.off -= band.left;
+    if (band.right >= 0) { band.right += band.left; }
+    band.left = 0;
+  } else {
+    band.left = -1;
+  }
+  if constexpr (kCausal) {
+    band.off += band.right;
+    band.right = 0;
+  }
+  if constexpr (!kBand) { band.right = -1; }
   int const key0 = n_block * kBlockN;
   if (key0 >= si.rows_k) { return; }  // past this (packed) sequence: the whole CTA leaves
   int m_begin, m_end;
-  query_blocks<Cfg, kCausal>(si, band, n_block, m_begin, m_end);
+  query_blocks<Cfg, kBand>(si, band, n_block, m_begin, m_end);
 
   if (warp_idx == 0 && threadIdx.x == 0) {
     cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
@@ -267,7 +349,7 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
     };
     auto rows_k = [&](auto& m) {
       return domain_offset(make_coord(si.k_packed ? si.start_k : 0, _0{}),
-                           m(_, _, head, si.k_packed ? 0 : batch));
+                           m(_, _, kv_head, si.k_packed ? 0 : batch));
     };
     Tensor gQ = local_tile(rows_q(mQ), tile_q, make_coord(_, _0{}));      // (M, D, m)
     Tensor gdO = local_tile(rows_q(mdO), tile_q, make_coord(_, _0{}));    // (M, D, m)
@@ -364,9 +446,36 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
                               cast_smem_ptr_to_uint(dq_tile(m)),
                               uint32_t(rows * kHeadDim * sizeof(float)));
   };
-  // Keys past the sequence (zero-filled by TMA, or the next packed sequence's) and, causal,
-  // keys past a query's diagonal get P = 0 (query rows past it: LSE = +inf, above).
-  bool const key_tail = key0 + kBlockN > si.len_k;
+  // Deterministic mode (dq_turns; a uniform branch of the issuing thread): block m's count.
+  // The key blocks that see m are a run [first, last] of n (the band's keys of m's rows), so
+  // n's rank is n - first. A CTA waits only on CTAs of the same (head, batch) with a smaller
+  // blockIdx.x, which the hardware dispatched earlier and which wait on none of their
+  // successors: no deadlock, even with fewer SMs than CTAs. The 8-row group that the tiles of
+  // two query blocks (or sequences) share gets zeros from the one it is not of: exact in any
+  // order.
+  auto dq_turn = [&](int m) {
+    DqTurns const t = dq_turns<kBlockM>(args);
+    return reinterpret_cast<int*>(args.dq_accum + t.offset) +
+           (int64_t(batch) * args.h + head) * t.blocks + m;
+  };
+  // First the previous block's addition, once complete (its writes done, not only its source
+  // read), passes its turn on: one step late, so that the reduction's latency hides under that
+  // step. Then block m's tile is added when the key blocks before this one have added theirs.
+  auto add_dq = [&](int m) {
+    if (args.deterministic) {
+      if (m > m_begin) {
+        sm90::bulk_wait_all();
+        pass_dq_turn(dq_turn(m - 1));
+      }
+      int const first = band_keys(band, m * kBlockM, m * kBlockM + kBlockM - 1).lo / kBlockN;
+      sm90::wait_flag_eq(dq_turn(m), n_block - first);
+      sm90::fence_proxy_async_global();  // the acquire before the reduction (async proxy)
+    }
+    issue_dq(m);
+  };
+  // Keys past the sequence (zero-filled by TMA, or the next packed sequence's) and keys outside
+  // a query's band get P = 0 (query rows past the sequence, or without any key: LSE = +inf,
+  // whence P = 0 too).
   float const scale_log2 = args.scale_softmax_log2;
 
   shared.barrier_kv.wait(0);
@@ -384,7 +493,7 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
     Tensor dp = make_tensor(tdPrdP.data(), acc_rowcol(tdPrdP.layout()));
     // The LSE and dsum of this thread's query columns are read from shared memory where
     // used, a column at a time (held for all columns across the GEMMs, they spilled).
-    bool const masked = key_tail || (kCausal && key0 + kBlockN - 1 > query0 + band.off);
+    bool const masked = band_cuts(band, query0, query0 + kBlockM - 1, key0, key0 + kBlockN - 1);
     pipe_rows.consumer_wait(read);
     float const* lse_log2_of = shared.lse_log2.data() + read.index() * kBlockM;
     float const* dsum_of = shared.dsum.data() + read.index() * kBlockM;
@@ -397,7 +506,9 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
       CUTE_UNROLL
       for (int r = 0; r < size<0>(s); ++r) {
         int const key = key0 + get<0>(tScS_rc(r, c));
-        bool const out = masked && (key >= si.len_k || (kCausal && key > query + band.off));
+        bool const out = masked && (key >= si.len_k ||
+                                    (band.right >= 0 && key > query + band.off + band.right) ||
+                                    (band.left >= 0 && key < query + band.off - band.left));
         s(r, c) = out ? 0.f : fast_exp2(s(r, c) * scale_log2 - lse_log2);
       }
     }
@@ -424,7 +535,7 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
     // dS to shared memory for dQ, which needs both warpgroups' keys.
     named_barrier_sync(Cfg::kConsumerThreads, kBarDsFree);
     if (dq_issuer && m_block > m_begin) {
-      issue_dq(m_block - 1);    // the previous block's tile, complete at the barrier
+      add_dq(m_block - 1);        // the previous block's tile, complete at the barrier
       sm90::bulk_wait_read<1>();  // the copy before it has read this block's tile buffer
     }
     copy(r2s_ds, thr_r2s_ds.retile_S(tdSrdS), tdSsdS);
@@ -456,26 +567,49 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   if (m_end > m_begin) {
     named_barrier_sync(Cfg::kConsumerThreads, kBarDsFree);  // the last tile is complete
     if (dq_issuer) {
-      issue_dq(m_end - 1);
+      add_dq(m_end - 1);
       sm90::bulk_wait_all();  // the copies have read shared memory before the CTA exits
+      if (args.deterministic) { pass_dq_turn(dq_turn(m_end - 1)); }
     }
   }
 
   // ---------------- epilogue: dV and dK (times the softmax scale) ----------------
-  // Every row the sequence owns (padding rows past its length get zeros, as from sm80).
   Tensor cKV = make_identity_tensor(select<0, 1>(typename Cfg::TileKV{}));  // (key, column)
   Tensor tKVcKV = thr_kv.partition_C(cKV);
+  if (args.h != args.h_k) {
+    // GQA: into the accumulators (kv_accum), the keys of the sequence only (the conversion
+    // writes the rest as zeros). Elements 2i, 2i + 1 are adjacent columns, an even one first:
+    // adjacent in the accumulators' layout too. dK's softmax scale: in the conversion.
+    KvAccum const acc = kv_accum(args);
+    float* const dk_acc = args.dq_accum + acc.offset +
+                          (si.k_packed ? 0 : int64_t(batch) * acc.batch_stride) +
+                          int64_t(kv_head) * acc.head_stride;
+    float* const dv_acc = dk_acc + acc.floats;
+    int const row0 = si.k_packed ? si.start_k : 0;
+    CUTE_UNROLL
+    for (int i = 0; i < size(tdVrdV); i += 2) {
+      int const key = key0 + get<0>(tKVcKV(i));
+      if (key < si.len_k) {
+        int64_t const at = sm80::dqa_offset(row0 + key, get<1>(tKVcKV(i)), kHeadDim);
+        sm80::atomic_add2(dk_acc + at, tdKrdK(i), tdKrdK(i + 1));
+        sm80::atomic_add2(dv_acc + at, tdVrdV(i), tdVrdV(i + 1));
+      }
+    }
+    return;
+  }
+  // MHA: every row the sequence owns (padding rows past its length get zeros, as from sm80).
   Element* dk = static_cast<Element*>(args.dk) +
                 si.k_off(args.dk_batch_stride, args.dk_row_stride) +
                 int64_t(head) * args.dk_head_stride;
   Element* dv = static_cast<Element*>(args.dv) +
                 si.k_off(args.dv_batch_stride, args.dv_row_stride) +
                 int64_t(head) * args.dv_head_stride;
+  // (columns past the head dim d: none)
   CUTE_UNROLL
   for (int i = 0; i < size(tdVrdV); ++i) {
     int const key = key0 + get<0>(tKVcKV(i));
     int const col = get<1>(tKVcKV(i));
-    if (key < si.rows_k) {
+    if (key < si.rows_k && col < args.d) {
       dv[int64_t(key) * args.dv_row_stride + col] = Element(tdVrdV(i));
       dk[int64_t(key) * args.dk_row_stride + col] = Element(tdKrdK(i) * args.scale_softmax);
     }

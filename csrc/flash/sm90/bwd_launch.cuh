@@ -1,16 +1,18 @@
 // Launch template of the sm90 family's backward: the tile configs, the plan (the sm80
-// family's dq_accum layout with one split, this kernel's shared memory) and the three
-// launches (dsum and dq_accum zeroing, main, dQ conversion; the first and last are the sm80
-// family's kernels). The binding runs it only for calls that bwd_declines (bwd_support.h)
-// accepts.
+// family's dq_accum layout with one split, GQA's dK / dV accumulators after it, deterministic
+// mode's counts after those, this kernel's shared memory) and the launches (dsum and dq_accum
+// zeroing, main, dQ conversion; GQA: the accumulators' zeroing and their conversion;
+// deterministic: the counts' zeroing; the conversions are the sm80 family's kernel). The binding runs it only for calls that bwd_declines (bwd_support.h) accepts.
 #pragma once
+
+#include "flash/sm90/cute_config.h"  // first: before any CuTe header
 
 #include "flash/common/launch.cuh"
 #include "flash/flash.h"
 #include "flash/sm80/bwd_launch.cuh"
 #include "flash/sm90/bwd_kernel.cuh"
 #include "flash/sm90/bwd_support.h"
-#include "flash/sm90/fwd_launch.cuh"  // CuteElement
+#include "flash/sm90/fwd_launch.cuh"  // CuteElement, tma_rows
 
 namespace transformer_fa {
 namespace flash {
@@ -32,35 +34,69 @@ template <class T, int kHeadDim>
 using BwdConfigOf = typename BwdTile<typename CuteElement<T>::type, kHeadDim>::Config;
 
 // The dq_accum layout and its zeroing are the sm80 family's (its dsum and dQ conversion
-// kernels run here too); bwd_declines leaves deterministic calls to sm80, so one split.
+// kernels run here too), with one split also in deterministic mode, which orders the
+// additions itself (dq_turns). GQA: dK's and dV's accumulators (kv_accum) follow in the same
+// allocation, then deterministic mode's counts.
 template <class T, int kHeadDim>
 BwdPlan plan_bwd(BwdParams& p, const Device& device) {
+  using Cfg = BwdConfigOf<T, kHeadDim>;
   BwdPlan plan = sm80::plan_bwd<T, kHeadDim>(p, device);
-  plan.smem_bytes = int(sizeof(typename BwdConfigOf<T, kHeadDim>::SharedStorage));
+  p.num_splits = 1;
+  DqTurns const turns = dq_turns<Cfg::kBlockM>(p);
+  plan.dq_accum_floats = turns.offset + turns.count;
+  plan.smem_bytes = int(sizeof(typename Cfg::SharedStorage));
   return plan;
 }
 
-template <class Cfg, bool kCausal>
+// GQA: params as the dQ conversion (sm80::convert_dq_kernel) reads them, describing dK's
+// (dv = false) or dV's accumulator and output instead: one split, h_k heads, k-side rows.
+inline BwdParams kv_conversion(const BwdParams& p, bool dv) {
+  KvAccum const acc = kv_accum(p);
+  BwdParams c = p;
+  c.dq_accum = p.dq_accum + acc.offset + (dv ? acc.floats : 0);
+  c.num_splits = 1;
+  c.h = p.h_k;
+  c.dqa_rows = acc.rows;
+  c.dqa_head_stride = acc.head_stride;
+  c.dqa_batch_stride = acc.batch_stride;
+  c.dq_rows = int64_t(p.k_packed ? 1 : p.b) * p.h_k * acc.rows;
+  c.dq = dv ? p.dv : p.dk;
+  c.dq_batch_stride = dv ? p.dv_batch_stride : p.dk_batch_stride;
+  c.dq_row_stride = dv ? p.dv_row_stride : p.dk_row_stride;
+  c.dq_head_stride = dv ? p.dv_head_stride : p.dk_head_stride;
+  c.scale_softmax = dv ? 1.f : p.scale_softmax;  // dK's scale (the kernel adds it unscaled)
+  return c;
+}
+
+// dq = dq_accum * scale (the sm80 family's kernel, one thread per 8 elements).
+template <class T>
+void convert(const BwdParams& p, cudaStream_t stream) {
+  const int64_t chunks = p.dq_rows * (p.d / 8);
+  if (chunks > 0) {
+    sm80::convert_dq_kernel<T><<<unsigned((chunks + 255) / 256), 256, 0, stream>>>(p);
+  }
+}
+
+// kCausal, kLocal: the kernel's mask cases (bwd_kernel).
+template <class Cfg, bool kCausal, bool kLocal>
 void launch_main(const BwdParams& a, cudaStream_t stream) {
   using Element = typename Cfg::Element;
-  // A tensor as (rows, d, heads, batch): packed (thd) ones as all their tokens with a batch
-  // of one (the stride of that single batch is unused; TMA wants a valid one).
-  auto rows = [](const void* ptr, bool packed, int64_t tokens, int seqlen, int heads, int batch,
-                 int64_t row_stride, int64_t head_stride, int64_t batch_stride) {
+  // (rows, d, heads, batch) tensors (tma_rows, fwd_launch.cuh); d at most the kernel's head
+  // dim: TMA zero-fills the tiles' columns past it
+  auto rows = [&](const void* ptr, bool packed, int64_t tokens, int seqlen, int heads,
+                  int64_t row_stride, int64_t head_stride, int64_t batch_stride) {
+    TmaRows const r = tma_rows(packed, tokens, seqlen, a.b, row_stride, batch_stride);
     return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)),
-                       make_shape(int(packed ? tokens : seqlen), Cfg::kHeadDim, heads,
-                                  packed ? 1 : batch),
-                       make_stride(row_stride, _1{}, head_stride,
-                                   packed ? tokens * row_stride : batch_stride));
+                       make_shape(r.rows, a.d, heads, r.batches),
+                       make_stride(row_stride, _1{}, head_stride, r.batch_stride));
   };
-  const int64_t q_tokens = a.h > 0 ? a.dq_rows / a.h : 0;
-  auto mQ = rows(a.q, a.q_packed, q_tokens, a.seqlen_q, a.h, a.b, a.q_row_stride,
-                 a.q_head_stride, a.q_batch_stride);
-  auto mdO = rows(a.dout, a.q_packed, q_tokens, a.seqlen_q, a.h, a.b, a.do_row_stride,
+  auto mQ = rows(a.q, a.q_packed, a.q_tokens, a.seqlen_q, a.h, a.q_row_stride, a.q_head_stride,
+                 a.q_batch_stride);
+  auto mdO = rows(a.dout, a.q_packed, a.q_tokens, a.seqlen_q, a.h, a.do_row_stride,
                   a.do_head_stride, a.do_batch_stride);
-  auto mK = rows(a.k, a.k_packed, a.kv_tokens, a.seqlen_k, a.h_k, a.b, a.k_row_stride,
+  auto mK = rows(a.k, a.k_packed, a.kv_tokens, a.seqlen_k, a.h_k, a.k_row_stride,
                  a.k_head_stride, a.k_batch_stride);
-  auto mV = rows(a.v, a.k_packed, a.kv_tokens, a.seqlen_k, a.h_k, a.b, a.v_row_stride,
+  auto mV = rows(a.v, a.k_packed, a.kv_tokens, a.seqlen_k, a.h_k, a.v_row_stride,
                  a.v_head_stride, a.v_batch_stride);
   auto tile_q = Shape<Int<Cfg::kBlockM>, Int<Cfg::kHeadDim>>{};
   auto tile_k = Shape<Int<Cfg::kBlockN>, Int<Cfg::kHeadDim>>{};
@@ -72,7 +108,7 @@ void launch_main(const BwdParams& a, cudaStream_t stream) {
                          make_tma_copy(SM90_TMA_LOAD{}, mV, smem_k, tile_k, _1{}),
                          mQ.shape(), mK.shape(), a};
 
-  constexpr auto kernel = bwd_kernel<Cfg, kCausal>;
+  constexpr auto kernel = bwd_kernel<Cfg, kCausal, kLocal>;
   static_assert(sizeof(typename Cfg::SharedStorage) <= 227 * 1024, "over sm90's shared memory");
   const int smem_bytes = int(sizeof(typename Cfg::SharedStorage));
   allow_dynamic_smem<kernel>(smem_bytes);
@@ -90,17 +126,29 @@ void launch_bwd(const BwdParams& params, const Device& device, cudaStream_t stre
     dim3 grid((params.seqlen_q + 8 * 32 / kLanes - 1) / (8 * 32 / kLanes), params.h, params.b);
     sm80::dot_do_o_kernel<T, kLanes><<<grid, 256, 0, stream>>>(params);
   }
+  const bool gqa = params.h != params.h_k;
+  if (gqa) {
+    KvAccum const acc = kv_accum(params);
+    cudaMemsetAsync(params.dq_accum + acc.offset, 0, 2 * acc.floats * sizeof(float), stream);
+  }
+  DqTurns const turns = dq_turns<Cfg::kBlockM>(params);
+  if (turns.count > 0) {
+    cudaMemsetAsync(params.dq_accum + turns.offset, 0, turns.count * sizeof(int), stream);
+  }
   if (params.seqlen_k > 0) {
-    // bwd_declines let through no mask and causal (window_right = 0) only.
-    if (params.window_right == 0) {
-      launch_main<Cfg, true>(params, stream);
+    // A left window bound (with or without a right one), a right bound alone (causal: 0), none.
+    if (params.window_left >= 0) {
+      launch_main<Cfg, false, true>(params, stream);
+    } else if (params.window_right >= 0) {
+      launch_main<Cfg, true, false>(params, stream);
     } else {
-      launch_main<Cfg, false>(params, stream);
+      launch_main<Cfg, false, false>(params, stream);
     }
   }
-  const int64_t chunks = params.dq_rows * (params.d / 8);
-  if (chunks > 0) {
-    sm80::convert_dq_kernel<T><<<unsigned((chunks + 255) / 256), 256, 0, stream>>>(params);
+  convert<T>(params, stream);
+  if (gqa) {
+    convert<T>(kv_conversion(params, false), stream);
+    convert<T>(kv_conversion(params, true), stream);
   }
 }
 

@@ -12,18 +12,21 @@ namespace sm90 {
 // Why the sm90 backward cannot run `p` on a device of compute capability `arch` (major * 10 +
 // minor), or nullptr when it can. The binding has checked the tensors already (dtypes,
 // 16-byte aligned pointers, strides in multiples of 8 elements: what TMA needs too).
-// Everything declined here runs on the sm80 family.
+// Everything declined here runs on the sm80 family. GQA / MQA (h_k < h) is served: dK and dV
+// are summed over a group by float reductions (bwd_kernel.cuh, kv_accum) in any order, so
+// deterministic GQA stays on sm80; deterministic MHA is served (dQ's additions in a fixed
+// order, bwd_kernel.cuh, dq_turns).
 inline const char* bwd_declines(const BwdParams& p, int arch) {
   if (arch != 90) return "it runs on sm_90 GPUs only (sm_90a code)";
-  // (other head dims would need their columns past d masked; 192 and 256 need other tiles)
-  if (p.d != 64 && p.d != 128) return "its backward has head dim 64 and 128 kernels only";
-  if (p.h != p.h_k) return "its backward does not take GQA / MQA (num_gqa_groups != num_heads) yet";
-  const bool no_mask = p.window_left < 0 && p.window_right < 0;
-  const bool causal = p.window_left < 0 && p.window_right == 0;
-  if (!no_mask && !causal) return "its backward does not take sliding windows yet";
+  // (head dims up to 128 run on the d64 or d128 kernel, columns past d zero-filled by TMA and
+  // not stored; 192 and 256 need other tiles: dK and dV of 64 keys would take all registers)
+  if (p.d > 128) return "its backward has kernels for head dims up to 128 only";
   if (p.alibi_slopes != nullptr) return "its backward does not take ALiBi";
   if (p.rng_state != nullptr) return "its backward does not take dropout";
-  if (p.deterministic) return "its backward is not deterministic (dQ is added by float reductions in any order)";
+  if (p.deterministic && p.h != p.h_k) {
+    return "its backward is not deterministic with GQA / MQA (dK / dV are added by float "
+           "reductions in any order)";
+  }
   return nullptr;
 }
 

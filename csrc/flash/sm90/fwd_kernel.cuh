@@ -11,6 +11,8 @@
 // fwd_launch.cuh. No torch headers here (only the binding includes torch).
 #pragma once
 
+#include "flash/sm90/cute_config.h"  // first: before any CuTe header
+
 #include <cstdint>
 #include <cmath>
 
@@ -23,6 +25,9 @@
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "flash/common/sequence.cuh"
+#include "flash/flash.h"
 
 namespace transformer_fa {
 namespace flash {
@@ -71,7 +76,8 @@ struct TileScheduler {
 // A named tile configuration: kBlockM / 64 consumer warpgroups (2 or 3) of 64 rows each; the
 // producer is the first warpgroup (only its warp 0 works).
 // kOStagedInQ: the epilogue stages O in Q's shared memory (Q, K and V take all of it at
-// d256); such a config runs one CTA per tile (a persistent CTA would load the next Q there).
+// d256, and at d128 with 176 keys); such a config runs one CTA per tile (a persistent CTA
+// would load the next Q there).
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_,
           bool kOStagedInQ_ = false>
 struct FwdConfig {
@@ -106,6 +112,9 @@ struct FwdConfig {
   using MmaPV = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, float, TilePV, GMMA::Major::K, GMMA::Major::MN>(),
       WarpgroupsAlongM{}));
+  // One wgmma spans the whole tile's N (cute_config.h), not a fraction of it issued N times.
+  static_assert(size<1>(typename MmaQK::AtomShape_MNK{}) == kBlockN &&
+                size<1>(typename MmaPV::AtomShape_MNK{}) == kHeadDim, "wgmma N");
 
   // Q and K: rows of head_dim, 128-byte swizzle (K-major for the GEMM).
   using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
@@ -122,11 +131,16 @@ struct FwdConfig {
   // stay whole for the global stores).
   static constexpr int kOPitch = kHeadDim + 8;
   using SmemLayoutOPadded = Layout<Shape<Int<kBlockM>, Int<kHeadDim>>, Stride<Int<kOPitch>, _1>>;
+  // (the XOR takes the 3 row bits just above a row's own: log2(kHeadDim) - 3 bits of chunk
+  // and element index below them)
+  static constexpr int kRowShift = kHeadDim == 64 ? 3 : kHeadDim == 128 ? 4 : 5;
   using SmemLayoutOSwizzled = decltype(composition(
-      Swizzle<3, 3, 5>{}, Layout<Shape<Int<kBlockM>, Int<kHeadDim>>, Stride<Int<kHeadDim>, _1>>{}));
+      Swizzle<3, 3, kRowShift>{},
+      Layout<Shape<Int<kBlockM>, Int<kHeadDim>>, Stride<Int<kHeadDim>, _1>>{}));
   using SmemLayoutO = conditional_t<kOStagedInQ, SmemLayoutOSwizzled, SmemLayoutOPadded>;
-  static_assert(!kOStagedInQ || (kHeadDim == 256 && cosize_v<SmemLayoutO> <= cosize_v<SmemLayoutQ>),
-                "the swizzle above is for rows of 256 elements");
+  static_assert(!kOStagedInQ || ((kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256) &&
+                                 cosize_v<SmemLayoutO> <= cosize_v<SmemLayoutQ>),
+                "the swizzle above is for rows of 64, 128 or 256 elements");
 
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
@@ -171,25 +185,48 @@ struct FwdConfig {
     TmaQ tma_q;
     TmaK tma_k;
     TmaV tma_v;
-    ShapeQKV shape_q;    // (seqlen_q, d, heads, batch)
-    ShapeQKV shape_k;    // (seqlen_k, d, heads_kv, batch)
-    ShapeQKV shape_vt;   // (d, seqlen_k, heads_kv, batch)
-    Element* o;
-    int64_t o_batch_stride, o_row_stride, o_head_stride;
-    float* lse;          // float32, natural log; nullptr: not written
-    int64_t lse_batch_stride, lse_head_stride, lse_row_stride;
-    int seqlen_q, seqlen_k, heads, heads_per_kv;
-    // Causal: query row i sees keys j <= i + causal_offset (seqlen_k - seqlen_q for the
-    // bottom-right diagonal, 0 for top-left); the launch keeps it >= 0 when bottom-right, so
-    // that every query tile has a key block.
-    int causal_offset;
-    float softmax_scale, scale_log2;
+    // (rows, d, heads, batch) of Q and K, (d, rows, heads, batch) of V^T: rows = seqlen_q /
+    // seqlen_k, or for packed (thd) tensors all their tokens with a batch of one (a
+    // sequence's tiles start at its first token then).
+    ShapeQKV shape_q;
+    ShapeQKV shape_k;
+    ShapeQKV shape_vt;
+    int heads_per_kv;
     TileScheduler scheduler;
+    FwdParams args;  // the call: lengths and mask (common/sequence.cuh), O, LSE, scales
   };
 };
 
-// Named barrier ids (6-13); 0 is __syncthreads.
+// Rows of sequence `si`'s head `head` in a (rows, d, heads, batch) TMA tensor (kRowMode = 0)
+// or a (d, rows, heads, batch) one (kRowMode = 1): packed tensors from the sequence's first
+// token (a tile may reach into the next sequence's rows; the kernels mask those as rows past
+// the sequence), padded ones from row 0 of its batch.
+template <int kRowMode, class TensorT>
+__device__ __forceinline__ auto sequence_rows(TensorT const& m, bool packed, int start, int head,
+                                              int batch) {
+  auto rows = m(_, _, head, packed ? 0 : batch);
+  int const first = packed ? start : 0;
+  if constexpr (kRowMode == 0) {
+    return domain_offset(make_coord(first, _0{}), rows);
+  } else {
+    return domain_offset(make_coord(_0{}, first), rows);
+  }
+}
+
+// The key blocks [n_min, n_max) of query tile m_block (empty where n_max <= n_min: no key,
+// or no query row of the sequence in the tile).
+template <int kBlockM, int kBlockN>
+__device__ __forceinline__ void tile_key_blocks(SeqInfo const& si, Band const& band, int m_block,
+                                                int& n_min, int& n_max) {
+  int const m0 = m_block * kBlockM;
+  KeyRange const keys = band_keys(band, m0, m0 + kBlockM - 1);
+  n_min = keys.lo / kBlockN;
+  n_max = m0 < si.len_q && keys.hi > 0 ? ceil_div(keys.hi, kBlockN) : 0;
+}
+
+// Named barrier ids (5-13); 0 is __syncthreads.
 enum : uint32_t {
+  kBarVTail = 5,          // consumers zeroed a varlen sequence's V rows past its keys
   kBarQueryEmpty = 6,     // consumers done with Q -> producer may load the next
   kBarQueryRead = 7,      // all consumers done with Q -> O may be staged in its buffer
   kBarSchedulerWG0 = 8,   // 8 + w: consumer warpgroup w's turn to issue GEMMs (w < 3)
@@ -340,7 +377,11 @@ __device__ __forceinline__ void scale_rows(TS& t, float const (&scale)[kRows]) {
   }
 }
 
-template <class Cfg, bool kCausal>
+// The mask, as compile-time cases: kCausal, a right bound alone (window_right >= 0,
+// window_left < 0; causal is window_right = 0); kLocal, a left bound (window_left >= 0) with or
+// without a right one; neither: only the keys' end. Each query tile's key blocks come from the
+// band (common/sequence.cuh), and only the blocks that the band cuts are masked.
+template <class Cfg, bool kCausal, bool kLocal>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
 fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   using Element = typename Cfg::Element;
@@ -349,6 +390,7 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   constexpr int kBlockM = Cfg::kBlockM;
   constexpr int kBlockN = Cfg::kBlockN;
   constexpr int kHeadDim = Cfg::kHeadDim;
+  static_assert(!(kCausal && kLocal), "kLocal covers a right bound too");
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   auto& shared = *reinterpret_cast<typename Cfg::SharedStorage*>(smem_raw);
@@ -356,14 +398,11 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   int const warp_idx = cutlass::canonical_warp_idx_sync();
   int const warpgroup_idx = cutlass::canonical_warp_group_idx();
   TileScheduler const& scheduler = params.scheduler;
-  // Lengths need not be tile multiples: TMA zero-fills rows past them, the last key block's
-  // columns past seqlen_k are masked, and rows past seqlen_q are not stored.
-  int const n_blocks_total = ceil_div(params.seqlen_k, kBlockN);
-  auto n_block_max_of = [&](int m_block) {
-    return kCausal ? min(n_blocks_total,
-                         ceil_div((m_block + 1) * kBlockM + params.causal_offset, kBlockN))
-                   : n_blocks_total;
-  };
+  FwdParams const& args = params.args;
+  // Lengths need not be tile multiples: TMA zero-fills rows past the tensors, key columns past
+  // a sequence's length are masked, and query rows past it are not stored (padding rows of a
+  // padded layout get O = 0 and LSE = +inf). A tile with no key block (an empty sequence, or
+  // rows that the band leaves no key) loads nothing: its consumers write those values.
 
   if (warp_idx == 0 && threadIdx.x == 0) {
     cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
@@ -386,6 +425,9 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Cfg::SmemLayoutK{});
   Tensor sVt = make_tensor(make_smem_ptr(shared.v.data()), typename Cfg::SmemLayoutVt{});
 
+  // Q loads and their hand-backs: the consumers free Q after every tile that loaded one, and the
+  // producer waits for that before every Q load but its first, and once at the end (so that the
+  // named barrier's arrivals and waits stay matched whatever tiles are empty).
   if (warpgroup_idx == 0) {
     // ---------------- producer: warp 0; its first thread issues every TMA load ----------------
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
@@ -396,17 +438,22 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
     Tensor mVt = params.tma_v.get_tma_tensor(params.shape_vt);
     PipelineState write_k = cutlass::make_producer_start_state<Pipeline>();
     PipelineState write_v = cutlass::make_producer_start_state<Pipeline>();
+    int q_loads = 0;
     for (int round = 0, tile = scheduler.tile_of_round(0); tile >= 0;
          tile = scheduler.tile_of_round(++round)) {
       int m_block, head, batch;
       scheduler.template decode<kCausal>(tile, m_block, head, batch);
+      SeqInfo const si = seq_info(args, batch);
+      int n_min, n_max;
+      tile_key_blocks<kBlockM, kBlockN>(si, band_of(args, si), m_block, n_min, n_max);
+      if (n_max <= n_min) { continue; }
       int const head_kv = head / params.heads_per_kv;
-      Tensor gQ = local_tile(mQ(_, _, head, batch), select<0, 2>(typename Cfg::TileQK{}),
-                             make_coord(m_block, _0{}));                       // (M, D)
-      Tensor gK = local_tile(mK(_, _, head_kv, batch), select<1, 2>(typename Cfg::TileQK{}),
-                             make_coord(_, _0{}));                             // (N, D, n)
-      Tensor gVt = local_tile(mVt(_, _, head_kv, batch), select<1, 2>(typename Cfg::TilePV{}),
-                              make_coord(_0{}, _));                            // (D, N, n)
+      Tensor gQ = local_tile(sequence_rows<0>(mQ, si.q_packed, si.start_q, head, batch),
+                             select<0, 2>(typename Cfg::TileQK{}), make_coord(m_block, _0{}));  // (M, D)
+      Tensor gK = local_tile(sequence_rows<0>(mK, si.k_packed, si.start_k, head_kv, batch),
+                             select<1, 2>(typename Cfg::TileQK{}), make_coord(_, _0{}));  // (N, D, n)
+      Tensor gVt = local_tile(sequence_rows<1>(mVt, si.k_packed, si.start_k, head_kv, batch),
+                              select<1, 2>(typename Cfg::TilePV{}), make_coord(_0{}, _));  // (D, N, n)
       auto q_parts = tma_partition(params.tma_q, _0{}, Layout<_1>{},
                                    group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
       auto k_parts = tma_partition(params.tma_k, _0{}, Layout<_1>{},
@@ -425,23 +472,24 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
              get<1>(v_parts)(_, write_v.index()));
         ++write_v;
       };
-      int n_block = n_block_max_of(m_block) - 1;
+      int n_block = n_max - 1;
       // The first K block may go before the consumers free Q; K runs one
       // block ahead of V since consumers need K(n - 1) before V(n).
       if (leader) { load_k(n_block); }
-      if (round > 0) { named_barrier_sync(Cfg::kConsumerThreads + 32, kBarQueryEmpty); }
+      if (q_loads++ > 0) { named_barrier_sync(Cfg::kConsumerThreads + 32, kBarQueryEmpty); }
       if (leader) {
         shared.barrier_q.arrive_and_expect_tx(Cfg::kBytesQ);
         copy(params.tma_q.with(reinterpret_cast<uint64_t&>(shared.barrier_q)), get<0>(q_parts),
              get<1>(q_parts));
-        for (; n_block > 0; --n_block) {
+        for (; n_block > n_min; --n_block) {
           load_k(n_block - 1);
           load_v(n_block);
         }
-        load_v(0);
+        load_v(n_min);
       }
       __syncwarp();
     }
+    if (q_loads > 0) { named_barrier_sync(Cfg::kConsumerThreads + 32, kBarQueryEmpty); }
     if (leader) {
       pipe_k.producer_tail(write_k);
       pipe_v.producer_tail(write_v);
@@ -470,7 +518,7 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   constexpr int kRows = decltype(size<0>(acc_rowcol(FragS{}.layout())))::value;
 
   OnlineSoftmax<kRows> softmax;
-  softmax.scale_log2 = params.scale_log2;
+  softmax.scale_log2 = args.scale_softmax_log2;
   float o_scale[kRows];
 
   Tensor cS = make_identity_tensor(select<0, 1>(typename Cfg::TileQK{}));
@@ -501,111 +549,170 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   if (consumer_wg == 0) { named_barrier_arrive(2 * 128, kBarSchedulerWG0); }
 
   PipelineState read_k;   // consumer state starts at stage 0, phase 0
+  int q_loads = 0;
   for (int round = 0, tile = scheduler.tile_of_round(0); tile >= 0;
        tile = scheduler.tile_of_round(++round)) {
     int m_block, head, batch;
     scheduler.template decode<kCausal>(tile, m_block, head, batch);
-    int const n_block_max = n_block_max_of(m_block);
-    // Blocks from this one on (right of it) cross the diagonal.
-    int const n_block_first_masked =
-        kCausal ? (m_block * kBlockM + params.causal_offset) / kBlockN : n_block_max;
+    SeqInfo const si = seq_info(args, batch);
+    Band const band = band_of(args, si);
+    int const m0 = m_block * kBlockM;
+    if (m0 >= si.rows_q) { continue; }  // past this (packed) sequence: no row to write
+    int n_min, n_max;
+    tile_key_blocks<kBlockM, kBlockN>(si, band, m_block, n_min, n_max);
 
-    // Mask of one S tile: key columns past seqlen_k, and with causal those past the query
-    // row's diagonal, are out.
-    auto apply_mask = [&](auto& tSrS, int n_block) {
-      Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
-      int const key_limit = params.seqlen_k - 1 - n_block * kBlockN;  // last key, local
-      int const offset = m_block * kBlockM + params.causal_offset - n_block * kBlockN;
-      CUTE_UNROLL
-      for (int r = 0; r < size<0>(s); ++r) {
-        int const col_limit =                                     // last allowed local column
-            kCausal ? min(key_limit, get<0>(tScS_rc(r, 0)) + offset) : key_limit;
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(s); ++c) {
-          if (get<1>(tScS_rc(r, c)) > col_limit) { s(r, c) = -INFINITY; }
-        }
-      }
-    };
-
-    shared.barrier_q.wait(round % 2);
-    int n_block = n_block_max - 1;
-    {
-      Tensor tSrS = partition_fragment_C(mma_qk, select<0, 1>(typename Cfg::TileQK{}));
-      pipe_k.consumer_wait(read_k);
-      wg_gemm<true>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
-      warpgroup_wait<0>();
-      pipe_k.consumer_release(read_k);
-      // The first block is the only one that can hold the key tail.
-      bool const key_tail = n_block == n_blocks_total - 1 && params.seqlen_k % kBlockN != 0;
-      if ((kCausal && n_block >= n_block_first_masked) || key_tail) { apply_mask(tSrS, n_block); }
-      Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
-      softmax.template step<true, kCausal>(s, o_scale);
-      convert_fragment<Element>(tSrS, tOrP);
-    }
-    clear(tOrO);
-
-    // Each step: S(n) = Q K(n)^T and O += P(n + 1) V(n + 1) in flight together,
-    // then softmax of S(n) while the PV GEMM finishes.
-    auto step = [&](int n_block, auto masked) {
-      constexpr bool kMasked = decltype(masked)::value;
-      PipelineState read_v = read_k;
-      ++read_k;
-      Tensor tSrS = partition_fragment_C(mma_qk, select<0, 1>(typename Cfg::TileQK{}));
-      pipe_k.consumer_wait(read_k);
-      scheduler_sync();
-      wg_gemm<true>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
-      pipe_v.consumer_wait(read_v);
-      wg_gemm<false>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
-      scheduler_hand_over();
-      warpgroup_wait<1>();
-      pipe_k.consumer_release(read_k);
-      if constexpr (kMasked) { apply_mask(tSrS, n_block); }
-      Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
-      softmax.template step<false, kMasked>(s, o_scale);
-      warpgroup_wait<0>();
-      pipe_v.consumer_release(read_v);
-      convert_fragment<Element>(tSrS, tOrP);
-      scale_rows(tOrO_rc, o_scale);
-    };
-    --n_block;
-    if constexpr (kCausal) {
-      for (; n_block >= 0 && n_block >= n_block_first_masked; --n_block) { step(n_block, true_type{}); }
-    }
-    for (; n_block >= 0; --n_block) { step(n_block, false_type{}); }
-
-    // Every QK^T of this tile is done: the producer may load the next Q
-    // (only when there is a next tile, so arrivals and waits stay matched).
-    if (scheduler.tile_of_round(round + 1) >= 0) {
-      named_barrier_arrive(Cfg::kConsumerThreads + 32, kBarQueryEmpty);
-    }
-
-    // Last PV, then normalize.
-    pipe_v.consumer_wait(read_k);
-    wg_gemm<false>(mma_pv, tOrP, tOrV(_, _, _, read_k.index()), tOrO);
     float lse[kRows];
-    softmax.finalize(params.softmax_scale, o_scale, lse);
-    warpgroup_wait<0>();
-    pipe_v.consumer_release(read_k);
-    ++read_k;
-    scale_rows(tOrO_rc, o_scale);
+    if (n_max > n_min) {
+      // Mask of one S tile: key columns past the sequence's keys, and those outside the query
+      // row's band, are out.
+      auto apply_mask = [&](auto& tSrS, int n_block) {
+        Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
+        int const n0 = n_block * kBlockN;
+        int const key_limit = si.len_k - 1 - n0;  // last key, local
+        int const diag = m0 + band.off - n0;      // local column of row r's diagonal - r
+        CUTE_UNROLL
+        for (int r = 0; r < size<0>(s); ++r) {
+          int const row = get<0>(tScS_rc(r, 0));
+          int col_hi = key_limit;                 // last allowed local column
+          if constexpr (kCausal) { col_hi = min(col_hi, row + diag + band.right); }
+          if constexpr (kLocal) {
+            if (band.right >= 0) { col_hi = min(col_hi, row + diag + band.right); }
+          }
+          int const col_lo = kLocal ? row + diag - band.left : 0;  // first allowed
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(s); ++c) {
+            int const col = get<1>(tScS_rc(r, c));
+            if (col > col_hi || (kLocal && col < col_lo)) { s(r, c) = -INFINITY; }
+          }
+        }
+      };
+
+      shared.barrier_q.wait(q_loads % 2);
+      int n_block = n_max - 1;
+      {
+        Tensor tSrS = partition_fragment_C(mma_qk, select<0, 1>(typename Cfg::TileQK{}));
+        pipe_k.consumer_wait(read_k);
+        wg_gemm<true>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+        warpgroup_wait<0>();
+        pipe_k.consumer_release(read_k);
+        // The first block is the only one that can hold the key tail.
+        int const n0 = n_block * kBlockN;
+        if (band_cuts(band, m0, m0 + kBlockM - 1, n0, n0 + kBlockN - 1)) {
+          apply_mask(tSrS, n_block);
+        }
+        Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
+        // (a mask may leave a row no key in this block: its max is -inf then)
+        softmax.template step<true, kCausal || kLocal>(s, o_scale);
+        convert_fragment<Element>(tSrS, tOrP);
+      }
+      // Varlen: V rows past the sequence's keys hold the next sequence's tokens or padding,
+      // which need not be finite, and P = 0 does not cancel NaN or inf in P V: zero them (in
+      // the first block only; TMA zero-fills rows past a dense tensor).
+      if (args.cu_seqlens_k != nullptr && n_max * kBlockN > si.len_k) {
+        int const first_row = si.len_k - n_block * kBlockN;
+        constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks, whole in the swizzle
+        pipe_v.consumer_wait(read_k);
+        for (int i = tidx; i < (kBlockN - first_row) * kChunksPerRow; i += Cfg::kConsumerThreads) {
+          *reinterpret_cast<uint4*>(&sVt((i % kChunksPerRow) * 8, first_row + i / kChunksPerRow,
+                                         read_k.index())) = make_uint4(0, 0, 0, 0);
+        }
+        cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> wgmma reads
+        named_barrier_sync(Cfg::kConsumerThreads, kBarVTail);
+      }
+      clear(tOrO);
+
+      // Each step: S(n) = Q K(n)^T and O += P(n + 1) V(n + 1) in flight together,
+      // then softmax of S(n) while the PV GEMM finishes.
+      auto step = [&](int n_block, auto masked) {
+        constexpr bool kMasked = decltype(masked)::value;
+        PipelineState read_v = read_k;
+        ++read_k;
+        Tensor tSrS = partition_fragment_C(mma_qk, select<0, 1>(typename Cfg::TileQK{}));
+        pipe_k.consumer_wait(read_k);
+        scheduler_sync();
+        wg_gemm<true>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+        pipe_v.consumer_wait(read_v);
+        wg_gemm<false>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+        scheduler_hand_over();
+        warpgroup_wait<1>();
+        pipe_k.consumer_release(read_k);
+        if constexpr (kMasked) { apply_mask(tSrS, n_block); }
+        Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
+        softmax.template step<false, kMasked>(s, o_scale);
+        warpgroup_wait<0>();
+        pipe_v.consumer_release(read_v);
+        convert_fragment<Element>(tSrS, tOrP);
+        scale_rows(tOrO_rc, o_scale);
+      };
+      --n_block;
+      // Blocks from n_right_cut on hold keys right of the first row's band; those before
+      // n_left_cut keys left of the last row's.
+      if constexpr (kCausal || kLocal) {
+        int const n_right_cut =
+            band.right >= 0 ? max(m0 + band.off + band.right + 1, 0) / kBlockN : n_max;
+        for (; n_block >= n_min && n_block >= n_right_cut; --n_block) { step(n_block, true_type{}); }
+      }
+      if constexpr (kLocal) {
+        int const left_end = m0 + kBlockM - 1 + band.off - band.left;
+        int const n_left_cut = left_end > 0 ? ceil_div(left_end, kBlockN) : 0;
+        for (; n_block >= n_min && n_block >= n_left_cut; --n_block) { step(n_block, false_type{}); }
+        for (; n_block >= n_min; --n_block) { step(n_block, true_type{}); }
+      } else {
+        for (; n_block >= n_min; --n_block) { step(n_block, false_type{}); }
+      }
+
+      // Every QK^T of this tile is done: the producer may load the next Q.
+      named_barrier_arrive(Cfg::kConsumerThreads + 32, kBarQueryEmpty);
+      ++q_loads;
+
+      // Last PV, then normalize.
+      pipe_v.consumer_wait(read_k);
+      wg_gemm<false>(mma_pv, tOrP, tOrV(_, _, _, read_k.index()), tOrO);
+      softmax.finalize(args.scale_softmax, o_scale, lse);
+      warpgroup_wait<0>();
+      pipe_v.consumer_release(read_k);
+      ++read_k;
+    } else {
+      clear(tOrO);
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        o_scale[r] = 0.f;
+        lse[r] = INFINITY;
+      }
+    }
 
     // ---------------- epilogue ----------------
-    // LSE: the first thread of each quad owns its two rows (rows past seqlen_q: none).
-    int const rows_in_tile = params.seqlen_q - m_block * kBlockM;
-    if (params.lse != nullptr && tidx % 4 == 0) {
-      float* lse_out = params.lse + int64_t(batch) * params.lse_batch_stride +
-                       int64_t(head) * params.lse_head_stride +
-                       int64_t(m_block) * kBlockM * params.lse_row_stride;
+    // Rows past the sequence's queries (a padded layout's padding, which the tile read as
+    // queries) get O = 0 and LSE = +inf, as from the sm80 family; a select, not a scale, so
+    // that padding that is not finite leaves no NaN.
+    int const valid_rows = si.len_q - m0;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      bool const keep = get<0>(tOcO_rc(r, 0)) < valid_rows;
+      if (!keep) { lse[r] = INFINITY; }
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(tOrO_rc); ++c) {
+        tOrO_rc(r, c) = keep ? tOrO_rc(r, c) * o_scale[r] : 0.f;
+      }
+    }
+
+    // LSE: the first thread of each quad owns its two rows (rows the sequence does not own:
+    // none).
+    int const rows_in_tile = si.rows_q - m0;
+    if (args.lse != nullptr && tidx % 4 == 0) {
+      float* lse_out = args.lse + si.q_off(args.lse_batch_stride, args.lse_row_stride) +
+                       int64_t(head) * args.lse_head_stride + int64_t(m0) * args.lse_row_stride;
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
         int const row = get<0>(tOcO_rc(r, 0));
-        if (row < rows_in_tile) { lse_out[row * params.lse_row_stride] = lse[r]; }
+        if (row < rows_in_tile) { lse_out[row * args.lse_row_stride] = lse[r]; }
       }
     }
 
     // O: registers -> padded smem (each warpgroup its own 64 rows) -> 16-byte
     // coalesced global stores. The first barrier keeps this tile's writes
-    // after the previous tile's reads of the same rows.
+    // after the previous tile's reads of the same rows; the second keeps the reads after
+    // every thread's writes (the stores read rows other threads wrote).
     Tensor tOrO_out = make_tensor<Element>(tOrO.layout());
     convert_fragment<Element>(tOrO, tOrO_out);
     // O in Q's buffer: a warpgroup's rows there hold other warpgroups' Q rows, so all must be
@@ -617,19 +724,22 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
 
     constexpr int kChunksPerRow = kHeadDim / 8;
     int const tid_in_wg = tidx % 128;
-    Element* o_tile = params.o + int64_t(batch) * params.o_batch_stride +
-                      int64_t(head) * params.o_head_stride +
-                      int64_t(m_block * kBlockM + consumer_wg * 64) * params.o_row_stride;
-    int const rows_here = rows_in_tile - consumer_wg * 64;  // of this warpgroup's 64
+    Element* o_tile = static_cast<Element*>(args.o) +
+                      si.q_off(args.o_batch_stride, args.o_row_stride) +
+                      int64_t(head) * args.o_head_stride +
+                      int64_t(m0 + consumer_wg * 64) * args.o_row_stride;
+    // Of this warpgroup's 64 rows, those the sequence owns; none where this thread's column
+    // chunk lies past the head dim (d < kHeadDim: the kernel's columns past d are zeros).
+    int const col = (tid_in_wg % kChunksPerRow) * 8;
+    int const rows_here = col < args.d ? rows_in_tile - consumer_wg * 64 : 0;
     // Each thread keeps one 16-byte column chunk and steps down the rows (the addresses differ
     // by constants, so that no per-chunk offset stays live across the tile loop).
     static_assert(128 % kChunksPerRow == 0);
     constexpr int kRowStep = 128 / kChunksPerRow;
-    int const col = (tid_in_wg % kChunksPerRow) * 8;
     CUTE_UNROLL
     for (int row = tid_in_wg / kChunksPerRow; row < 64; row += kRowStep) {
       if (row < rows_here) {
-        *reinterpret_cast<uint4*>(o_tile + int64_t(row) * params.o_row_stride + col) =
+        *reinterpret_cast<uint4*>(o_tile + int64_t(row) * args.o_row_stride + col) =
             *reinterpret_cast<uint4 const*>(&sO(consumer_wg * 64 + row, col));
       }
     }

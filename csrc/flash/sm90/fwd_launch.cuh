@@ -2,6 +2,8 @@
 // and the grid. The binding runs it only for calls that fwd_declines (fwd_support.h) accepts.
 #pragma once
 
+#include "flash/sm90/cute_config.h"  // first: before any CuTe header
+
 #include <algorithm>
 #include <cmath>
 
@@ -25,22 +27,40 @@ template <class T> struct CuteElement;
 template <> struct CuteElement<__half> { using type = cutlass::half_t; };
 template <> struct CuteElement<__nv_bfloat16> { using type = cutlass::bfloat16_t; };
 
-// Tile configs per head dim: d128 128 x 128 tiles (two consumer warpgroups of 64 query rows),
-// two K/V stages. Non-causal d128 with 128 x 160 tiles (fewer softmax rounds per GEMM FLOP; the
-// most keys that fit 227 KB beside the O staging buffer) ran 5-15% slower (H100, 2026-11-24).
-template <class Element, int kHeadDim> struct FwdTile {
+// The kernel's mask cases (fwd_kernel's kCausal / kLocal): none, a right bound alone (causal
+// is right = 0), a left bound (with or without a right one).
+enum class FwdMask { kNone, kRight, kLocal };
+
+// Tile configs per head dim and mask case. d128: 128 x 128 tiles (two consumer warpgroups of
+// 64 query rows), two K/V stages; unmasked 128 x 176 (FlashAttention-3's tile: fewer softmax
+// rounds per GEMM FLOP), whose Q, K and V take 208 KB, so O is staged in Q's buffer.
+// (A 128 x 160 try on 2026-11-24 ran 5-15% slower, but its S = Q K^T was issued as five
+// 64x32x16 wgmmas per k-slice: CuTe's extended shapes were off, cute_config.h.)
+template <class Element, int kHeadDim, FwdMask kMask> struct FwdTile {
   using Config = FwdConfig<Element, kHeadDim, 128, 128, 2>;
+};
+template <class Element> struct FwdTile<Element, 128, FwdMask::kNone> {
+  using Config = FwdConfig<Element, 128, 128, 176, 2, true>;
 };
 // d64: 192 x 128 tiles (FlashAttention-3's d64 causal tile; its non-causal 192 x 192 needs P in
 // shared memory): three consumer warpgroups, so that two warpgroups' GEMMs cover each one's
-// softmax, which at d64 takes as long as its two GEMMs.
-template <class Element> struct FwdTile<Element, 64> {
+// softmax, which at d64 takes as long as its two GEMMs. With a left window bound the mask's
+// values do not fit three warpgroups' 160 registers (ptxas: 164 B of spills, reloads in the
+// key loop), so windows take 128 x 128 (two warpgroups, 240 registers each).
+template <class Element, FwdMask kMask> struct FwdTile<Element, 64, kMask> {
   using Config = FwdConfig<Element, 64, 192, 128, 2>;
 };
+template <class Element> struct FwdTile<Element, 64, FwdMask::kLocal> {
+  using Config = FwdConfig<Element, 64, 128, 128, 2>;
+};
 // d256: 128 x 80 tiles (FlashAttention-3's choice): Q, two stages of K and V take 224 KB, so
-// O is staged in Q's buffer.
-template <class Element> struct FwdTile<Element, 256> {
+// O is staged in Q's buffer. Windows: 128 x 64 (FlashAttention-3's local tile: a smaller S
+// beside the mask's values).
+template <class Element, FwdMask kMask> struct FwdTile<Element, 256, kMask> {
   using Config = FwdConfig<Element, 256, 128, 80, 2, true>;
+};
+template <class Element> struct FwdTile<Element, 256, FwdMask::kLocal> {
+  using Config = FwdConfig<Element, 256, 128, 64, 2, true>;
 };
 
 // Grid choice measured on the H100 (bf16, batch * seqlen = 16k): at d128 the persistent grid
@@ -65,40 +85,55 @@ inline TileScheduler make_scheduler(const FwdParams& p, const Device& device, in
   return TileScheduler{num_m_blocks, heads_batches, p.h, per_group, num_m_blocks * heads_batches};
 }
 
-template <class Cfg, bool kCausal>
+// A call's tensor as the TMA descriptors see it, (rows, d, heads, batch) (V^T: (d, rows, heads,
+// batch)): packed (thd) tensors as all their tokens with a batch of one, so that a sequence's
+// tiles start at its first token (the stride of that single batch is unused; TMA wants a
+// valid one). The forward's and the backward's launches share it.
+struct TmaRows {
+  int rows, batches;
+  int64_t batch_stride;
+};
+inline TmaRows tma_rows(bool packed, int64_t tokens, int seqlen, int batch, int64_t row_stride,
+                        int64_t batch_stride) {
+  return packed ? TmaRows{int(tokens), 1, tokens * row_stride} : TmaRows{seqlen, batch, batch_stride};
+}
+
+// kCausal, kLocal: the kernel's mask cases (fwd_kernel).
+template <class Cfg, bool kCausal, bool kLocal>
 void launch(const FwdParams& a, const Device& device, cudaStream_t stream) {
   using Element = typename Cfg::Element;
   using Params = typename Cfg::Params;
-  auto q_ptr = make_gmem_ptr(static_cast<Element const*>(a.q));
-  auto k_ptr = make_gmem_ptr(static_cast<Element const*>(a.k));
-  auto v_ptr = make_gmem_ptr(static_cast<Element const*>(a.v));
-  typename Cfg::ShapeQKV shape_q = make_shape(a.seqlen_q, Cfg::kHeadDim, a.h, a.b);
-  typename Cfg::ShapeQKV shape_k = make_shape(a.seqlen_k, Cfg::kHeadDim, a.h_k, a.b);
-  typename Cfg::ShapeQKV shape_vt = make_shape(Cfg::kHeadDim, a.seqlen_k, a.h_k, a.b);
-  auto mQ = make_tensor(q_ptr, shape_q,
-                        make_stride(a.q_row_stride, _1{}, a.q_head_stride, a.q_batch_stride));
-  auto mK = make_tensor(k_ptr, shape_k,
-                        make_stride(a.k_row_stride, _1{}, a.k_head_stride, a.k_batch_stride));
-  auto mVt = make_tensor(v_ptr, shape_vt,
-                         make_stride(_1{}, a.v_row_stride, a.v_head_stride, a.v_batch_stride));
+  TmaRows const q = tma_rows(a.q_packed, a.q_tokens, a.seqlen_q, a.b, a.q_row_stride,
+                            a.q_batch_stride);
+  TmaRows const k = tma_rows(a.k_packed, a.kv_tokens, a.seqlen_k, a.b, a.k_row_stride,
+                            a.k_batch_stride);
+  TmaRows const v = tma_rows(a.k_packed, a.kv_tokens, a.seqlen_k, a.b, a.v_row_stride,
+                            a.v_batch_stride);
+  // The head dim a.d (at most the kernel's): TMA zero-fills the tiles' columns past it.
+  typename Cfg::ShapeQKV shape_q = make_shape(q.rows, a.d, a.h, q.batches);
+  typename Cfg::ShapeQKV shape_k = make_shape(k.rows, a.d, a.h_k, k.batches);
+  typename Cfg::ShapeQKV shape_vt = make_shape(a.d, v.rows, a.h_k, v.batches);
+  auto mQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(a.q)), shape_q,
+                        make_stride(a.q_row_stride, _1{}, a.q_head_stride, q.batch_stride));
+  auto mK = make_tensor(make_gmem_ptr(static_cast<Element const*>(a.k)), shape_k,
+                        make_stride(a.k_row_stride, _1{}, a.k_head_stride, k.batch_stride));
+  auto mVt = make_tensor(make_gmem_ptr(static_cast<Element const*>(a.v)), shape_vt,
+                         make_stride(_1{}, a.v_row_stride, a.v_head_stride, v.batch_stride));
   Params p{make_tma_copy(SM90_TMA_LOAD{}, mQ, typename Cfg::SmemLayoutQ{},
                          select<0, 2>(typename Cfg::TileQK{}), _1{}),
            make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(typename Cfg::SmemLayoutK{}),
                          select<1, 2>(typename Cfg::TileQK{}), _1{}),
            make_tma_copy(SM90_TMA_LOAD{}, mVt, take<0, 2>(typename Cfg::SmemLayoutVt{}),
                          select<1, 2>(typename Cfg::TilePV{}), _1{}),
-           shape_q, shape_k, shape_vt,
-           static_cast<Element*>(a.o), a.o_batch_stride, a.o_row_stride, a.o_head_stride,
-           a.lse, a.lse_batch_stride, a.lse_head_stride, a.lse_row_stride,
-           a.seqlen_q, a.seqlen_k, a.h, a.h / a.h_k, a.bottom_right ? a.seqlen_k - a.seqlen_q : 0,
-           a.scale_softmax, a.scale_softmax_log2,
-           make_scheduler(a, device, Cfg::kBlockM, Cfg::kHeadDim * int(sizeof(Element)))};
+           shape_q, shape_k, shape_vt, a.h / a.h_k,
+           make_scheduler(a, device, Cfg::kBlockM, Cfg::kHeadDim * int(sizeof(Element))), a};
 
-  constexpr auto kernel = fwd_kernel<Cfg, kCausal>;
+  constexpr auto kernel = fwd_kernel<Cfg, kCausal, kLocal>;
   static_assert(sizeof(typename Cfg::SharedStorage) <= 227 * 1024, "over sm90's shared memory");
   const int smem_bytes = int(sizeof(typename Cfg::SharedStorage));
   allow_dynamic_smem<kernel>(smem_bytes);
   const int num_tiles = p.scheduler.num_tiles;
+  if (num_tiles == 0) return;  // thd with every sequence empty (max_seqlen_q = 0)
   const bool persistent = !Cfg::kOStagedInQ && use_persistent_grid(kCausal, a.seqlen_q,
                                                                     Cfg::kHeadDim);
   const int grid = persistent ? std::min(num_tiles, device.sms) : num_tiles;
@@ -107,12 +142,17 @@ void launch(const FwdParams& a, const Device& device, cudaStream_t stream) {
 
 template <class T, int kHeadDim>
 void launch_fwd(const FwdParams& params, const Device& device, cudaStream_t stream) {
-  using Cfg = typename FwdTile<typename CuteElement<T>::type, kHeadDim>::Config;
-  // fwd_declines let through no mask and causal (window_right = 0) only.
-  if (params.window_right == 0) {
-    launch<Cfg, true>(params, device, stream);
+  using Element = typename CuteElement<T>::type;
+  // A left window bound (with or without a right one), a right bound alone (causal: 0), none.
+  if (params.window_left >= 0) {
+    using Cfg = typename FwdTile<Element, kHeadDim, FwdMask::kLocal>::Config;
+    launch<Cfg, false, true>(params, device, stream);
+  } else if (params.window_right >= 0) {
+    using Cfg = typename FwdTile<Element, kHeadDim, FwdMask::kRight>::Config;
+    launch<Cfg, true, false>(params, device, stream);
   } else {
-    launch<Cfg, false>(params, device, stream);
+    using Cfg = typename FwdTile<Element, kHeadDim, FwdMask::kNone>::Config;
+    launch<Cfg, false, false>(params, device, stream);
   }
 }
 
