@@ -98,8 +98,8 @@ int kernel_head_dim(int64_t d) {
 constexpr int kAnyFamily = 0;
 
 // The family that runs a forward on a GPU of compute capability `arch`: sm90 where this build
-// has its kernel, it serves the call and it is the faster (on an H100 1.4-1.6x sm80 at d128;
-// at d256 only from some length on: fwd_slower_than_sm80), else sm80, which serves every
+// has its kernel, it serves the call and it is the faster (1.2-1.6x sm80 at d64 / d128,
+// 1.02-1.5x at d256; between 128 and 192 not measured: fwd_slower_than_sm80), else sm80, which serves every
 // call. `why_not_sm90` says why sm90 was not taken, when it was not.
 tf::Arch fwd_family(const tf::FwdParams& p, int arch, bool bf16, int requested,
                     std::string& why_not_sm90) {

@@ -635,7 +635,8 @@ def test_causal_grid_in_head_groups(split, direction):
     # bf16 K and V of one head (forward); Q, dO and the float dQ accumulator (backward)
     per_head = 2 * s * d * 2 if direction == "forward" else s * d * (2 * 2 + 4)
     fits = torch.cuda.get_device_properties(DEV).L2_cache_size // 3 // per_head
-    b, h = (3, max(1, fits // 2)) if split == "batches" else (1, fits + fits // 2)
+    # heads split: twice a group's heads, so whole groups of `fits` heads divide h on any L2
+    b, h = (3, max(1, fits // 2)) if split == "batches" else (1, 2 * fits)
     group = _heads_per_group(per_head, h, b * h)
     if split == "batches":
         assert h < group < b * h and (b * h) % group, (h, group)

@@ -141,6 +141,21 @@ def test_forward_matches_float64(name, mask, dtype, d):
     check_case(name, mask, dtype, d)
 
 
+# The short-row tiles (d128 unmasked and d64 causal on 128 x 128) run up to a length
+# (fwd_launch.cuh's short_rows), the other tiles (128 x 176, 192 x 128) above it:
+# TRANSFORMER_FA_SM90_SHORT_TILES=0 / 1 forces either, so both meet every case.
+TILE_CASES = [(128, "no_mask"), (64, "causal"), (64, "causal_bottom_right")]
+TILES = {"long_tiles": "0", "short_tiles": "1"}
+
+
+@pytest.mark.parametrize("tiles", sorted(TILES))
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("d, mask", TILE_CASES, ids=[f"d{d}-{m}" for d, m in TILE_CASES])
+def test_forward_tiles_both_ways(monkeypatch, tiles, name, d, mask):
+    monkeypatch.setenv("TRANSFORMER_FA_SM90_SHORT_TILES", TILES[tiles])
+    check_case(name, mask, torch.bfloat16, d)
+
+
 def check_case(name, mask, dtype, d):
     """CASES[name] with MASKS[mask] on the sm90 forward (family 90: an error if it declined
     the call) against float64; the sm80 family on the same call obeys the same rule."""
@@ -473,6 +488,20 @@ def test_varlen_matches_float64(case, mask, fmt, dtype, d):
                               family=80)
     assert torch.equal(torch.isposinf(lse80), torch.isposinf(lse))
     check_varlen(f"{case} {mask} {fmt} sm80", q, k, v, out80, lse80, fmt, lens_q, lens_k,
+                 (left, right), bottom_right)
+
+
+@pytest.mark.parametrize("tiles", sorted(TILES))
+@pytest.mark.parametrize("case", sorted(VARLEN))
+@pytest.mark.parametrize("d, mask", TILE_CASES, ids=[f"d{d}-{m}" for d, m in TILE_CASES])
+def test_varlen_tiles_both_ways(monkeypatch, tiles, case, d, mask):
+    """Varlen thd on each tile of the cases that have two (TILE_CASES)."""
+    monkeypatch.setenv("TRANSFORMER_FA_SM90_SHORT_TILES", TILES[tiles])
+    lens_q, lens_k, h, hkv = VARLEN[case]
+    left, right, bottom_right = WINDOWS[mask]
+    q, k, v = varlen_inputs(lens_q, lens_k, h, hkv, d, torch.bfloat16, "thd")
+    out, lse = run_varlen(q, k, v, "thd", lens_q, lens_k, (left, right), bottom_right, family=90)
+    check_varlen(f"{case} {mask} {tiles}", q, k, v, out, lse, "thd", lens_q, lens_k,
                  (left, right), bottom_right)
 
 

@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -62,6 +64,32 @@ template <class Element, FwdMask kMask> struct FwdTile<Element, 256, kMask> {
 template <class Element> struct FwdTile<Element, 256, FwdMask::kLocal> {
   using Config = FwdConfig<Element, 256, 128, 64, 2, true>;
 };
+
+// Tiles for short rows, where a tile's few key blocks leave its prologue (Q and the first K)
+// and epilogue (O) exposed: d128 unmasked on 128 x 128 (Q, K and V leave room for O, so the
+// grid is persistent and the producer loads the next tile during the epilogue; 128 x 176 runs
+// one CTA per tile); d64 causal on 128 x 128 (192-row tiles leave a third of the last query
+// block empty at s = 512 and 1k). Other cases keep their tile (FwdShortTile = FwdTile).
+template <class Element, int kHeadDim, FwdMask kMask> struct FwdShortTile
+    : FwdTile<Element, kHeadDim, kMask> {};
+template <class Element> struct FwdShortTile<Element, 128, FwdMask::kNone> {
+  using Config = FwdConfig<Element, 128, 128, 128, 2>;
+};
+template <class Element> struct FwdShortTile<Element, 64, FwdMask::kRight> {
+  using Config = FwdConfig<Element, 64, 128, 128, 2>;
+};
+// Where the short-row tile runs: d128 unmasked for keys up to kShortKeys128, d64 causal for
+// queries up to kShortQueries64 (the padded or longest length of the call).
+// TRANSFORMER_FA_SM90_SHORT_TILES=0 / 1 (tests and benchmarks) sets it never / always.
+constexpr int kShortKeys128 = 8192;
+constexpr int kShortQueries64 = 8192;
+inline bool short_rows(int head_dim, bool causal, const FwdParams& p) {
+  const char* forced = std::getenv("TRANSFORMER_FA_SM90_SHORT_TILES");
+  if (forced != nullptr && (forced[0] == '0' || forced[0] == '1') && forced[1] == '\0')
+    return forced[0] == '1';
+  return head_dim == 128 ? !causal && p.seqlen_k <= kShortKeys128
+                         : head_dim == 64 && causal && p.seqlen_q <= kShortQueries64;
+}
 
 // Grid choice measured on the H100 (bf16, batch * seqlen = 16k): at d128 the persistent grid
 // wins where tiles are short (s = 1k: +10% non-causal, +6% causal) and ties non-causal at
@@ -134,10 +162,18 @@ void launch(const FwdParams& a, const Device& device, cudaStream_t stream) {
   allow_dynamic_smem<kernel>(smem_bytes);
   const int num_tiles = p.scheduler.num_tiles;
   if (num_tiles == 0) return;  // thd with every sequence empty (max_seqlen_q = 0)
-  const bool persistent = !Cfg::kOStagedInQ && use_persistent_grid(kCausal, a.seqlen_q,
-                                                                    Cfg::kHeadDim);
+  const bool persistent = use_persistent_grid(kCausal, a.seqlen_q, Cfg::kHeadDim);
   const int grid = persistent ? std::min(num_tiles, device.sms) : num_tiles;
   kernel<<<grid, Cfg::kThreads, smem_bytes, stream>>>(p);
+}
+
+// The short-row tile where `short` says so and the mask case has one, else the tile.
+template <class Tile, class ShortTile, bool kCausal, bool kLocal>
+void launch_tile(bool use_short, const FwdParams& params, const Device& device, cudaStream_t stream) {
+  if constexpr (!std::is_same_v<typename Tile::Config, typename ShortTile::Config>) {
+    if (use_short) return launch<typename ShortTile::Config, kCausal, kLocal>(params, device, stream);
+  }
+  launch<typename Tile::Config, kCausal, kLocal>(params, device, stream);
 }
 
 template <class T, int kHeadDim>
@@ -148,11 +184,13 @@ void launch_fwd(const FwdParams& params, const Device& device, cudaStream_t stre
     using Cfg = typename FwdTile<Element, kHeadDim, FwdMask::kLocal>::Config;
     launch<Cfg, false, true>(params, device, stream);
   } else if (params.window_right >= 0) {
-    using Cfg = typename FwdTile<Element, kHeadDim, FwdMask::kRight>::Config;
-    launch<Cfg, true, false>(params, device, stream);
+    launch_tile<FwdTile<Element, kHeadDim, FwdMask::kRight>,
+                FwdShortTile<Element, kHeadDim, FwdMask::kRight>, true, false>(
+        short_rows(kHeadDim, true, params), params, device, stream);
   } else {
-    using Cfg = typename FwdTile<Element, kHeadDim, FwdMask::kNone>::Config;
-    launch<Cfg, false, false>(params, device, stream);
+    launch_tile<FwdTile<Element, kHeadDim, FwdMask::kNone>,
+                FwdShortTile<Element, kHeadDim, FwdMask::kNone>, false, false>(
+        short_rows(kHeadDim, false, params), params, device, stream);
   }
 }
 

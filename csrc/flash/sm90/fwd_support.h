@@ -28,19 +28,15 @@ inline const char* fwd_declines(const FwdParams& p, int arch) {
 }
 
 // Why the sm80 family is the faster choice for a call that the sm90 forward serves, or nullptr.
-// Measured on the H100 (bf16, batch * s = 16k, 2026-11-24, benchmarks/results/*-sm90-d256 and
-// *-sm90-final): the d256 sm90 kernel (128 x 80 tiles, one CTA per tile) trails sm80 for short
-// rows: non-causal s = 512 (232 vs 262 TFLOPS), causal s <= 2k (135-281 vs 207-298); it leads
-// from non-causal s = 1k (1.07-1.46x) and causal s = 4k (1.14-1.40x).
 // Head dims between 128 and 192 run on sm80's d192 kernel and on sm90's d256 one (a third more
-// columns): not measured against each other, so sm80 keeps them. Below 128 both families pad
-// to the same kernel head dim (64 or 128), where the sm90 kernels ran 1.2-1.6x sm80's.
+// columns): not measured against each other, so sm80 keeps them. Elsewhere sm90 leads at every
+// length: below 128 both families pad to the same kernel head dim (64 or 128), where the sm90
+// kernels ran 1.2-1.6x sm80's (H100, 2026-11-24); at d256, since its QK^T runs as one wgmma
+// per k-slice (cute_config.h), 1.02-1.50x sm80's from s = 512 on, causal or not (H200, bf16,
+// batch * s = 16k, 2026-11-28: benchmarks/results/NVIDIA-H200-2026-11-28-trial-*).
 inline const char* fwd_slower_than_sm80(const FwdParams& p) {
-  const bool causal = p.window_right == 0;
   if (p.d > 128 && p.d <= 192)
     return "its d256 kernel is not measured against the sm80 d192 kernel for 128 < head dim <= 192";
-  if (p.d > 192 && p.seqlen_q < (causal ? 4096 : 1024))
-    return "the sm80 kernels are faster at head dim 256 for this length (measured on the H100)";
   return nullptr;
 }
 
