@@ -98,21 +98,18 @@ int kernel_head_dim(int64_t d) {
 constexpr int kAnyFamily = 0;
 
 // The family that runs a forward on a GPU of compute capability `arch`: sm90 where this build
-// has its kernel, it serves the call and it is the faster (1.2-1.6x sm80 at d64 / d128,
-// 1.02-1.5x at d256; between 128 and 192 not measured: fwd_slower_than_sm80), else sm80, which serves every
+// has its kernel and it serves the call (where it is the faster family: fwd_support.h), else
+// sm80, which serves every
 // call. `why_not_sm90` says why sm90 was not taken, when it was not.
 tf::Arch fwd_family(const tf::FwdParams& p, int arch, bool bf16, int requested,
                     std::string& why_not_sm90) {
   const char* declined = tf::sm90::fwd_declines(p, arch);
-  const char* slower = tf::sm90::fwd_slower_than_sm80(p);
   if (requested == static_cast<int>(tf::Arch::kSm80)) {
     why_not_sm90 = "the sm80 family was requested";
   } else if (declined != nullptr) {
     why_not_sm90 = declined;
   } else if (!tf::has_fwd(tf::Arch::kSm90, bf16, tf::family_head_dim(tf::Arch::kSm90, p.d))) {
     why_not_sm90 = "this build has no sm90 kernel for this dtype and head dim";
-  } else if (requested == kAnyFamily && slower != nullptr) {
-    why_not_sm90 = slower;  // a requested sm90 runs anyway
   } else {
     return tf::Arch::kSm90;
   }

@@ -48,8 +48,8 @@ if args.sm90:
     # 3 x 8 heads x 8 query tiles = 192 tiles: a persistent CTA takes a second tile (Q and the
     # O staging buffer reused) on a 132-SM H100. GQA (8 query heads on 2 KV heads); length 1000
     # (the key tail masked, the query tail not stored); then sq != sk with the bottom-right
-    # diagonal; head dims 64, 128 and 256 (d256 stages O in Q's buffer, and Q goes back to the
-    # producer after the epilogue) and 96 and 200 (the d128 and d256 kernels with columns past
+    # diagonal; head dims 64, 128 and 256 (d256 stages O in Q's buffer, one CTA per tile) and
+    # 96 and 200 (the d128 and d256 kernels with columns past
     # d: zero-filled, not stored); the short-row tiles and the others (d128 unmasked, d64 causal).
     for d, tiles in ((64, "0"), (64, "1"), (128, "0"), (128, "1"), (256, ""), (96, ""), (200, "")):
         os.environ["TRANSFORMER_FA_SM90_SHORT_TILES"] = tiles
@@ -64,8 +64,7 @@ if args.sm90:
     # Varlen thd, ragged: query tiles that start inside a sequence and read the next one's rows
     # (not stored), key tails whose V rows are zeroed, an empty sequence of each side, a
     # one-token one; no mask, causal both ways, windows (the empty-tile path). 7 sequences x
-    # 48 heads: more tiles than SMs, so persistent CTAs take empty tiles after loaded ones (at
-    # d256 those write O without staging it in Q's buffer, where the next Q may be loading).
+    # 48 heads: more tiles than SMs, so persistent CTAs take empty tiles after loaded ones.
     lens_q, lens_k = [1, 63, 65, 200, 0, 5, 129], [1, 63, 65, 200, 9, 0, 81]
     cu_q, cu_k = (torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32,
                                device="cuda") for n in (lens_q, lens_k))

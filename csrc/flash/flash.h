@@ -15,8 +15,8 @@ namespace flash {
 //          bulk dQ reduction in the backward, sm90/bulk_copy.cuh).
 //   kSm90: wgmma, TMA, mbarrier pipelines, warp specialization; sm_90a only (H100, H200).
 //          The forward for the calls sm90/fwd_support.h accepts, the backward for those
-//          sm90/bwd_support.h accepts (both by default where they serve, the forward unless
-//          fwd_slower_than_sm80 objects). The binding runs the others on kSm80.
+//          sm90/bwd_support.h accepts (both by default where they serve: measured faster).
+//          The binding runs the others on kSm80.
 enum class Arch : int { kSm80 = 80, kSm90 = 90 };
 
 enum class DType : int { kFP16 = 0, kBF16 = 1 };

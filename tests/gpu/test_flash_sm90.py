@@ -200,18 +200,19 @@ def test_varlen_other_head_dims_match_float64(d, fmt):
 
 
 def test_auto_family_for_other_head_dims():
-    """d <= 128 runs on sm90 (both families pad to the same kernel head dim); 128 < d <= 192
-    on sm80 (its d192 kernel against sm90's d256: not measured); d > 192 as d256 does."""
+    """Every head dim runs on sm90 by default, at every length (measured faster than sm80:
+    d <= 128 on the same padded kernel head dim, 128 < d <= 192 on the d256 kernel against
+    sm80's d192 one, d256)."""
     def family(d, s, causal=False):
         return EXT.fwd_family(ARCH, True, d, s, s, False, -1, 0 if causal else -1, False, False,
                               False)
 
     assert family(96, 1024) == ["sm90", ""]
     assert family(40, 512, causal=True) == ["sm90", ""]
-    fam, why = family(160, 4096)
-    assert fam == "sm80" and "not measured" in why, why
+    assert family(160, 4096) == ["sm90", ""]
+    assert family(192, 512, causal=True) == ["sm90", ""]
     assert family(200, 4096) == ["sm90", ""]
-    assert family(200, 512)[0] == "sm80"
+    assert family(256, 512, causal=True) == ["sm90", ""]
     assert EXT.fwd_family(ARCH, True, 160, 4096, 4096, False, -1, -1, False, False, False,
                           90) == ["sm90", ""]  # a requested sm90 runs anyway
 
@@ -237,8 +238,6 @@ def test_auto_family_runs_sm90_where_it_serves():
 # (d, sq, sk, varlen, window_left, window_right, bottom_right, alibi, dropout) -> the
 # reason's words
 DECLINED = {
-    "head dim 160": ((160, 4096, 4096, False, -1, -1, False, False, False),
-                     "not measured against the sm80 d192 kernel"),
     "no keys": ((128, 256, 0, False, -1, -1, False, False, False), "at least one key"),
     "alibi": ((128, 256, 256, False, -1, 0, False, True, False), "ALiBi"),
     "dropout": ((128, 256, 256, False, -1, -1, False, False, True), "dropout"),
@@ -337,11 +336,11 @@ def logged_call(monkeypatch, heads, d, alibi=False):
 
 
 def test_debug_log_names_the_family_and_why_not_sm90(monkeypatch):
-    # head dim 160: sm80's d192 kernel, not measured against sm90's d256 one
-    backend, lines = logged_call(monkeypatch, heads=4, d=160)
+    # ALiBi: the sm80 family serves it, the sm90 one does not
+    backend, lines = logged_call(monkeypatch, heads=4, d=128, alibi=True)
     assert backend == "FlashAttention"
-    assert any("FlashAttention kernel family = sm80 (not sm90: its d256 kernel is not measured "
-               "against the sm80 d192 kernel" in line for line in lines), lines
+    assert any("FlashAttention kernel family = sm80 (not sm90: it does not take ALiBi" in line
+               for line in lines), lines
 
 
 def test_requested_sm90_family_declines_with_a_reason(monkeypatch):
@@ -353,19 +352,6 @@ def test_requested_sm90_family_declines_with_a_reason(monkeypatch):
     assert any("Disabling FlashAttention as TRANSFORMER_FA_FLASH_FAMILY=sm90 and the sm90 "
                "kernels do not serve this call: it does not take ALiBi" in line
                for line in lines), lines
-
-
-def test_auto_family_prefers_the_faster_family_at_d256():
-    """At d256 the sm90 kernel trails sm80 on short rows (measured): the default takes sm80
-    there and says why; a requested sm90 still runs sm90."""
-    short_causal = (256, 1024, 1024, False, -1, 0, False, False, False)
-    family, why = EXT.fwd_family(ARCH, True, *short_causal)
-    assert family == "sm80" and "faster at head dim 256" in why, (family, why)
-    assert EXT.fwd_family(ARCH, True, *short_causal, 90)[0] == "sm90"
-    long_causal = (256, 4096, 4096, False, -1, 0, False, False, False)
-    assert EXT.fwd_family(ARCH, True, *long_causal)[0] == "sm90"
-    assert EXT.fwd_family(ARCH, True, 256, 1024, 1024, False, -1, -1, False, False,
-                          False)[0] == "sm90"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -76,9 +76,8 @@ struct TileScheduler {
 // A named tile configuration: kBlockM / 64 consumer warpgroups (2 or 3) of 64 rows each; the
 // producer is the first warpgroup (only its warp 0 works).
 // kOStagedInQ: the epilogue stages O in Q's shared memory (Q, K and V take all of it at
-// d256, and at d128 with 176 keys); the consumers then hand Q back after the epilogue has read
-// O out (not after their last QK^T), so a persistent CTA's next Q waits for it, while the
-// next tile's first K block loads during the epilogue.
+// d256, and at d128 with 176 keys); such a config runs one CTA per tile (a persistent CTA
+// would load the next Q there).
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_,
           bool kOStagedInQ_ = false>
 struct FwdConfig {
@@ -662,11 +661,8 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
         for (; n_block >= n_min; --n_block) { step(n_block, false_type{}); }
       }
 
-      // Every QK^T of this tile is done: the producer may load the next Q (O staged in Q's
-      // buffer: after the epilogue).
-      if constexpr (!Cfg::kOStagedInQ) {
-        named_barrier_arrive(Cfg::kConsumerThreads + 32, kBarQueryEmpty);
-      }
+      // Every QK^T of this tile is done: the producer may load the next Q.
+      named_barrier_arrive(Cfg::kConsumerThreads + 32, kBarQueryEmpty);
       ++q_loads;
 
       // Last PV, then normalize.
@@ -717,19 +713,14 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
     // coalesced global stores. The first barrier keeps this tile's writes
     // after the previous tile's reads of the same rows; the second keeps the reads after
     // every thread's writes (the stores read rows other threads wrote).
-    // O in Q's buffer, a tile that loaded no Q: the producer may be loading the next tile's Q
-    // there, so its zeros go to global memory straight from registers' value (0).
-    bool const staged = !Cfg::kOStagedInQ || n_max > n_min;
-    if (staged) {
-      Tensor tOrO_out = make_tensor<Element>(tOrO.layout());
-      convert_fragment<Element>(tOrO, tOrO_out);
-      // O in Q's buffer: a warpgroup's rows there hold other warpgroups' Q rows, so all must
-      // be done with their last QK^T.
-      if constexpr (Cfg::kOStagedInQ) { named_barrier_sync(Cfg::kConsumerThreads, kBarQueryRead); }
-      named_barrier_sync(128, kBarEpilogueWG0 + consumer_wg);
-      copy(tOrO_out, tOsO);
-      named_barrier_sync(128, kBarEpilogueWG0 + consumer_wg);
-    }
+    Tensor tOrO_out = make_tensor<Element>(tOrO.layout());
+    convert_fragment<Element>(tOrO, tOrO_out);
+    // O in Q's buffer: a warpgroup's rows there hold other warpgroups' Q rows, so all must be
+    // done with their last QK^T.
+    if constexpr (Cfg::kOStagedInQ) { named_barrier_sync(Cfg::kConsumerThreads, kBarQueryRead); }
+    named_barrier_sync(128, kBarEpilogueWG0 + consumer_wg);
+    copy(tOrO_out, tOsO);
+    named_barrier_sync(128, kBarEpilogueWG0 + consumer_wg);
 
     constexpr int kChunksPerRow = kHeadDim / 8;
     int const tid_in_wg = tidx % 128;
@@ -749,16 +740,7 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
     for (int row = tid_in_wg / kChunksPerRow; row < 64; row += kRowStep) {
       if (row < rows_here) {
         *reinterpret_cast<uint4*>(o_tile + int64_t(row) * args.o_row_stride + col) =
-            staged ? *reinterpret_cast<uint4 const*>(&sO(consumer_wg * 64 + row, col))
-                   : make_uint4(0, 0, 0, 0);
-      }
-    }
-    if constexpr (Cfg::kOStagedInQ) {
-      if (n_max > n_min) {
-        // Q's buffer is read out: the producer may load the next Q there (the reads above
-        // before the TMA's writes: proxy fence, then the barrier).
-        cutlass::arch::fence_view_async_shared();
-        named_barrier_arrive(Cfg::kConsumerThreads + 32, kBarQueryEmpty);
+            *reinterpret_cast<uint4 const*>(&sO(consumer_wg * 64 + row, col));
       }
     }
   }

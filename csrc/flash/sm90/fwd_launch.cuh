@@ -67,8 +67,8 @@ template <class Element> struct FwdTile<Element, 256, FwdMask::kLocal> {
 
 // Tiles for short rows, where a tile's few key blocks leave its prologue (Q and the first K)
 // and epilogue (O) exposed: d128 unmasked on 128 x 128 (Q, K and V leave room for O, so the
-// grid is persistent and the producer loads the next tile during the epilogue; 128 x 176 runs
-// one CTA per tile); d64 causal on 128 x 128 (192-row tiles leave a third of the last query
+// grid is persistent and the producer loads the next tile during the epilogue; 128 x 176
+// stages O in Q's buffer and runs one CTA per tile); d64 causal on 128 x 128 (192-row tiles leave a third of the last query
 // block empty at s = 512 and 1k). Other cases keep their tile (FwdShortTile = FwdTile).
 template <class Element, int kHeadDim, FwdMask kMask> struct FwdShortTile
     : FwdTile<Element, kHeadDim, kMask> {};
@@ -79,10 +79,14 @@ template <class Element> struct FwdShortTile<Element, 64, FwdMask::kRight> {
   using Config = FwdConfig<Element, 64, 128, 128, 2>;
 };
 // Where the short-row tile runs: d128 unmasked for keys up to kShortKeys128, d64 causal for
-// queries up to kShortQueries64 (the padded or longest length of the call).
+// queries up to kShortQueries64 (the padded or longest length of the call). Measured side by
+// side (H200, bf16, batch * s = 16k, 2026-11-28, TFLOPS short / other tile): d128 unmasked
+// 479 / 357 at s = 512, 585 / 481 at 1k, 633 / 570 at 2k, 638 / 616 at 4k, 654 / 648 at 8k,
+// 16k about even (645-668 on 128 x 176); d64 causal 204 / 187 at 512, 237 / 227 at 1k, then
+// 315 / 343 at 2k and behind from there.
 // TRANSFORMER_FA_SM90_SHORT_TILES=0 / 1 (tests and benchmarks) sets it never / always.
 constexpr int kShortKeys128 = 8192;
-constexpr int kShortQueries64 = 8192;
+constexpr int kShortQueries64 = 1024;
 inline bool short_rows(int head_dim, bool causal, const FwdParams& p) {
   const char* forced = std::getenv("TRANSFORMER_FA_SM90_SHORT_TILES");
   if (forced != nullptr && (forced[0] == '0' || forced[0] == '1') && forced[1] == '\0')
@@ -162,7 +166,10 @@ void launch(const FwdParams& a, const Device& device, cudaStream_t stream) {
   allow_dynamic_smem<kernel>(smem_bytes);
   const int num_tiles = p.scheduler.num_tiles;
   if (num_tiles == 0) return;  // thd with every sequence empty (max_seqlen_q = 0)
-  const bool persistent = use_persistent_grid(kCausal, a.seqlen_q, Cfg::kHeadDim);
+  // O staged in Q's buffer: the next tile's Q could load only after the epilogue; measured
+  // (d256, H200, 2026-11-28) a persistent grid then ran 0.94-1.01x one CTA per tile.
+  const bool persistent = !Cfg::kOStagedInQ && use_persistent_grid(kCausal, a.seqlen_q,
+                                                                    Cfg::kHeadDim);
   const int grid = persistent ? std::min(num_tiles, device.sms) : num_tiles;
   kernel<<<grid, Cfg::kThreads, smem_bytes, stream>>>(p);
 }

@@ -27,18 +27,11 @@ inline const char* fwd_declines(const FwdParams& p, int arch) {
   return nullptr;
 }
 
-// Why the sm80 family is the faster choice for a call that the sm90 forward serves, or nullptr.
-// Head dims between 128 and 192 run on sm80's d192 kernel and on sm90's d256 one (a third more
-// columns): not measured against each other, so sm80 keeps them. Elsewhere sm90 leads at every
-// length: below 128 both families pad to the same kernel head dim (64 or 128), where the sm90
-// kernels ran 1.2-1.6x sm80's (H100, 2026-11-24); at d256, since its QK^T runs as one wgmma
-// per k-slice (cute_config.h), 1.02-1.50x sm80's from s = 512 on, causal or not (H200, bf16,
-// batch * s = 16k, 2026-11-28: benchmarks/results/NVIDIA-H200-2026-11-28-trial-*).
-inline const char* fwd_slower_than_sm80(const FwdParams& p) {
-  if (p.d > 128 && p.d <= 192)
-    return "its d256 kernel is not measured against the sm80 d192 kernel for 128 < head dim <= 192";
-  return nullptr;
-}
+// Where it serves a call, the sm90 forward is the faster family at every measured length
+// (bf16, batch * s = 16k, causal or not, s = 512-16k), so the binding takes it there: 1.2-1.6x
+// sm80 at d64 / d128 (H100, 2026-11-24); since its QK^T runs as one wgmma per k-slice
+// (cute_config.h), 1.0-1.5x at d256 and 1.03-1.9x at d192 on the d256 kernel against sm80's
+// d192 one (H200, 2026-11-28, benchmarks/results/NVIDIA-H200-2026-11-28-*).
 
 }  // namespace sm90
 }  // namespace flash
