@@ -50,8 +50,9 @@ if args.sm90:
     # (the key tail masked, the query tail not stored); then sq != sk with the bottom-right
     # diagonal; head dims 64, 128 and 256 (d256 stages O in Q's buffer, one CTA per tile) and
     # 96 and 200 (the d128 and d256 kernels with columns past
-    # d: zero-filled, not stored); the short-row tiles and the others (d128 unmasked, d64 causal).
-    for d, tiles in ((64, "0"), (64, "1"), (128, "0"), (128, "1"), (256, ""), (96, ""), (200, "")):
+    # d: zero-filled, not stored); the short-row tiles and the others.
+    for d, tiles in ((64, "0"), (64, "1"), (128, "0"), (128, "1"), (256, "0"), (256, "1"),
+                     (96, ""), (200, "")):
         os.environ["TRANSFORMER_FA_SM90_SHORT_TILES"] = tiles
         for sq, sk, br in ((1000, 1000, False), (300, 700, True)):
             q = torch.randn(3, sq, 8, d, device="cuda", dtype=torch.bfloat16)

@@ -66,33 +66,45 @@ template <class Element> struct FwdTile<Element, 256, FwdMask::kLocal> {
 };
 
 // Tiles for short rows, where a tile's few key blocks leave its prologue (Q and the first K)
-// and epilogue (O) exposed: d128 unmasked on 128 x 128 (Q, K and V leave room for O, so the
-// grid is persistent and the producer loads the next tile during the epilogue; 128 x 176
-// stages O in Q's buffer and runs one CTA per tile); d64 causal on 128 x 128 (192-row tiles leave a third of the last query
-// block empty at s = 512 and 1k). Other cases keep their tile (FwdShortTile = FwdTile).
+// and epilogue (O) exposed, or where a tile's last query or key block is mostly empty: d128
+// unmasked on 128 x 128 (Q, K and V leave room for O, so the grid is persistent and the
+// producer loads the next tile during the epilogue; 128 x 176 stages O in Q's buffer and runs
+// one CTA per tile); d64 on 128 x 128 (192-row tiles leave a third of the last query block
+// empty at s = 512 and 1k); d256 on 128 x 64 (s = 512 in 8 key blocks, not 7 of 80 with the
+// last 32 keys full; causal: less of the diagonal masked). Other cases keep their tile
+// (FwdShortTile = FwdTile).
 template <class Element, int kHeadDim, FwdMask kMask> struct FwdShortTile
     : FwdTile<Element, kHeadDim, kMask> {};
 template <class Element> struct FwdShortTile<Element, 128, FwdMask::kNone> {
   using Config = FwdConfig<Element, 128, 128, 128, 2>;
 };
-template <class Element> struct FwdShortTile<Element, 64, FwdMask::kRight> {
+template <class Element, FwdMask kMask> struct FwdShortTile<Element, 64, kMask> {
   using Config = FwdConfig<Element, 64, 128, 128, 2>;
 };
-// Where the short-row tile runs: d128 unmasked for keys up to kShortKeys128, d64 causal for
-// queries up to kShortQueries64 (the padded or longest length of the call). Measured side by
-// side (H200, bf16, batch * s = 16k, 2026-11-28, TFLOPS short / other tile): d128 unmasked
-// 479 / 357 at s = 512, 585 / 481 at 1k, 633 / 570 at 2k, 638 / 616 at 4k, 654 / 648 at 8k,
-// 16k about even (645-668 on 128 x 176); d64 causal 204 / 187 at 512, 237 / 227 at 1k, then
-// 315 / 343 at 2k and behind from there.
-// TRANSFORMER_FA_SM90_SHORT_TILES=0 / 1 (tests and benchmarks) sets it never / always.
-constexpr int kShortKeys128 = 8192;
-constexpr int kShortQueries64 = 1024;
+template <class Element, FwdMask kMask> struct FwdShortTile<Element, 256, kMask> {
+  using Config = FwdConfig<Element, 256, 128, 64, 2, true>;
+};
+
+// The longest rows that take the short-row tile: keys of an unmasked call, queries of a causal
+// one (the padded or longest length of the call). Measured side by side (H200, bf16,
+// batch * s = 16k, 2026-11-28, TFLOPS short / other tile): d128 unmasked 479 / 357 at
+// s = 512, 585 / 481 at 1k, 633 / 570 at 2k, 638 / 616 at 4k, 654 / 648 at 8k, 16k about even
+// (645-668 on 128 x 176); d64 causal 204 / 187 at 512, 237 / 227 at 1k, then 315 / 343 at 2k
+// and behind from there.
+inline int short_rows_limit(int head_dim, bool causal) {
+  switch (head_dim) {
+    case 64: return 1024;
+    case 128: return causal ? 0 : 8192;
+    default: return 1024;
+  }
+}
+// Whether the call takes the short-row tile; TRANSFORMER_FA_SM90_SHORT_TILES=0 / 1 (tests and
+// benchmarks) sets it never / always.
 inline bool short_rows(int head_dim, bool causal, const FwdParams& p) {
   const char* forced = std::getenv("TRANSFORMER_FA_SM90_SHORT_TILES");
   if (forced != nullptr && (forced[0] == '0' || forced[0] == '1') && forced[1] == '\0')
     return forced[0] == '1';
-  return head_dim == 128 ? !causal && p.seqlen_k <= kShortKeys128
-                         : head_dim == 64 && causal && p.seqlen_q <= kShortQueries64;
+  return (causal ? p.seqlen_q : p.seqlen_k) <= short_rows_limit(head_dim, causal);
 }
 
 // Grid choice measured on the H100 (bf16, batch * seqlen = 16k): at d128 the persistent grid
