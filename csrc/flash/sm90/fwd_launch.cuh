@@ -69,16 +69,17 @@ template <class Element> struct FwdTile<Element, 256, FwdMask::kLocal> {
 // and epilogue (O) exposed, or where a tile's last query or key block is mostly empty: d128
 // unmasked on 128 x 128 (Q, K and V leave room for O, so the grid is persistent and the
 // producer loads the next tile during the epilogue; 128 x 176 stages O in Q's buffer and runs
-// one CTA per tile); d64 on 128 x 128 (192-row tiles leave a third of the last query block
-// empty at s = 512 and 1k); d256 on 128 x 64 (s = 512 in 8 key blocks, not 7 of 80 with the
-// last 32 keys full; causal: less of the diagonal masked). Other cases keep their tile
-// (FwdShortTile = FwdTile).
+// one CTA per tile); d64 causal on 128 x 128 (192-row tiles leave a third of the last query
+// block empty at s = 512 and 1k); d256 on 128 x 64 (s = 512 in 8 key blocks, not 7 of 80 with
+// the last 48 keys empty; causal: less of the diagonal masked). Other cases keep their tile
+// (FwdShortTile = FwdTile): d64 unmasked on 128 x 128 ran 0.87-0.94x its 192 x 128 at every
+// length.
 template <class Element, int kHeadDim, FwdMask kMask> struct FwdShortTile
     : FwdTile<Element, kHeadDim, kMask> {};
 template <class Element> struct FwdShortTile<Element, 128, FwdMask::kNone> {
   using Config = FwdConfig<Element, 128, 128, 128, 2>;
 };
-template <class Element, FwdMask kMask> struct FwdShortTile<Element, 64, kMask> {
+template <class Element> struct FwdShortTile<Element, 64, FwdMask::kRight> {
   using Config = FwdConfig<Element, 64, 128, 128, 2>;
 };
 template <class Element, FwdMask kMask> struct FwdShortTile<Element, 256, kMask> {
@@ -90,12 +91,14 @@ template <class Element, FwdMask kMask> struct FwdShortTile<Element, 256, kMask>
 // batch * s = 16k, 2026-11-28, TFLOPS short / other tile): d128 unmasked 479 / 357 at
 // s = 512, 585 / 481 at 1k, 633 / 570 at 2k, 638 / 616 at 4k, 654 / 648 at 8k, 16k about even
 // (645-668 on 128 x 176); d64 causal 204 / 187 at 512, 237 / 227 at 1k, then 315 / 343 at 2k
-// and behind from there.
+// and behind from there; d256 unmasked 432 / 371 at 512, 549 / 522 at 1k, even at 2k-4k,
+// behind from 8k; d256 causal 257 / 204 at 512, 380 / 330 at 1k, 480 / 445 at 2k, 552 / 566
+// at 4k.
 inline int short_rows_limit(int head_dim, bool causal) {
   switch (head_dim) {
-    case 64: return 1024;
+    case 64: return causal ? 1024 : 0;
     case 128: return causal ? 0 : 8192;
-    default: return 1024;
+    default: return causal ? 2048 : 1024;
   }
 }
 // Whether the call takes the short-row tile; TRANSFORMER_FA_SM90_SHORT_TILES=0 / 1 (tests and
