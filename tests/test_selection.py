@@ -237,3 +237,98 @@ def test_changed_module_settings_are_seen_by_repeated_calls():
     torch.testing.assert_close(
         dpa(q, k, v), tfa.DotProductAttention(2, 8, attn_mask_type="causal",
                                               window_size=(1, 0))(q, k, v))
+
+
+# ---------------------------------------------------------------------------------------------
+# The Hopper preference: FusedAttention first, FlashAttention where measured faster
+# ---------------------------------------------------------------------------------------------
+class FwdFamily:
+    """A stand-in of the binding's fwd_family rule: a fixed answer."""
+
+    def __init__(self, family):
+        self.family = family
+
+    def fwd_family(self, *args):
+        return [self.family, "" if self.family == "sm90" else "why"]
+
+
+def hopper_params(**changes):
+    from test_flash_support import gpu_params
+    base = dict(head_dim_qk=64, head_dim_v=64, max_seqlen_q=4096, max_seqlen_kv=4096,
+                attn_mask_type="no_mask", window_size=(-1, -1), requires_grad=False)
+    base.update(changes)
+    return gpu_params(**base)
+
+
+@pytest.fixture
+def sm90_rule(monkeypatch):
+    from transformer_fa.attention.backends import flash
+    rule = FwdFamily("sm90")
+    monkeypatch.setattr(flash, "_extension", lambda: rule)
+    monkeypatch.delenv("TRANSFORMER_FA_FLASH_FAMILY", raising=False)
+    return rule
+
+
+CAUSAL = dict(attn_mask_type="causal", window_size=(-1, 0))
+
+
+@pytest.mark.parametrize("d,mask,shortest", [(64, {}, 2048), (64, CAUSAL, 8192),
+                                             (256, CAUSAL, 16384)])
+def test_flash_goes_first_on_hopper_from_the_measured_length(sm90_rule, d, mask, shortest):
+    from transformer_fa.attention.backends import flash, fused
+    for s, first in ((shortest // 2, fused), (shortest, flash), (2 * shortest, flash)):
+        p = hopper_params(head_dim_qk=d, head_dim_v=d, max_seqlen_q=s, max_seqlen_kv=s, **mask)
+        assert selection.preference_order(p)[0] is first, (d, mask, s)
+        assert (flash.faster_than_cudnn(p) is None) == (first is fused)
+
+
+@pytest.mark.parametrize("change", [
+    dict(requires_grad=True),                       # training: fwd + bwd never measured faster
+    dict(dtype=torch.float16),                      # measured in bf16 only
+    dict(num_gqa_groups=2),                         # GQA
+    dict(max_seqlen_kv=8192),                       # sq != skv
+    dict(attn_mask_type="padding", window_size=(-1, -1)),  # varlen
+    dict(q_format="thd", kv_format="thd", qkv_format="thd", qkv_layout="thd_thd_thd"),
+    dict(window_size=(128, 0), attn_mask_type="causal"),   # a sliding window
+    dict(head_dim_qk=128, head_dim_v=128),          # d128: below cuDNN in some runs
+    dict(head_dim_qk=32, head_dim_v=32),            # padded to the d64 kernel: not measured
+    dict(head_dim_qk=64, head_dim_v=32),
+    dict(core_attention_bias_type="alibi", alibi_slopes_shape=(4,)),
+    dict(attention_dropout=0.1),
+    dict(compute_capability=(10, 0)),               # not the GPU it was measured on
+])
+def test_fused_stays_first_on_hopper_elsewhere(sm90_rule, change):
+    from transformer_fa.attention.backends import flash, fused
+    p = hopper_params(**change)
+    assert flash.faster_than_cudnn(p) is None
+    if p.compute_capability == (9, 0):
+        assert selection.preference_order(p)[0] is fused
+
+
+def test_flash_is_not_preferred_when_its_sm80_family_would_run(sm90_rule):
+    from transformer_fa.attention.backends import flash, fused
+    sm90_rule.family = "sm80"
+    p = hopper_params()
+    assert flash.faster_than_cudnn(p) is None
+    assert selection.preference_order(p)[0] is fused
+
+
+def test_flash_goes_first_off_hopper():
+    from transformer_fa.attention.backends import flash
+    assert selection.preference_order(hopper_params(compute_capability=(8, 0)))[0] is flash
+
+
+def test_the_hopper_preference_is_in_the_debug_log(sm90_rule, log_lines):
+    selection._configure_logging(logging.DEBUG)
+    both = {"FlashAttention": True, "FusedAttention": True, "UnfusedDotProductAttention": True}
+    selection._log_hopper_preference(hopper_params(), both)
+    assert log_lines[-1] == (
+        "Preferring FlashAttention to FusedAttention on Hopper: its sm90 forward was measured "
+        "faster than cuDNN for forward-only bf16 calls at head dim 64 from s = 2048 (H200, "
+        "2026-11-28)")
+    selection._log_hopper_preference(hopper_params(requires_grad=True), both)
+    assert log_lines[-1].startswith("Preferring FusedAttention to FlashAttention on Hopper: "
+                                    "cuDNN was measured faster for this call shape")
+    count = len(log_lines)
+    selection._log_hopper_preference(hopper_params(), dict(both, FusedAttention=False))
+    assert len(log_lines) == count  # one of the two cannot run: nothing to prefer

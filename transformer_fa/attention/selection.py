@@ -87,13 +87,31 @@ def _configure_logging(level: int) -> None:
 def preference_order(params: AttentionParams) -> Tuple[ModuleType, ...]:
     """Which backend wins when several can run.
 
-    On Hopper (sm90+) cuDNN's fused attention beats FlashAttention-2-class kernels (see
-    benchmarks/results), so FusedAttention goes first there; elsewhere FlashAttention does.
-    The unfused reference is always last.
+    On Hopper (sm90+) cuDNN's fused attention is faster than our kernels for most call shapes
+    (benchmarks/results), so FusedAttention goes first there, except for the shapes where
+    FlashAttention was measured faster (``flash.faster_than_cudnn``); elsewhere FlashAttention
+    goes first. The unfused reference is always last.
     """
     if params.compute_capability is not None and params.compute_capability >= (9, 0):
+        if flash.faster_than_cudnn(params) is not None:
+            return (flash, fused, unfused)
         return (fused, flash, unfused)
     return ALL_BACKENDS
+
+
+def _log_hopper_preference(params: AttentionParams, available: Dict[str, bool]) -> None:
+    """The debug line that says why one of FlashAttention and FusedAttention went first on
+    Hopper, where both could run."""
+    if (params.compute_capability is None or params.compute_capability < (9, 0)
+            or not (available[flash.NAME] and available[fused.NAME])):
+        return
+    why = flash.faster_than_cudnn(params)
+    if why is not None:
+        logger.debug("Preferring %s to %s on Hopper: %s", flash.NAME, fused.NAME, why)
+    else:
+        logger.debug("Preferring %s to %s on Hopper: cuDNN was measured faster for this call "
+                     "shape (FlashAttention first only where flash.FASTER_THAN_CUDNN_FORWARD "
+                     "says)", fused.NAME, flash.NAME)
 
 
 def _run_config(params: AttentionParams) -> dict:
@@ -123,6 +141,8 @@ def _decide(params: AttentionParams, enabled: Dict[str, bool]) -> str:
     available = {b.NAME: not reasons[b.NAME] for b in ALL_BACKENDS}
     logger.debug("Available backends = {%s}",
                  ", ".join(f"{name}={ok}" for name, ok in available.items()))
+    if logger.isEnabledFor(logging.DEBUG):
+        _log_hopper_preference(params, available)
     for backend in preference_order(params):
         if available[backend.NAME]:
             logger.info("Selected backend = %s", backend.NAME)
