@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # One device call: build the flash extension (timed), run its GPU tests, the sanitizers and,
 # unless SKIP_BENCH=1, the standard grid of FlashAttention against its peers; a short summary
-# last. Logs and the built .so go to $OUT (the device tool brings back 8 files: build, pytest,
-# sanitizer and bench logs, the .so, the bench's JSON, Markdown and PNG).
+# last. Logs and the bench's JSON, Markdown and PNG go to $OUT. The built extension stays in
+# the checkout on the device (too large to come back): a later call on the same warm machine
+# can skip the build with PREBUILT (copy it aside first, e.g. into .prebuilt/).
 #   bash tools/flash_device_run.sh
+# The device tool brings back at most 8 files, so the logs also go into one logs.tgz (read
+# with tar xzf) and the test failures are printed again after the summary, last.
 # Settings (environment):
 #   TRANSFORMER_FA_CUDA_ARCHS  build targets (default 90a; "80;90a" times the full build)
 #   PREBUILT=path.so           skip the build, use that extension (same image and Python)
@@ -42,7 +45,6 @@ else
   summary+=("build: rc=$rc in $(( $(date +%s) - start )) s (archs $TRANSFORMER_FA_CUDA_ARCHS, MAX_JOBS=16)")
   [ $rc -eq 0 ] || { grep -E "error" "$OUT/build.log" | head -20; }
 fi
-so=$(find . -path ./.prebuilt -prune -o -name 'transformer_fa_flash*.so' -print | head -1); cp "$so" "$OUT/" 2>/dev/null
 python3 -c "import torch, transformer_fa_flash as m; print('extension ok', m.HEAD_DIMS)" || exit 1
 
 TESTS=${TESTS:-tests/gpu/test_flash.py tests/gpu/test_flash_sm90.py tests/gpu/test_flash_sm90_bwd.py}
@@ -80,3 +82,8 @@ if [ -z "${SKIP_BENCH:-}" ]; then
 fi
 date -u
 printf '%s\n' "${summary[@]}"
+# the logs in one file (the 8-file limit), and the failures last (the output's tail survives)
+(cd "$OUT" && tar czf logs.tgz --ignore-failed-read build.log pytest.log sanitizer.log bench.log \
+  2>/dev/null)
+[ -f "$OUT/pytest.log" ] && grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -25
+true
