@@ -189,7 +189,7 @@ void launch(const FwdParams& a, const Device& device, cudaStream_t stream) {
   kernel<<<grid, Cfg::kThreads, smem_bytes, stream>>>(p);
 }
 
-// The short-row tile where `short` says so and the mask case has one, else the tile.
+// The short-row tile where `use_short` says so and the mask case has one, else the tile.
 template <class Tile, class ShortTile, bool kCausal, bool kLocal>
 void launch_tile(bool use_short, const FwdParams& params, const Device& device, cudaStream_t stream) {
   if constexpr (!std::is_same_v<typename Tile::Config, typename ShortTile::Config>) {

@@ -189,8 +189,9 @@ def reads_kv_pages(p: AttentionParams) -> bool:
 # call shapes where the sm90 forward was measured faster than cuDNN in every run of the grid
 # beside it (bf16, batch * s = 16k, hidden 2048, sq = skv, dense, MHA; H200, 2026-11-28,
 # benchmarks/results/NVIDIA-H200-2026-11-28-*: 1.00-1.20x in each of the six or seven runs
-# with the tiles the default takes, 1.02-1.12x on average per row). Forward only: no row's forward + backward was faster in every run,
-# so training calls keep cuDNN. (head dim, causal) -> the shortest sequence length.
+# with the tiles the default takes, 1.02-1.12x on average per row). Forward only: no row's
+# forward + backward was faster in every run, so training calls keep cuDNN.
+# (head dim, causal) -> the shortest sequence length.
 FASTER_THAN_CUDNN_FORWARD = {(64, False): 2048, (64, True): 8192, (256, True): 16384}
 
 
