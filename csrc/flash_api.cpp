@@ -9,6 +9,7 @@
 #include <pybind11/stl.h>
 
 #include <cmath>
+#include <iterator>
 #include <string>
 
 #include "flash/dispatch.h"
@@ -81,16 +82,6 @@ const tf::Device& device_info(int device) {
     info.arch = major * 10 + minor;
   }
   return info;
-}
-
-// The kernel head dim a head dim d runs on in the family that serves every GPU (the first
-// built-in one >= d), or 0: the head dims the binding takes. A call runs on its family's
-// (tf::family_head_dim).
-int kernel_head_dim(int64_t d) {
-  for (int hd : tf::kKernelHeadDims) {
-    if (d <= hd) return hd;
-  }
-  return 0;
 }
 
 // Which family a forward asks for: 0 the fastest that serves the call, else an Arch value
@@ -167,7 +158,10 @@ int64_t fill_common(tf::FwdParams& p, const char* op, const at::Tensor& q, const
   TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype, op,
               ": q, k, v must have one dtype");
   const int64_t d = q.size(-1);
-  TORCH_CHECK(d % 8 == 0 && kernel_head_dim(d) > 0, op, ": head dim ", num(d),
+  // (the head dims of the sm80 family, which serves every call the binding takes)
+  TORCH_CHECK(d % 8 == 0 && d <= tf::kKernelHeadDims[std::size(tf::kKernelHeadDims) - 1] &&
+                  tf::family_head_dim(tf::Arch::kSm80, static_cast<int>(d)) > 0,
+              op, ": head dim ", num(d),
               " must be a multiple of 8 and at most 256");
   TORCH_CHECK(k.size(-1) == d && v.size(-1) == d, op, ": q, k and v must have one head dim");
   const int64_t h = q.size(-2), h_k = k.size(-2);

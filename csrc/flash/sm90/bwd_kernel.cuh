@@ -103,6 +103,9 @@ struct BwdConfig {
   using SmemLayoutKt = RowsMN<kBlockN, kHeadDim>;
   using SmemLayoutDS = RowsK<kBlockM, kBlockN>;      // dS (query rows, keys)
   using SmemLayoutDSt = RowsMN<kBlockM, kBlockN>;    // dS^T, as the consumers write it
+  // MHA's dK and dV on their way out (after the key loop), in Q's and dO's buffers.
+  using SmemLayoutDKV = SmemLayoutRowsSwizzled<kBlockN, kHeadDim>;
+  static_assert(cosize_v<SmemLayoutDKV> <= cosize_v<SmemLayoutQ>, "dK / dV staging in Q / dO");
 
   // A step's dQ tile: dq_accum's rows of the 8-row groups that its kBlockM query rows touch
   // (a packed sequence may start inside a group), in dq_accum's layout.
@@ -161,6 +164,8 @@ enum : uint32_t {
   kBarDsFree = 14,
   // both consumers' dS in shared memory, and this block's dQ tile free (its previous copy read)
   kBarDsReady = 15,
+  // MHA's dK and dV staged for the global stores (a forward id: the kernels share no CTA)
+  kBarDkvStaged = kBarEpilogueWG0,
 };
 
 // GQA / MQA (h_k < h): the h / h_k query heads of a KV head add their dK and dV. Each CTA
@@ -566,12 +571,18 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   }
   if (m_end > m_begin) {
     named_barrier_sync(Cfg::kConsumerThreads, kBarDsFree);  // the last tile is complete
-    if (dq_issuer) {
+  }
+  // The last block's dQ addition comes after the dK / dV epilogue, not before it: its issuer
+  // may wait for its turn (deterministic, in nanosleep), and a sleeping lane can be left behind
+  // at a convergence point, so that its warp would meet the epilogue's barrier in two parts
+  // (the first counts as the whole warp; the late lane then waits forever).
+  auto finish_dq = [&] {
+    if (m_end > m_begin && dq_issuer) {
       add_dq(m_end - 1);
       sm90::bulk_wait_all();  // the copies have read shared memory before the CTA exits
       if (args.deterministic) { pass_dq_turn(dq_turn(m_end - 1)); }
     }
-  }
+  };
 
   // ---------------- epilogue: dV and dK (times the softmax scale) ----------------
   Tensor cKV = make_identity_tensor(select<0, 1>(typename Cfg::TileKV{}));  // (key, column)
@@ -595,25 +606,37 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
         sm80::atomic_add2(dv_acc + at, tdVrdV(i), tdVrdV(i + 1));
       }
     }
+    finish_dq();
     return;
   }
-  // MHA: every row the sequence owns (padding rows past its length get zeros, as from sm80).
-  Element* dk = static_cast<Element*>(args.dk) +
-                si.k_off(args.dk_batch_stride, args.dk_row_stride) +
-                int64_t(head) * args.dk_head_stride;
-  Element* dv = static_cast<Element*>(args.dv) +
-                si.k_off(args.dv_batch_stride, args.dv_row_stride) +
-                int64_t(head) * args.dv_head_stride;
-  // (columns past the head dim d: none)
+  // MHA: every row the sequence owns (padding rows past its length get zeros, as from sm80),
+  // through shared memory for 16-byte stores: dK and dV staged in Q's and dO's buffers, free
+  // once both warpgroups are past their last GEMM (the barrier after the loop; without query
+  // blocks no GEMM read them), then each warpgroup stores 64 key rows.
   CUTE_UNROLL
-  for (int i = 0; i < size(tdVrdV); ++i) {
-    int const key = key0 + get<0>(tKVcKV(i));
-    int const col = get<1>(tKVcKV(i));
-    if (key < si.rows_k && col < args.d) {
-      dv[int64_t(key) * args.dv_row_stride + col] = Element(tdVrdV(i));
-      dk[int64_t(key) * args.dk_row_stride + col] = Element(tdKrdK(i) * args.scale_softmax);
-    }
-  }
+  for (int i = 0; i < size(tdKrdK); ++i) { tdKrdK(i) *= args.scale_softmax; }
+  Tensor sdK = make_tensor(make_smem_ptr(shared.q.data()), typename Cfg::SmemLayoutDKV{});
+  Tensor sdV = make_tensor(make_smem_ptr(shared.dout.data()), typename Cfg::SmemLayoutDKV{});
+  Tensor tdKrdK_out = make_tensor<Element>(tdKrdK.layout());
+  Tensor tdVrdV_out = make_tensor<Element>(tdVrdV.layout());
+  convert_fragment<Element>(tdKrdK, tdKrdK_out);
+  convert_fragment<Element>(tdVrdV, tdVrdV_out);
+  copy(tdKrdK_out, thr_kv.partition_C(sdK));
+  copy(tdVrdV_out, thr_kv.partition_C(sdV));
+  // (the stores below read rows that the other warpgroup may have written)
+  named_barrier_sync(Cfg::kConsumerThreads, kBarDkvStaged);
+  int const wg = tidx / 128;
+  int const rows = si.rows_k - key0 - wg * 64;
+  int64_t const first = key0 + wg * 64;
+  store_staged_rows<kHeadDim>(static_cast<Element*>(args.dk) +
+                                  si.k_off(args.dk_batch_stride, args.dk_row_stride) +
+                                  int64_t(head) * args.dk_head_stride + first * args.dk_row_stride,
+                              args.dk_row_stride, sdK, wg * 64, rows, args.d, tidx % 128);
+  store_staged_rows<kHeadDim>(static_cast<Element*>(args.dv) +
+                                  si.k_off(args.dv_batch_stride, args.dv_row_stride) +
+                                  int64_t(head) * args.dv_head_stride + first * args.dv_row_stride,
+                              args.dv_row_stride, sdV, wg * 64, rows, args.d, tidx % 128);
+  finish_dq();
 }
 
 }  // namespace sm90

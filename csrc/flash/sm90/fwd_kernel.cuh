@@ -73,6 +73,40 @@ struct TileScheduler {
   }
 };
 
+// A (kRows, kCols) row-major staging tile in shared memory whose 16-byte chunks are XOR-ed by
+// the row's low 3 bits (kCols 64, 128 or 256): the accumulators' row pairs land in different
+// banks without padding, and 16-byte chunks stay whole for the global stores. (The XOR takes
+// the 3 row bits just above a row's own: log2(kCols) - 3 bits of chunk and element index
+// below them.) Forward: O; backward: dK and dV.
+template <int kRows, int kCols>
+using SmemLayoutRowsSwizzled = decltype(composition(
+    Swizzle<3, 3, kCols == 64 ? 3 : kCols == 128 ? 4 : 5>{},
+    Layout<Shape<Int<kRows>, Int<kCols>>, Stride<Int<kCols>, _1>>{}));
+
+// 64 rows of a staged tile `s` (rows row0.. of it; written by other threads, synchronized) to
+// global memory at `gmem` (its rows row_stride elements apart) in 16-byte stores by one
+// warpgroup (tid: 0-127): rows below valid_rows, columns below valid_cols (a head dim under
+// the kernel's: the columns past it are zeros). Each thread keeps one 16-byte column chunk
+// and steps down the rows (the addresses differ by constants, so that no per-chunk offset
+// stays live across a tile loop).
+template <int kCols, class Element, class TensorS>
+__device__ __forceinline__ void store_staged_rows(Element* gmem, int64_t row_stride,
+                                                  TensorS const& s, int row0, int valid_rows,
+                                                  int valid_cols, int tid) {
+  constexpr int kChunksPerRow = kCols / 8;
+  static_assert(128 % kChunksPerRow == 0);
+  constexpr int kRowStep = 128 / kChunksPerRow;
+  int const col = (tid % kChunksPerRow) * 8;
+  int const rows = col < valid_cols ? valid_rows : 0;
+  CUTE_UNROLL
+  for (int row = tid / kChunksPerRow; row < 64; row += kRowStep) {
+    if (row < rows) {
+      *reinterpret_cast<uint4*>(gmem + int64_t(row) * row_stride + col) =
+          *reinterpret_cast<uint4 const*>(&s(row0 + row, col));
+    }
+  }
+}
+
 // A named tile configuration: kBlockM / 64 consumer warpgroups (2 or 3) of 64 rows each; the
 // producer is the first warpgroup (only its warp 0 works).
 // kOStagedInQ: the epilogue stages O in Q's shared memory (Q, K and V take all of it at
@@ -126,17 +160,11 @@ struct FwdConfig {
                                               Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
                                               Step<_2, _1, _3>{}));
   // Output staging: row-major with 8 elements of padding so that the accumulator's row
-  // pairs land in different banks; in Q's buffer (no room for padding) row-major with the
-  // 16-byte chunks of each row XOR-ed by the row's low bits (the same effect; 16-byte chunks
-  // stay whole for the global stores).
+  // pairs land in different banks; in Q's buffer (no room for padding) swizzled instead (the
+  // same effect).
   static constexpr int kOPitch = kHeadDim + 8;
   using SmemLayoutOPadded = Layout<Shape<Int<kBlockM>, Int<kHeadDim>>, Stride<Int<kOPitch>, _1>>;
-  // (the XOR takes the 3 row bits just above a row's own: log2(kHeadDim) - 3 bits of chunk
-  // and element index below them)
-  static constexpr int kRowShift = kHeadDim == 64 ? 3 : kHeadDim == 128 ? 4 : 5;
-  using SmemLayoutOSwizzled = decltype(composition(
-      Swizzle<3, 3, kRowShift>{},
-      Layout<Shape<Int<kBlockM>, Int<kHeadDim>>, Stride<Int<kHeadDim>, _1>>{}));
+  using SmemLayoutOSwizzled = SmemLayoutRowsSwizzled<kBlockM, kHeadDim>;
   using SmemLayoutO = conditional_t<kOStagedInQ, SmemLayoutOSwizzled, SmemLayoutOPadded>;
   static_assert(!kOStagedInQ || ((kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256) &&
                                  cosize_v<SmemLayoutO> <= cosize_v<SmemLayoutQ>),
@@ -722,27 +750,13 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
     copy(tOrO_out, tOsO);
     named_barrier_sync(128, kBarEpilogueWG0 + consumer_wg);
 
-    constexpr int kChunksPerRow = kHeadDim / 8;
-    int const tid_in_wg = tidx % 128;
+    // Of this warpgroup's 64 rows, those the sequence owns.
     Element* o_tile = static_cast<Element*>(args.o) +
                       si.q_off(args.o_batch_stride, args.o_row_stride) +
                       int64_t(head) * args.o_head_stride +
                       int64_t(m0 + consumer_wg * 64) * args.o_row_stride;
-    // Of this warpgroup's 64 rows, those the sequence owns; none where this thread's column
-    // chunk lies past the head dim (d < kHeadDim: the kernel's columns past d are zeros).
-    int const col = (tid_in_wg % kChunksPerRow) * 8;
-    int const rows_here = col < args.d ? rows_in_tile - consumer_wg * 64 : 0;
-    // Each thread keeps one 16-byte column chunk and steps down the rows (the addresses differ
-    // by constants, so that no per-chunk offset stays live across the tile loop).
-    static_assert(128 % kChunksPerRow == 0);
-    constexpr int kRowStep = 128 / kChunksPerRow;
-    CUTE_UNROLL
-    for (int row = tid_in_wg / kChunksPerRow; row < 64; row += kRowStep) {
-      if (row < rows_here) {
-        *reinterpret_cast<uint4*>(o_tile + int64_t(row) * args.o_row_stride + col) =
-            *reinterpret_cast<uint4 const*>(&sO(consumer_wg * 64 + row, col));
-      }
-    }
+    store_staged_rows<kHeadDim>(o_tile, args.o_row_stride, sO, consumer_wg * 64,
+                                rows_in_tile - consumer_wg * 64, args.d, tidx % 128);
   }
 }
 
