@@ -243,13 +243,17 @@ def test_changed_module_settings_are_seen_by_repeated_calls():
 # The Hopper preference: FusedAttention first, FlashAttention where measured faster
 # ---------------------------------------------------------------------------------------------
 class FwdFamily:
-    """A stand-in of the binding's fwd_family rule: a fixed answer."""
+    """A stand-in of the binding's fwd_family and bwd_family rules: fixed answers."""
 
-    def __init__(self, family):
+    def __init__(self, family, bwd="sm90"):
         self.family = family
+        self.bwd = bwd
 
     def fwd_family(self, *args):
         return [self.family, "" if self.family == "sm90" else "why"]
+
+    def bwd_family(self, *args):
+        return [self.bwd, "" if self.bwd == "sm90" else "why"]
 
 
 def hopper_params(**changes):
@@ -282,8 +286,36 @@ def test_flash_goes_first_on_hopper_from_the_measured_length(sm90_rule, d, mask,
         assert (flash.faster_than_cudnn(p) is None) == (first is fused)
 
 
+def test_flash_goes_first_on_hopper_for_training_from_the_measured_length(sm90_rule):
+    from transformer_fa.attention.backends import flash, fused
+    for s, first in ((4096, fused), (8192, flash), (16384, flash)):
+        p = hopper_params(max_seqlen_q=s, max_seqlen_kv=s, requires_grad=True)
+        assert selection.preference_order(p)[0] is first, s
+    assert "forward and backward were measured faster" in flash.faster_than_cudnn(p)
+
+
 @pytest.mark.parametrize("change", [
-    dict(requires_grad=True),                       # training: fwd + bwd never measured faster
+    dict(deterministic=True),                       # its speed is not measured
+    dict(**CAUSAL),                                 # below cuDNN's in a run
+    dict(head_dim_qk=128, head_dim_v=128),
+    dict(head_dim_qk=256, head_dim_v=256, **CAUSAL),  # forward-only rule, sm80 backward
+])
+def test_training_keeps_cudnn_first_on_hopper_elsewhere(sm90_rule, change):
+    from transformer_fa.attention.backends import flash, fused
+    p = hopper_params(max_seqlen_q=16384, max_seqlen_kv=16384, requires_grad=True, **change)
+    assert flash.faster_than_cudnn(p) is None
+    assert selection.preference_order(p)[0] is fused
+
+
+def test_training_keeps_cudnn_first_when_the_sm80_backward_would_run(sm90_rule):
+    from transformer_fa.attention.backends import flash
+    sm90_rule.bwd = "sm80"
+    p = hopper_params(max_seqlen_q=16384, max_seqlen_kv=16384, requires_grad=True)
+    assert flash.faster_than_cudnn(p) is None
+
+
+@pytest.mark.parametrize("change", [
+    dict(requires_grad=True),                       # training: only from s = 8192 (above)
     dict(dtype=torch.float16),                      # measured in bf16 only
     dict(num_gqa_groups=2),                         # GQA
     dict(max_seqlen_kv=8192),                       # sq != skv

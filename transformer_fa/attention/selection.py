@@ -111,7 +111,7 @@ def _log_hopper_preference(params: AttentionParams, available: Dict[str, bool]) 
     else:
         logger.debug("Preferring %s to %s on Hopper: cuDNN was measured faster for this call "
                      "shape (FlashAttention first only where flash.FASTER_THAN_CUDNN_FORWARD "
-                     "says)", fused.NAME, flash.NAME)
+                     "or FASTER_THAN_CUDNN_TRAINING says)", fused.NAME, flash.NAME)
 
 
 def _run_config(params: AttentionParams) -> dict:

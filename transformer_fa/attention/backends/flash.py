@@ -186,33 +186,42 @@ def reads_kv_pages(p: AttentionParams) -> bool:
 
 
 # Where FlashAttention goes before FusedAttention on Hopper (selection.preference_order): the
-# call shapes where the sm90 forward was measured faster than cuDNN in every run of the grid
+# call shapes where our sm90 kernels were measured faster than cuDNN in every run of the grid
 # beside it (bf16, batch * s = 16k, hidden 2048, sq = skv, dense, MHA; H200, 2026-11-28,
-# benchmarks/results/NVIDIA-H200-2026-11-28-*: 1.00-1.20x in each of the six or seven runs
-# with the tiles the default takes, 1.02-1.12x on average per row). Forward only: no row's
-# forward + backward was faster in every run, so training calls keep cuDNN.
-# (head dim, causal) -> the shortest sequence length.
+# benchmarks/results/NVIDIA-H200-2026-11-28-*). (head dim, causal) -> the shortest length.
+# Forward-only calls: the forward alone, 1.00-1.20x in each of six or seven runs with the
+# tiles the default takes (1.02-1.12x on average per row).
 FASTER_THAN_CUDNN_FORWARD = {(64, False): 2048, (64, True): 8192, (256, True): 16384}
+# Training calls: forward + backward time, with the backward's staged dK / dV epilogue:
+# 1.02-1.06x in both runs (bwd-epilogue and that morning's run of the same kernels); the
+# causal and d128 rows were below 1.0x in at least one. Deterministic mode is not measured.
+FASTER_THAN_CUDNN_TRAINING = {(64, False): 8192}
 
 
 def faster_than_cudnn(p: AttentionParams) -> Optional[str]:
     """Why FlashAttention goes before FusedAttention for this call on an sm90 GPU (a call
-    shape of FASTER_THAN_CUDNN_FORWARD, run by the sm90 forward), or None."""
+    shape of FASTER_THAN_CUDNN_FORWARD, or of FASTER_THAN_CUDNN_TRAINING with a gradient, run
+    by the sm90 kernels), or None."""
     window = FlashCall.window_of(p)
-    if (p.compute_capability is None or p.compute_capability[0] != 9 or p.requires_grad
+    if (p.compute_capability is None or p.compute_capability[0] != 9
             or p.dtype != torch.bfloat16 or p.head_dim_qk != p.head_dim_v
             or p.num_gqa_groups != p.num_heads or p.is_varlen
             or p.max_seqlen_q != p.max_seqlen_kv or window not in ((-1, -1), (-1, 0))
-            or p.core_attention_bias_type != "no_bias" or p.attention_dropout > 0.0):
+            or p.core_attention_bias_type != "no_bias" or p.attention_dropout > 0.0
+            or (p.requires_grad and p.deterministic)):
         return None
     causal = window == (-1, 0)
-    shortest = FASTER_THAN_CUDNN_FORWARD.get((p.head_dim_qk, causal))
+    table = FASTER_THAN_CUDNN_TRAINING if p.requires_grad else FASTER_THAN_CUDNN_FORWARD
+    shortest = table.get((p.head_dim_qk, causal))
     if (shortest is None or p.max_seqlen_q < shortest or _extension() is None
-            or uses_decode_kernel(p) or forward_family(p)[0] != "sm90"):
+            or uses_decode_kernel(p) or forward_family(p)[0] != "sm90"
+            or (p.requires_grad and backward_family(p)[0] != "sm90")):
         return None
-    return (f"its sm90 forward was measured faster than cuDNN for forward-only bf16 calls at "
-            f"head dim {p.head_dim_qk}{', causal,' if causal else ''} from s = {shortest} "
-            f"(H200, 2026-11-28)")
+    what = ("its sm90 forward and backward were measured faster than cuDNN for bf16 training "
+            "calls" if p.requires_grad else
+            "its sm90 forward was measured faster than cuDNN for forward-only bf16 calls")
+    return (f"{what} at head dim {p.head_dim_qk}{', causal,' if causal else ''} from "
+            f"s = {shortest} (H200, 2026-11-28)")
 
 
 def describe_choice(p: AttentionParams) -> str:
