@@ -7,8 +7,10 @@ that a benchmark cannot answer. For the GPU machine:
 A case is direction:head_dim:mask:seqlen[:who]: direction fwd or bwd; mask nc (no mask) or c
 (causal); who sm90 (default), sm80, cudnn or fa2. The shape is the benchmark grid's (bf16,
 batch * seqlen = 16k, hidden 2048). Each case runs in a child process under ncu, which
-profiles every kernel inside the NVTX range of one call after a warm-up call (the backward's
-dsum and conversion kernels too), collecting the SpeedOfLight, ComputeWorkloadAnalysis,
+profiles every kernel of one call after a warm-up call (the backward's dsum and conversion
+kernels too), between cudaProfilerStart and Stop: process-wide, since torch's backward
+launches from autograd's own thread, outside the caller's NVTX range (where ncu found no
+kernel of cuDNN's backward). It collects the SpeedOfLight, ComputeWorkloadAnalysis,
 MemoryWorkloadAnalysis, WarpStateStats, LaunchStats and Occupancy sections. Printed per kernel:
 duration, SM / memory / DRAM / L1 throughput, registers, achieved occupancy, issue slots, the
 tensor-pipe metrics that ncu reports, and the six largest warp stall reasons (cycles per issued
@@ -25,7 +27,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-NVTX_RANGE = "tfa_profile"
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis",
             "WarpStateStats", "LaunchStats", "Occupancy")
 # (label, raw metric name) printed when the CSV has them
@@ -60,7 +61,8 @@ def parse_case(text):
 
 
 def run_case(case):
-    """The child: one warm-up call, then one inside the NVTX range that ncu profiles."""
+    """The child: one warm-up call, then one between cudaProfilerStart and Stop (all threads),
+    which ncu profiles."""
     import torch
 
     d, s, causal, who = case["d"], case["s"], case["causal"], case["who"]
@@ -99,15 +101,15 @@ def run_case(case):
                                            retain_graph=True)
     call()
     torch.cuda.synchronize()
-    torch.cuda.nvtx.range_push(NVTX_RANGE)
+    torch.cuda.profiler.start()
     call()
-    torch.cuda.nvtx.range_pop()
     torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
 
 
 def profile(text, metrics):
     """ncu over the child: the raw CSV (one row per kernel), or None with ncu's output."""
-    cmd = ["ncu", "--nvtx", "--nvtx-include", f"{NVTX_RANGE}/", "--csv", "--page", "raw",
+    cmd = ["ncu", "--profile-from-start", "off", "--csv", "--page", "raw",
            "--print-units", "base"]
     for section in SECTIONS:
         cmd += ["--section", section]
