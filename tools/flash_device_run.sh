@@ -50,8 +50,10 @@ python3 -c "import torch, transformer_fa_flash as m; print('extension ok', m.HEA
 TESTS=${TESTS:-tests/gpu/test_flash.py tests/gpu/test_flash_sm90.py tests/gpu/test_flash_sm90_bwd.py}
 if [ "$TESTS" != none ]; then
   # shellcheck disable=SC2086  # (TESTS and PYTEST_ARGS are word lists)
+  # (faulthandler: a test still running after 120 s prints every thread's stack, so that a
+  # kernel that hangs names its test before the timeout kills the run)
   timeout ${TEST_TIMEOUT:-240} python3 -m pytest $TESTS -q -p no:cacheprovider --tb=short \
-    --maxfail=25 ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
+    --maxfail=25 -o faulthandler_timeout=120 ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
   summary+=("pytest rc=$?: $(tail -1 "$OUT/pytest.log")")
   grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -25
 fi

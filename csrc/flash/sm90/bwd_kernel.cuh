@@ -543,6 +543,8 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
       add_dq(m_block - 1);        // the previous block's tile, complete at the barrier
       sm90::bulk_wait_read<1>();  // the copy before it has read this block's tile buffer
     }
+    // (the stmatrix below takes the whole warp, so the issuer's warp is whole again before the
+    // next barrier even when the issuer slept on its turn: see finish_dq below)
     copy(r2s_ds, thr_r2s_ds.retile_S(tdSrdS), tdSsdS);
     cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> wgmma reads
     named_barrier_sync(Cfg::kConsumerThreads, kBarDsReady);
