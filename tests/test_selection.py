@@ -345,6 +345,32 @@ def test_flash_is_not_preferred_when_its_sm80_family_would_run(sm90_rule):
     assert selection.preference_order(p)[0] is fused
 
 
+def test_the_backward_family_between_calls_changes_the_hopper_preference(monkeypatch):
+    """A backward family asked for by name that is not sm90 sends a training call that
+    FlashAttention would take on Hopper back to cuDNN: the decision remembered under one
+    TRANSFORMER_FA_FLASH_BWD_FAMILY must not serve another."""
+    from transformer_fa.attention.backends import flash, fused
+    from transformer_fa.attention.params import FIELD_NAMES
+
+    class Rules(FwdFamily):  # the binding's rule: the backward family asked for wins
+        def bwd_family(self, *args):
+            return ["sm80", "asked for"] if args[-1] == 80 else ["sm90", ""]
+
+    monkeypatch.setattr(flash, "_extension", lambda: Rules("sm90"))
+    for backend in (flash, fused):  # both can run (no GPU here to ask)
+        monkeypatch.setattr(backend, "not_supported_reasons", lambda p: [])
+    params = hopper_params(max_seqlen_q=8192, max_seqlen_kv=8192, requires_grad=True)
+    fields = tuple(getattr(params, name) for name in FIELD_NAMES)
+    chosen = []
+    for family in (None, "sm80", None):
+        if family is None:
+            monkeypatch.delenv("TRANSFORMER_FA_FLASH_BWD_FAMILY", raising=False)
+        else:
+            monkeypatch.setenv("TRANSFORMER_FA_FLASH_BWD_FAMILY", family)
+        chosen.append(selection.select(fields, selection.read_env())[0])
+    assert chosen == [flash, fused, flash]
+
+
 def test_flash_goes_first_off_hopper():
     from transformer_fa.attention.backends import flash
     assert selection.preference_order(hopper_params(compute_capability=(8, 0)))[0] is flash

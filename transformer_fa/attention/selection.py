@@ -36,15 +36,16 @@ SWITCHES = {
 }
 _LOG_LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG}
 _BACKENDS_BY_NAME = {b.NAME: b for b in ALL_BACKENDS}
-_cache: Dict[tuple, str] = {}  # decisions by (fields, switches, log level)
+_cache: Dict[tuple, str] = {}  # decisions by (fields, ENV_VARS' values)
 _entries: Dict[tuple, Tuple[ModuleType, AttentionParams]] = {}  # the same, with params built
 _CACHE_LIMIT = 1024
 _log_level_set = None  # the level last applied to the logger (plain global: cheap to trace)
 
 
+# (the backward's family too: the Hopper preference for training calls asks which would run)
 ENV_VARS = tuple(SWITCHES.values()) + (
     constants.ENV_DEBUG, constants.ENV_DEBUG_LEVEL, constants.ENV_ALLOW_NONDETERMINISTIC_ALGO,
-    constants.ENV_FLASH_FAMILY)
+    constants.ENV_FLASH_FAMILY, flash.ENV_FLASH_BWD_FAMILY)
 # os.getenv encodes the name on every call (a few microseconds for six variables, on every
 # attention call); os.environ's own dict, keyed by the encoded names, answers at once.
 _ENV_DATA = getattr(os.environ, "_data", None)
@@ -156,11 +157,12 @@ def _decide(params: AttentionParams, enabled: Dict[str, bool]) -> str:
 
 
 @torch.compiler.assume_constant_result
-def _select_name(fields: tuple, enabled: Tuple[bool, ...], level: int, family) -> str:
+def _select_name(fields: tuple, enabled: Tuple[bool, ...], level: int, families: tuple) -> str:
     # Under torch.compile this runs once at trace time and its answer is baked into the graph
-    # (which is why it takes plain tuples: those are constants to the tracer). family: the
-    # raw TRANSFORMER_FA_FLASH_FAMILY, which FlashAttention's verdict depends on.
-    key = (fields, enabled, level, family)
+    # (which is why it takes plain tuples: those are constants to the tracer). families: the
+    # raw TRANSFORMER_FA_FLASH_FAMILY and TRANSFORMER_FA_FLASH_BWD_FAMILY, which
+    # FlashAttention's verdict and the Hopper preference depend on.
+    key = (fields, enabled, level, families)
     name = _cache.get(key)
     if name is None:
         params = AttentionParams(*fields)
@@ -223,13 +225,13 @@ def select(fields: tuple, env: tuple) -> Tuple[ModuleType, AttentionParams]:
         fields = tuple(_guard_float(value) if type(value) is float else value
                        for value in fields)
         # assume_constant_result takes constants only: decide for the traced shape's hints.
-        name = _select_name(_static_fields(fields), enabled, log_level(env), env[6])
+        name = _select_name(_static_fields(fields), enabled, log_level(env), env[6:])
         return _BACKENDS_BY_NAME[name], AttentionParams(*fields)
     key = (fields, env)
     entry = _entries.get(key)
     if entry is None:
         enabled = tuple(not _is_zero(value) for value in env[:3])
-        name = _select_name(fields, enabled, log_level(env), env[6])
+        name = _select_name(fields, enabled, log_level(env), env[6:])
         if len(_entries) >= _CACHE_LIMIT:
             _entries.clear()
         entry = _entries[key] = (_BACKENDS_BY_NAME[name], AttentionParams(*fields))
