@@ -31,8 +31,8 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 
 from .. import masks
-from ..constants import (ENV_FLASH_FAMILY, ENV_FLASH_KERNELS, FLASH_FAMILIES, FLASH_FORMAT_CODES,
-                         FLASH_MAX_HEAD_DIM, MAX_GRID_YZ)
+from ..constants import (ENV_FLASH_BWD_FAMILY, ENV_FLASH_FAMILY, ENV_FLASH_KERNELS,
+                         FLASH_FAMILIES, FLASH_FORMAT_CODES, FLASH_MAX_HEAD_DIM, MAX_GRID_YZ)
 from ..params import AttentionInputs, AttentionParams
 from .support import (aligned, dropout_rng_state, fresh, grads_like, never_raises, op_schema,
                       packed_extent, reference_only_reasons)
@@ -112,13 +112,6 @@ def _reasons(p: AttentionParams) -> List[str]:
 
 # Why this backend cannot serve params (each reads after "Disabling <NAME> ").
 not_supported_reasons = never_raises(_reasons)
-
-
-# The backward's kernel family, as TRANSFORMER_FA_FLASH_FAMILY is the forward's (same values).
-# auto runs the sm90 backward (csrc/flash/sm90/bwd_*) where it serves the call on an sm_90 GPU
-# (it measured faster than sm80 there), sm80 elsewhere. A requested sm90 backward that cannot
-# serve a call fails in the binding with the reason (bwd_family in csrc/flash_api.cpp).
-ENV_FLASH_BWD_FAMILY = "TRANSFORMER_FA_FLASH_BWD_FAMILY"
 
 
 def _family_from_env(env: str) -> int:
