@@ -120,7 +120,8 @@ def _version() -> str:
 
 
 def _decide(params: AttentionParams, enabled: Dict[str, bool]) -> str:
-    logger.debug("Running with config=%s", _run_config(params))
+    if logger.isEnabledFor(logging.DEBUG):  # the config asks cuDNN for its versions
+        logger.debug("Running with config=%s", _run_config(params))
     reasons: Dict[str, List[str]] = {}
     for backend in ALL_BACKENDS:
         switch = SWITCHES[backend.NAME]
@@ -233,4 +234,5 @@ def clear_cache() -> None:
     """Forgets every decision, and the backends' own support verdicts and plans."""
     _cache.clear()
     _entries.clear()
+    flash.clear_cache()
     fused.clear_cache()
