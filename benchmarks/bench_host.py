@@ -14,7 +14,7 @@ Where the call meets native code that is not here, a cheap stand-in answers (``s
   as on an H100) and plans are ``StandInPlan``s whose ``run`` does nothing: the Python side
   of ``fused.run`` runs up to ``Plan.run`` (cuDNN's stream, workspace, handle and launch are
   not reached).
-- UnfusedDotProductAttention runs as it is (its times include the CPU math).
+- UnfusedDotProductAttention runs as it is, in float32 (its times include the CPU math).
 
 Each backend is forced as bench_attention forces it (NVTE_*_ATTN). Rows: a decode step
 (b=1, one query token, 32/8 heads, d128, sk=4096, no mask: bench_attention's decode row) and
@@ -169,7 +169,7 @@ ROWS = (
 
 
 def make_call(row: Row, backend: str):
-    """A zero-argument DotProductAttention forward for row (bshd), the module, and q, k, v."""
+    """A zero-argument DotProductAttention forward for row (bshd), and its module."""
     dtype = torch.float32 if backend == "UnfusedDotProductAttention" else torch.bfloat16
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(row.b, row.sq, row.hq, row.d, generator=gen, dtype=dtype)
