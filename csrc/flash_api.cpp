@@ -158,11 +158,13 @@ int64_t fill_common(tf::FwdParams& p, const char* op, const at::Tensor& q, const
   TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype, op,
               ": q, k, v must have one dtype");
   const int64_t d = q.size(-1);
-  // (the head dims of the sm80 family, which serves every call the binding takes)
-  TORCH_CHECK(d % 8 == 0 && d <= tf::kKernelHeadDims[std::size(tf::kKernelHeadDims) - 1] &&
+  // The head dims of the sm80 family, which serves every call the binding takes (the bound
+  // first: it keeps the narrowing to int exact; d = 0 would reach the kernels as an empty tile).
+  constexpr int kMaxHeadDim = tf::kKernelHeadDims[std::size(tf::kKernelHeadDims) - 1];
+  TORCH_CHECK(d > 0 && d % 8 == 0 && d <= kMaxHeadDim &&
                   tf::family_head_dim(tf::Arch::kSm80, static_cast<int>(d)) > 0,
               op, ": head dim ", num(d),
-              " must be a multiple of 8 and at most 256");
+              " must be a positive multiple of 8, at most 256");
   TORCH_CHECK(k.size(-1) == d && v.size(-1) == d, op, ": q, k and v must have one head dim");
   const int64_t h = q.size(-2), h_k = k.size(-2);
   TORCH_CHECK(v.size(-2) == h_k && h_k > 0 && h % h_k == 0, op, ": heads of q (", num(h),

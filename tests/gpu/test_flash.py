@@ -712,7 +712,7 @@ def test_reasons():
         assert reasons and any(words in r for r in reasons), (change, reasons)
 
 
-@pytest.mark.parametrize("bad", ["head_dim", "heads", "sequences"])
+@pytest.mark.parametrize("bad", ["head_dim", "head_dim_0", "heads", "sequences"])
 def test_binding_rejects_bad_input(bad):
     """The binding's own checks raise, numbers in the message included, before any kernel
     runs. More than 65535 sequences (here thd, one token each) are not claimed either: the
@@ -725,6 +725,9 @@ def test_binding_rejects_bad_input(bad):
     if bad == "head_dim":
         q = k = randn(2, 8, 2, 264)
         match = "head dim 264 must be"
+    elif bad == "head_dim_0":
+        q = k = randn(2, 8, 2, 0)
+        match = "head dim 0 must be a positive multiple of 8"
     elif bad == "heads":
         q = randn(2, 8, 3, 64)
         match = r"heads of q \(3\) must be a multiple of those of k/v \(2\)"

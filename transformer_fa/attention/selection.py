@@ -36,7 +36,7 @@ SWITCHES = {
 }
 _LOG_LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG}
 _BACKENDS_BY_NAME = {b.NAME: b for b in ALL_BACKENDS}
-_cache: Dict[tuple, str] = {}  # decisions by (fields, ENV_VARS' values)
+_cache: Dict[tuple, str] = {}  # decisions by (fields, switches, log level, kernel families)
 _entries: Dict[tuple, Tuple[ModuleType, AttentionParams]] = {}  # the same, with params built
 _CACHE_LIMIT = 1024
 _log_level_set = None  # the level last applied to the logger (plain global: cheap to trace)
