@@ -301,6 +301,13 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
   const int hd = tf::family_head_dim(arch, p.d);
   TORCH_CHECK(family != static_cast<int>(tf::Arch::kSm90) || arch == tf::Arch::kSm90,
               "flash_attn_fwd: the sm90 family was requested, but ", why_not_sm90);
+  // The sm90 forward's tile counter (flash.h): its launch zeroes it where it runs the dynamic
+  // scheduler. (Freed at return: the caching allocator reuses it only after this stream's work.)
+  at::Tensor tile_counter;
+  if (arch == tf::Arch::kSm90) {
+    tile_counter = at::empty({1}, q.options().dtype(at::kInt));
+    p.tile_counter = tile_counter.data_ptr<int>();
+  }
   TORCH_CHECK(tf::dispatch_fwd(arch, bf16, hd, p, dev,
                                c10::cuda::getCurrentCUDAStream().stream()),
               "flash_attn_fwd: this build has no ", kernel_name(q.scalar_type(), hd),
