@@ -197,6 +197,10 @@ class OpCounter(TorchDispatchMode):
         self.ops[str(func)] += 1
         return func(*args, **(kwargs or {}))
 
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
 
 def ops_per_call(call) -> Counter:
     counter = OpCounter()
