@@ -43,17 +43,27 @@ Strides strides_of(const at::Tensor& t, int64_t fmt) {
   return {t.stride(0), t.stride(1), t.stride(2)};
 }
 
-void check_tensor(const at::Tensor& t, const char* name, int64_t fmt) {
+void check_layout(const at::Tensor& t, const char* name, int64_t fmt) {
   TORCH_CHECK(t.is_cuda(), "flash_attn: ", name, " must be a CUDA tensor");
   TORCH_CHECK(t.dim() == (fmt == kTHD ? 3 : 4), "flash_attn: ", name, " must be ",
               fmt == kTHD ? "[t, h, d]" : "4-D (sbhd or bshd)", ", got ", dims(t.sizes()));
   TORCH_CHECK(t.stride(-1) == 1, "flash_attn: ", name, " must have a unit stride in d");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
               "flash_attn: ", name, " must be 16-byte aligned");
+}
+
+// (q, k and v: after their head dim's check, since a head dim of 0 gives strides that are no
+// multiple of 8, and the error should name the head dim)
+void check_strides(const at::Tensor& t, const char* name) {
   for (int i = 0; i < t.dim() - 1; ++i) {
     TORCH_CHECK(t.size(i) == 1 || t.stride(i) % 8 == 0, "flash_attn: ", name,
                 " strides must be multiples of 8 elements (16 bytes), got ", dims(t.strides()));
   }
+}
+
+void check_tensor(const at::Tensor& t, const char* name, int64_t fmt) {
+  check_layout(t, name, fmt);
+  check_strides(t, name);
 }
 
 void check_cu(const c10::optional<at::Tensor>& cu, const char* name, int64_t b,
@@ -147,9 +157,9 @@ int64_t fill_common(tf::FwdParams& p, const char* op, const at::Tensor& q, const
                     const c10::optional<at::Tensor>& alibi_slopes, bool kv_paged = false) {
   TORCH_CHECK(q_format >= 0 && q_format <= 2 && kv_format >= 0 && kv_format <= 2, op,
               ": formats are 0 (bshd), 1 (sbhd), 2 (thd)");
-  check_tensor(q, "q", q_format);
-  check_tensor(k, "k", kv_format);
-  check_tensor(v, "v", kv_format);
+  check_layout(q, "q", q_format);
+  check_layout(k, "k", kv_format);
+  check_layout(v, "v", kv_format);
   TORCH_CHECK(k.device() == q.device() && v.device() == q.device(), op,
               ": q, k, v must be on one device");
   const auto dtype = q.scalar_type();
@@ -166,6 +176,9 @@ int64_t fill_common(tf::FwdParams& p, const char* op, const at::Tensor& q, const
               op, ": head dim ", num(d),
               " must be a positive multiple of 8, at most 256");
   TORCH_CHECK(k.size(-1) == d && v.size(-1) == d, op, ": q, k and v must have one head dim");
+  check_strides(q, "q");
+  check_strides(k, "k");
+  check_strides(v, "v");
   const int64_t h = q.size(-2), h_k = k.size(-2);
   TORCH_CHECK(v.size(-2) == h_k && h_k > 0 && h % h_k == 0, op, ": heads of q (", num(h),
               ") must be a multiple of those of k/v (", num(h_k), ")");
@@ -301,6 +314,13 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
   const int hd = tf::family_head_dim(arch, p.d);
   TORCH_CHECK(family != static_cast<int>(tf::Arch::kSm90) || arch == tf::Arch::kSm90,
               "flash_attn_fwd: the sm90 family was requested, but ", why_not_sm90);
+  // The sm90 forward's tile counter (flash.h): its launch zeroes it where it runs the dynamic
+  // scheduler. (Freed at return: the caching allocator reuses it only after this stream's work.)
+  at::Tensor tile_counter;
+  if (arch == tf::Arch::kSm90) {
+    tile_counter = at::empty({1}, q.options().dtype(at::kInt));
+    p.tile_counter = tile_counter.data_ptr<int>();
+  }
   TORCH_CHECK(tf::dispatch_fwd(arch, bf16, hd, p, dev,
                                c10::cuda::getCurrentCUDAStream().stream()),
               "flash_attn_fwd: this build has no ", kernel_name(q.scalar_type(), hd),

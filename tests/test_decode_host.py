@@ -2,16 +2,21 @@
 (a budget: a regression guard, since every op costs the host several microseconds on a
 GPU), the work shared by the layers of one step (RoPE's positions and angles), and the
 one-token write of a decode step (a view, not a gather)."""
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+import sys
+from pathlib import Path
 
 import transformer_fa as tfa
 from transformer_fa.attention import rope
 from kv_cache_cases import (make_params, make_stack, reference_outputs, rope_table,
                             run_schedule, run_stack, sequence_inputs)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench_host import OpCounter  # noqa: E402  (the one op counter)
 
 FORMATS = ("bshd", "sbhd", "thd")
 
@@ -24,22 +29,6 @@ FORMATS = ("bshd", "sbhd", "thd")
 OPS_PER_LAYER = {"bshd": 115, "sbhd": 115, "thd": 109}
 OPS_PER_PAGED_LAYER = 5  # the page table's view and slices
 OPS_PER_STEP = 41
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the torch ops (ATen calls, views included) run inside it."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
-
-    @property
-    def total(self) -> int:
-        return sum(self.ops.values())
 
 
 def decode_step_ops(qkv_format, is_paged, layers):

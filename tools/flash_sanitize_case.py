@@ -29,7 +29,8 @@ parser.add_argument("--sm90", action="store_true",
                     help="only the sm90 family's forward (bshd, its persistent grid looping "
                          "over more tiles than SMs, ragged tails, sq != sk), causal and not; "
                          "then varlen thd (ragged, empty sequences) at d64, d256 and d40 with "
-                         "windows; head dims between the kernels' too")
+                         "windows; head dims between the kernels' too; all of it with the "
+                         "default tile hand-out, then with the dynamic scheduler")
 parser.add_argument("--sm90-backward", action="store_true",
                     help="only the sm90 family's backward: thd with ragged lengths (a tile "
                          "reaching into the next sequence, a one-token sequence) and bshd with "
@@ -45,38 +46,47 @@ args = parser.parse_args()
 
 assert flash._extension() is not None, flash._ext_error
 if args.sm90:
-    # 3 x 8 heads x 8 query tiles = 192 tiles: a persistent CTA takes a second tile (Q and the
-    # O staging buffer reused) on a 132-SM H100. GQA (8 query heads on 2 KV heads); length 1000
-    # (the key tail masked, the query tail not stored); then sq != sk with the bottom-right
-    # diagonal; head dims 64, 128 and 256 (d256 stages O in Q's buffer, one CTA per tile) and
-    # 96 and 200 (the d128 and d256 kernels with columns past
-    # d: zero-filled, not stored); the short-row tiles and the others.
-    for d, tiles in ((64, "0"), (64, "1"), (128, "0"), (128, "1"), (256, "0"), (256, "1"),
-                     (96, ""), (200, "")):
-        os.environ["TRANSFORMER_FA_SM90_SHORT_TILES"] = tiles
-        for sq, sk, br in ((1000, 1000, False), (300, 700, True)):
-            q = torch.randn(3, sq, 8, d, device="cuda", dtype=torch.bfloat16)
-            k, v = (torch.randn(3, sk, 2, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
-            for right in (-1, 0):
-                call = flash.FlashCall("bshd", "bshd", sq, sk, 1 / math.sqrt(d), -1, right, br,
-                                       0.0, False, True, 90)
-                out, lse = flash._fwd_impl(q, k, v, None, None, None, None, call)
-    os.environ.pop("TRANSFORMER_FA_SM90_SHORT_TILES")
-    # Varlen thd, ragged: query tiles that start inside a sequence and read the next one's rows
-    # (not stored), key tails whose V rows are zeroed, an empty sequence of each side, a
-    # one-token one; no mask, causal both ways, windows (the empty-tile path). 7 sequences x
-    # 48 heads: more tiles than SMs, so persistent CTAs take empty tiles after loaded ones.
-    lens_q, lens_k = [1, 63, 65, 200, 0, 5, 129], [1, 63, 65, 200, 9, 0, 81]
-    cu_q, cu_k = (torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32,
-                               device="cuda") for n in (lens_q, lens_k))
-    for d in (64, 256, 40):
-        q = torch.randn(sum(lens_q) + 3, 48, d, device="cuda", dtype=torch.bfloat16)
-        k, v = (torch.randn(sum(lens_k) + 3, 12, d, device="cuda", dtype=torch.bfloat16)
-                for _ in "kv")
-        for left, right, br in ((-1, -1, False), (-1, 0, True), (48, 16, False), (64, 0, False)):
-            call = flash.FlashCall("thd", "thd", max(lens_q), max(lens_k), 1 / math.sqrt(d),
-                                   left, right, br, 0.0, False, True, 90)
-            out, lse = flash._fwd_impl(q, k, v, cu_q, cu_k, None, None, call)
+    # Each case twice: with the default tile hand-out (the persistent grid's static order where
+    # it is persistent), then with the dynamic scheduler (TRANSFORMER_FA_SM90_SCHEDULER:
+    # every d64 / d128 tile on a persistent grid whose CTAs claim tiles from a counter; d256
+    # stays one CTA per tile).
+    for scheduler in ("", "dynamic"):
+        os.environ["TRANSFORMER_FA_SM90_SCHEDULER"] = scheduler
+        # 3 x 8 heads x 8 query tiles = 192 tiles: a persistent CTA takes a second tile (Q and
+        # the O staging buffer reused) on a 132-SM H100. GQA (8 query heads on 2 KV heads);
+        # length 1000 (the key tail masked, the query tail not stored); then sq != sk with the
+        # bottom-right diagonal; head dims 64, 128 and 256 (d256 stages O in Q's buffer, one CTA
+        # per tile) and 96 and 200 (the d128 and d256 kernels with columns past d: zero-filled,
+        # not stored); the short-row tiles and the others.
+        for d, tiles in ((64, "0"), (64, "1"), (128, "0"), (128, "1"), (256, "0"), (256, "1"),
+                         (96, ""), (200, "")):
+            os.environ["TRANSFORMER_FA_SM90_SHORT_TILES"] = tiles
+            for sq, sk, br in ((1000, 1000, False), (300, 700, True)):
+                q = torch.randn(3, sq, 8, d, device="cuda", dtype=torch.bfloat16)
+                k, v = (torch.randn(3, sk, 2, d, device="cuda", dtype=torch.bfloat16)
+                        for _ in "kv")
+                for right in (-1, 0):
+                    call = flash.FlashCall("bshd", "bshd", sq, sk, 1 / math.sqrt(d), -1, right,
+                                           br, 0.0, False, True, 90)
+                    out, lse = flash._fwd_impl(q, k, v, None, None, None, None, call)
+        os.environ.pop("TRANSFORMER_FA_SM90_SHORT_TILES")
+        # Varlen thd, ragged: query tiles that start inside a sequence and read the next one's
+        # rows (not stored), key tails whose V rows are zeroed, an empty sequence of each side,
+        # a one-token one; no mask, causal both ways, windows (the empty-tile path). 7 sequences
+        # x 48 heads: more tiles than SMs, so persistent CTAs take empty tiles after loaded ones.
+        lens_q, lens_k = [1, 63, 65, 200, 0, 5, 129], [1, 63, 65, 200, 9, 0, 81]
+        cu_q, cu_k = (torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32,
+                                   device="cuda") for n in (lens_q, lens_k))
+        for d in (64, 256, 40):
+            q = torch.randn(sum(lens_q) + 3, 48, d, device="cuda", dtype=torch.bfloat16)
+            k, v = (torch.randn(sum(lens_k) + 3, 12, d, device="cuda", dtype=torch.bfloat16)
+                    for _ in "kv")
+            for left, right, br in ((-1, -1, False), (-1, 0, True), (48, 16, False),
+                                    (64, 0, False)):
+                call = flash.FlashCall("thd", "thd", max(lens_q), max(lens_k), 1 / math.sqrt(d),
+                                       left, right, br, 0.0, False, True, 90)
+                out, lse = flash._fwd_impl(q, k, v, cu_q, cu_k, None, None, call)
+    os.environ.pop("TRANSFORMER_FA_SM90_SCHEDULER")
     torch.cuda.synchronize()
     print("sanitize case done (sm90)", out.float().abs().sum().item())
     sys.exit(0)

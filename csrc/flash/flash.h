@@ -93,6 +93,12 @@ struct FwdParams {
   const int64_t* __restrict__ rng_state;
   uint32_t dropout_threshold;
   float dropout_scale;  // 1 / (1 - p)
+
+  // Workspace of the sm90 forward: one int32 on the device, the counter of its dynamic tile
+  // scheduler (sm90/fwd_launch.cuh, FwdScheduler), which the launch zeroes on the call's stream
+  // when it runs that scheduler. The binding allocates it for every sm90 forward; nullptr: the
+  // launch takes the static order instead. No other kernel reads it.
+  int* tile_counter;
 };
 
 // Backward: the forward's tensors and mask, plus the gradients.

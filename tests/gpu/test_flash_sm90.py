@@ -9,6 +9,7 @@ with a float64 reference). Outputs are allocated over NaN-poisoned memory, so an
 kernel does not write fails. Query rows that keep no key have O = 0 and LSE = +inf exactly.
 Skipped without an sm_90 GPU or without the family in the build.
 """
+import json
 import math
 
 import pytest
@@ -157,9 +158,74 @@ def test_forward_tiles_both_ways(monkeypatch, tiles, name, d, mask):
     check_case(name, mask, torch.bfloat16, d)
 
 
-def check_case(name, mask, dtype, d):
+# How the sm90 forward hands tiles to CTAs (fwd_launch.cuh's fwd_scheduler): one CTA per tile
+# ("grid"), a persistent grid in the static snake order ("static"), or one whose CTAs claim
+# tiles from a counter ("dynamic"); TRANSFORMER_FA_SM90_SCHEDULER forces each (the tests above
+# run the default). Head dims 64 and 128, whose tiles keep O out of Q's buffer (the others run
+# one CTA per tile whatever is forced). Every case of CASES: grids that loop (more tiles than
+# SMs), tails, sq != sk, GQA.
+SCHEDULERS = ["dynamic", "grid", "static"]
+SCHEDULER_DIMS = [64, 128]
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("mask", sorted(MASKS))
+@pytest.mark.parametrize("d", SCHEDULER_DIMS, ids=[f"d{d}" for d in SCHEDULER_DIMS])
+def test_forward_schedulers(monkeypatch, scheduler, name, mask, d):
+    monkeypatch.setenv("TRANSFORMER_FA_SM90_SCHEDULER", scheduler)
+    check_case(name, mask, torch.bfloat16, d, sm80=False)
+
+
+def fwd_launches(fn, tmp_path):
+    """(grid size of each sm90 forward kernel that fn() launches, memsets it runs), from the
+    profiler's trace (the kernels' grids are there only)."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    grids = [e["args"]["grid"][0] for e in events
+             if e.get("cat") == "kernel" and "sm90::fwd_kernel" in e.get("name", "")]
+    return grids, sum(e.get("cat") == "gpu_memset" for e in events)
+
+
+def test_scheduler_switch_reaches_the_launch(monkeypatch, tmp_path):
+    """Each forced scheduler launches its grid (one CTA per tile, or one per SM) and only the
+    dynamic one zeroes its counter first; d256 (O staged in Q's buffer) runs one CTA per tile
+    whatever is forced; unset or an unknown value is the default (dynamic for causal calls).
+    Every order computes each tile alike, so O and the LSE agree bit for bit."""
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    b, s, h = 8, 1024, 16  # 8 x 16 x 8 = 1024 tiles of 128 rows (d128 causal, d256 causal)
+    tiles = b * h * s // 128
+    for d, expected in ((128, {None: (sms, 1), "bogus": (sms, 1), "grid": (tiles, 0),
+                               "static": (sms, 0), "dynamic": (sms, 1)}),
+                        (256, {None: (tiles, 0), "grid": (tiles, 0), "static": (tiles, 0),
+                               "dynamic": (tiles, 0)})):
+        q, k, v = make_qkv(b, s, s, h, h, torch.bfloat16, "bshd", d=d)
+        results = {}
+        for scheduler, (grid, memsets) in expected.items():
+            if scheduler is None:
+                monkeypatch.delenv("TRANSFORMER_FA_SM90_SCHEDULER", raising=False)
+            else:
+                monkeypatch.setenv("TRANSFORMER_FA_SM90_SCHEDULER", scheduler)
+
+            def call(scheduler=scheduler):
+                results[scheduler] = run_fwd(q, k, v, "bshd", True, family=90)
+
+            call()  # the first call loads the module
+            assert fwd_launches(call, tmp_path) == ([grid], memsets), (d, scheduler)
+        for scheduler, (out, lse) in results.items():
+            assert torch.equal(out, results[None][0]), (d, scheduler)
+            assert torch.equal(lse, results[None][1]), (d, scheduler)
+
+
+def check_case(name, mask, dtype, d, sm80=True):
     """CASES[name] with MASKS[mask] on the sm90 forward (family 90: an error if it declined
-    the call) against float64; the sm80 family on the same call obeys the same rule."""
+    the call) against float64; the sm80 family on the same call obeys the same rule (unless
+    sm80 is False)."""
     b, sq, sk, h, hkv, layout, gain = CASES[name]
     causal, bottom_right = MASKS[mask]
     if bottom_right and sq == sk:
@@ -172,6 +238,8 @@ def check_case(name, mask, dtype, d):
     base, base_lse = reference(qb, kb, vb, causal, scale, dtype, bottom_right)
     check(f"{name} out", to_bshd(out, layout).double(), ref, base.double(), 1e-3)
     check_lse(f"{name} lse", lse, ref_lse, base_lse)
+    if not sm80:
+        return
     # the sm80 family on the same call obeys the same rule (and so agrees with sm90)
     out80, _ = run_fwd(q, k, v, layout, causal, family=80, bottom_right=bottom_right)
     check(f"{name} sm80 out", to_bshd(out80, layout).double(), ref, base.double(), 1e-3)
@@ -484,11 +552,28 @@ def test_varlen_matches_float64(case, mask, fmt, dtype, d):
 def test_varlen_tiles_both_ways(monkeypatch, tiles, case, d, mask):
     """Varlen thd on each tile of the cases that have two (TILE_CASES)."""
     monkeypatch.setenv("TRANSFORMER_FA_SM90_SHORT_TILES", TILES[tiles])
+    check_varlen_thd(case, mask, d, tiles)
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+@pytest.mark.parametrize("case", sorted(VARLEN))
+@pytest.mark.parametrize("mask", sorted(WINDOWS))
+@pytest.mark.parametrize("d", SCHEDULER_DIMS, ids=[f"d{d}" for d in SCHEDULER_DIMS])
+def test_varlen_schedulers(monkeypatch, scheduler, case, mask, d):
+    """Varlen thd under each scheduler (SCHEDULERS): empty sequences and tiles with no key
+    block among loaded ones ("loops": more tiles than SMs), every mask and window."""
+    monkeypatch.setenv("TRANSFORMER_FA_SM90_SCHEDULER", scheduler)
+    check_varlen_thd(case, mask, d, scheduler)
+
+
+def check_varlen_thd(case, mask, d, label):
+    """VARLEN[case] packed (thd, bf16) with WINDOWS[mask] on the sm90 forward, per sequence
+    against float64."""
     lens_q, lens_k, h, hkv = VARLEN[case]
     left, right, bottom_right = WINDOWS[mask]
     q, k, v = varlen_inputs(lens_q, lens_k, h, hkv, d, torch.bfloat16, "thd")
     out, lse = run_varlen(q, k, v, "thd", lens_q, lens_k, (left, right), bottom_right, family=90)
-    check_varlen(f"{case} {mask} {tiles}", q, k, v, out, lse, "thd", lens_q, lens_k,
+    check_varlen(f"{case} {mask} {label}", q, k, v, out, lse, "thd", lens_q, lens_k,
                  (left, right), bottom_right)
 
 
@@ -508,6 +593,15 @@ def test_windows_dense_matches_float64(mask, d):
                                    (left, right))
         check(f"{mask} {sq}x{sk} out", out.double(), ref, base.double(), 1e-3)
         check_lse(f"{mask} {sq}x{sk} lse", lse, ref_lse, base_lse)
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+@pytest.mark.parametrize("mask", sorted(WINDOWS))
+@pytest.mark.parametrize("d", SCHEDULER_DIMS, ids=[f"d{d}" for d in SCHEDULER_DIMS])
+def test_windows_dense_schedulers(monkeypatch, scheduler, mask, d):
+    """Dense sliding windows under each scheduler (SCHEDULERS)."""
+    monkeypatch.setenv("TRANSFORMER_FA_SM90_SCHEDULER", scheduler)
+    test_windows_dense_matches_float64(mask, d)
 
 
 def test_varlen_auto_family_is_sm90():

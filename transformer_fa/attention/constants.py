@@ -26,4 +26,9 @@ ENV_FLASH_KERNELS = "TRANSFORMER_FA_FLASH_KERNELS"  # the kernel set setup.py bu
 # The flash forward's kernel family: unset or "auto" (the fastest that serves the call),
 # "sm80" or "sm90" (tests and benchmarks compare them).
 ENV_FLASH_FAMILY = "TRANSFORMER_FA_FLASH_FAMILY"
+# The flash backward's kernel family (the same values): auto runs the sm90 backward
+# (csrc/flash/sm90/bwd_*) where it serves the call on an sm_90 GPU (it measured faster than
+# sm80 there), sm80 elsewhere. A requested sm90 backward that cannot serve a call fails in the
+# binding with the reason (bwd_family in csrc/flash_api.cpp).
+ENV_FLASH_BWD_FAMILY = "TRANSFORMER_FA_FLASH_BWD_FAMILY"
 FLASH_FAMILIES = {"auto": 0, "sm80": 80, "sm90": 90}

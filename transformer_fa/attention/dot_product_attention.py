@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from contextlib import nullcontext
 from functools import lru_cache
 from typing import Callable, Optional, Tuple, Union
 
@@ -254,11 +253,11 @@ class DotProductAttention(torch.nn.Module):
             call_key = self._dense_call_key(
                 q, k, v, self.qkv_format if qkv_format is None else qkv_format,
                 self.attn_mask_type if attn_mask_type is None else attn_mask_type,
-                self.window_size if window_size is None else window_size, softcap)
+                self.window_size if window_size is None else window_size, softcap,
+                bottom_right_diagonal)
             if call_key is not None:
                 cache_key = ("attention call", call_key, max_seqlen_q, max_seqlen_kv,
-                             bottom_right_diagonal, *map(_metadata, (cu_seqlens_q, cu_seqlens_kv,
-                                                                     page_table)))
+                             *map(_metadata, (cu_seqlens_q, cu_seqlens_kv, page_table)))
                 hit = step_memo.get(cache_key)
                 if hit is not None:
                     backend, params = hit
@@ -267,13 +266,14 @@ class DotProductAttention(torch.nn.Module):
                     return self._run(backend, self._cache_call_inputs(
                         q, k, v, cu_seqlens_q, cu_seqlens_kv, page_table), params)
         if (attention_mask is None and cu_seqlens_q is None and cu_seqlens_kv is None
-                and max_seqlen_q is None and max_seqlen_kv is None and bottom_right_diagonal is None
+                and max_seqlen_q is None and max_seqlen_kv is None
                 and core_attention_bias_type == "no_bias" and core_attention_bias is None
                 and alibi_slopes is None and not torch.compiler.is_compiling()):
             dense_key = self._dense_call_key(
                 q, k, v, self.qkv_format if qkv_format is None else qkv_format,
                 self.attn_mask_type if attn_mask_type is None else attn_mask_type,
-                self.window_size if window_size is None else window_size, softcap)
+                self.window_size if window_size is None else window_size, softcap,
+                bottom_right_diagonal)
             hit = self._dense_calls.get(dense_key) if dense_key is not None else None
             if hit is not None:
                 backend, params = hit
@@ -391,10 +391,11 @@ class DotProductAttention(torch.nn.Module):
             # A paged KV cache: the pools go on to a backend that reads pages, gathered
             # pages to any other.
             inputs, params = inference.kv_pages_for(backend, inputs, params)
-        # TE draws attention dropout from the tracker's RNG state when one is given.
-        forked = (self.get_rng_state_tracker is not None and params.attention_dropout > 0.0)
-        with self.get_rng_state_tracker().fork() if forked else nullcontext():
-            return backend.run(inputs, params)
+        if self.get_rng_state_tracker is not None and params.attention_dropout > 0.0:
+            # TE draws attention dropout from the tracker's RNG state when one is given.
+            with self.get_rng_state_tracker().fork():
+                return backend.run(inputs, params)
+        return backend.run(inputs, params)
 
     def _init_softmax_offset(self) -> None:
         """TE's softmax_offset: None (vanilla), zeros (off-by-one: a non-persistent buffer, so
@@ -410,29 +411,40 @@ class DotProductAttention(torch.nn.Module):
         else:
             self.softmax_offset = torch.nn.Parameter(zeros)
 
-    def _dense_call_key(self, q, k, v, qkv_format, attn_mask_type, window_size, softcap):
+    def _dense_call_key(self, q, k, v, qkv_format, attn_mask_type, window_size, softcap,
+                        bottom_right_diagonal):
         """Everything a call without masks, lengths or biases is decided by, or None.
 
         Tensor metadata (shape, strides, offset, dtype, device, requires_grad), which tensors
         share a storage (for packed layouts), the call's arguments, the module's settings, the
         grad and deterministic modes and the NVTE_* variables. Equal keys give equal
         validation, layout, params and backend, so a hit skips straight to the backend.
+        (Written out without generators: it is built on every call.)
         """
-        tensors = (q, k, v)
-        if not all(type(t) is torch.Tensor for t in tensors):
+        if type(q) is not torch.Tensor or type(k) is not torch.Tensor or (
+                type(v) is not torch.Tensor):
             return None
         if window_size is not None and type(window_size) is not tuple:
             return None
-        meta = tuple((t.shape, t.stride(), t.storage_offset(), t.dtype, t.get_device(),
-                      t.requires_grad, t.data_ptr() - t.storage_offset() * t.element_size())
-                     for t in tensors)
-        shares = (meta[0][-1] == meta[1][-1], meta[1][-1] == meta[2][-1])
-        meta = tuple(m[:-1] for m in meta)  # the base pointers matter only through `shares`
-        return (meta, shares, qkv_format, attn_mask_type, window_size, softcap,
+        k_storage = _storage_address(k)
+        return (_tensor_metadata(q), _tensor_metadata(k), _tensor_metadata(v),
+                _storage_address(q) == k_storage, k_storage == _storage_address(v),
+                qkv_format, attn_mask_type, window_size, softcap, bottom_right_diagonal,
                 self.softmax_type, self.return_max_logit, self.training,
                 self.attention_dropout, self.softmax_scale, self.num_attention_heads,
                 self.num_gqa_groups, self.head_dim_qk, self.head_dim_v, torch.is_grad_enabled(),
                 torch.are_deterministic_algorithms_enabled(), selection.read_env())
+
+
+def _tensor_metadata(t: torch.Tensor) -> tuple:
+    """What validation, layout detection and the decision read of a tensor in a dense call,
+    besides its storage (``_storage_address``)."""
+    return t.shape, t.stride(), t.storage_offset(), t.dtype, t.device, t.requires_grad
+
+
+def _storage_address(t: torch.Tensor) -> int:
+    """Where t's storage starts (packed layouts: which tensors share one)."""
+    return t.data_ptr() - t.storage_offset() * t.element_size()
 
 
 def _same_tensors(a: AttentionInputs, b: AttentionInputs) -> bool:
@@ -486,6 +498,9 @@ def _check_tuning_args(num_splits, score_mod, score_mod_bprop, score_mod_tensors
     if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool)
                                    or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
+    if (score_mod is None and score_mod_bprop is None and score_mod_tensors is None
+            and score_mod_bprop_tensors is None):
+        return  # every call: no tuple of names to build
     for name, value in (("score_mod", score_mod), ("score_mod_bprop", score_mod_bprop),
                         ("score_mod_tensors", score_mod_tensors),
                         ("score_mod_bprop_tensors", score_mod_bprop_tensors)):

@@ -3,8 +3,8 @@
 Environment (read on every call):
   NVTE_FLASH_ATTN, NVTE_FUSED_ATTN, NVTE_UNFUSED_ATTN   "0" removes that backend
   NVTE_DEBUG=1 with NVTE_DEBUG_LEVEL=0/1/2               warnings / info / debug logs
-The decision is cached per (params, switches, log level), so the hot path is one dict lookup;
-the log lines come when a decision is made.
+The decision is cached per (params, switches, log level, flash kernel families), so the hot
+path is one dict lookup; the log lines come when a decision is made.
 
 Under torch.compile the decision is made once per trace and baked into the graph. With dynamic
 shapes the batch size and sequence lengths are symbolic; the decision is made for the shape
@@ -15,7 +15,6 @@ is static in the graph (changing it recompiles).
 from __future__ import annotations
 
 import logging
-import os
 import platform
 from types import ModuleType
 from typing import Dict, List, Tuple
@@ -23,7 +22,7 @@ from typing import Dict, List, Tuple
 import torch
 from torch.fx.experimental import symbolic_shapes
 
-from . import constants
+from . import constants, environment
 from .backends import ALL_BACKENDS, flash, fused, unfused
 from .params import FIELD_NAMES, AttentionParams
 
@@ -45,18 +44,10 @@ _log_level_set = None  # the level last applied to the logger (plain global: che
 # (the backward's family too: the Hopper preference for training calls asks which would run)
 ENV_VARS = tuple(SWITCHES.values()) + (
     constants.ENV_DEBUG, constants.ENV_DEBUG_LEVEL, constants.ENV_ALLOW_NONDETERMINISTIC_ALGO,
-    constants.ENV_FLASH_FAMILY, flash.ENV_FLASH_BWD_FAMILY)
-# os.getenv encodes the name on every call (a few microseconds for six variables, on every
-# attention call); os.environ's own dict, keyed by the encoded names, answers at once.
-_ENV_DATA = getattr(os.environ, "_data", None)
-_ENV_KEYS = tuple(os.environ.encodekey(n) for n in ENV_VARS) if _ENV_DATA is not None else None
+    constants.ENV_FLASH_FAMILY, constants.ENV_FLASH_BWD_FAMILY)
 
-
-def read_env() -> tuple:
-    """The raw values of ENV_VARS now (None where unset; str or bytes)."""
-    if _ENV_KEYS is not None and not torch.compiler.is_compiling():
-        return tuple(map(_ENV_DATA.get, _ENV_KEYS))
-    return tuple(map(os.environ.get, ENV_VARS))
+# The raw values of ENV_VARS now (None where unset; str or bytes).
+read_env = environment.reader(ENV_VARS)
 
 
 def _is_zero(value) -> bool:
@@ -129,7 +120,8 @@ def _version() -> str:
 
 
 def _decide(params: AttentionParams, enabled: Dict[str, bool]) -> str:
-    logger.debug("Running with config=%s", _run_config(params))
+    if logger.isEnabledFor(logging.DEBUG):  # the config asks cuDNN for its versions
+        logger.debug("Running with config=%s", _run_config(params))
     reasons: Dict[str, List[str]] = {}
     for backend in ALL_BACKENDS:
         switch = SWITCHES[backend.NAME]
@@ -242,4 +234,5 @@ def clear_cache() -> None:
     """Forgets every decision, and the backends' own support verdicts and plans."""
     _cache.clear()
     _entries.clear()
+    flash.clear_cache()
     fused.clear_cache()

@@ -5,7 +5,8 @@
 // and the PV of block n + 1; the consumers take turns issuing their GEMMs (a
 // named-barrier ring) so one's softmax hides under the others' GEMMs.
 // With a persistent grid each CTA loops over tiles, so the producer loads the
-// next tile's K and Q while the consumers finish the last one.
+// next tile's K and Q while the consumers finish the last one; the producer picks
+// the tiles (TileScheduler) and hands each to the consumers through shared memory.
 //
 // The sm90 family's forward kernel; its launch (params -> TMA descriptors, grid) is
 // fwd_launch.cuh. No torch headers here (only the binding includes torch).
@@ -35,21 +36,40 @@ namespace sm90 {
 
 using namespace cute;
 
-// Tile order. Round r hands tiles [r * gridDim.x, (r + 1) * gridDim.x) to the
-// CTAs, in reverse on odd rounds (a snake): with tiles sorted heavy-first, a
-// plain round-robin would give CTA 0 the heaviest tile of every round. One
-// round only when the grid has a CTA per tile. Tiles are (m_block, head,
-// batch). Non-causal: m_block fastest, so the CTAs running at one time share
-// a head's K/V in L2. Causal: heads are taken in groups whose K/V fit in L2
-// together; inside a group the heaviest query blocks (most keys) come first.
+// Tile order. Tiles are (m_block, head, batch), numbered by `decode`. Non-causal: m_block
+// fastest, so the CTAs running at one time share a head's K/V in L2. Causal: heads are taken in
+// groups whose K/V fit in L2 together; inside a group the heaviest query blocks (most keys)
+// come first.
+// A CTA's first tile is blockIdx.x; its producer warp picks each later one (next_tile) and
+// hands every tile, then -1, to the consumer warpgroups through the kernel's tile ring, so
+// that both walk the same sequence. The launch (fwd_launch.cuh, FwdScheduler) chooses how:
+//  - one CTA per tile (gridDim.x = num_tiles): the hardware hands the CTAs out as SMs free up;
+//    round 1 holds no tile.
+//  - static persistent (counter == nullptr, a grid of at most one CTA per SM): round r hands
+//    tiles [r * gridDim.x, (r + 1) * gridDim.x) to the CTAs, in reverse on odd rounds (a
+//    snake: with tiles sorted heavy-first, a plain round-robin would give CTA 0 the heaviest
+//    tile of every round).
+//  - dynamic persistent (counter: an int zeroed before the launch): every later tile comes
+//    from atomicAdd(counter, 1) + gridDim.x, so whichever CTA is free takes the next tile in
+//    the heavy-first order (FlashAttention-3's scheduler). Not measured yet (2026-11-28: written
+//    and compiled, not run on a GPU), so no call takes it by default.
 struct TileScheduler {
   int num_m_blocks, num_heads_batches, heads, heads_per_group, num_tiles;
+  int* counter;  // dynamic: tiles claimed after the first round; nullptr: static
 
-  // This CTA's tile in round `round`, or -1 when there is none (then there is
-  // none in any later round either).
+  // This CTA's tile in round `round` of the static order, or -1 when there is none (then there
+  // is none in any later round either). Round 0 is blockIdx.x in every order.
   __device__ __forceinline__ int tile_of_round(int round) const {
     int const lane = (round & 1) ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
     int const tile = round * int(gridDim.x) + lane;
+    return tile < num_tiles ? tile : -1;
+  }
+
+  // The tile this CTA takes after its tile of round `round`, or -1 when none is left. Dynamic:
+  // each call claims one (an atomic), so one thread calls it per tile.
+  __device__ __forceinline__ int next_tile(int round) const {
+    if (counter == nullptr) { return tile_of_round(round + 1); }
+    int const tile = atomicAdd(counter, 1) + int(gridDim.x);
     return tile < num_tiles ? tile : -1;
   }
 
@@ -175,6 +195,9 @@ struct FwdConfig {
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename Pipeline::PipelineState;
+  // The tile ring (TileScheduler): two slots, so that the producer may hand over the next tile
+  // while the consumers have yet to take the current one.
+  using TilePipeline = cutlass::PipelineAsync<2>;
 
   struct NoOBuffer {};
   using OBuffer = conditional_t<kOStagedInQ, NoOBuffer,
@@ -188,6 +211,8 @@ struct FwdConfig {
     alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_q;
     alignas(16) typename Pipeline::SharedStorage pipe_k;
     alignas(16) typename Pipeline::SharedStorage pipe_v;
+    alignas(16) typename TilePipeline::SharedStorage pipe_tile;
+    int tiles[TilePipeline::Stages];  // the tile ring's slots: tile indices, -1 at the end
   };
 
   // Global tensors as (seqlen, head_dim, heads, batch) for Q/K and
@@ -447,15 +472,27 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   pipe_params.num_consumers = Cfg::kConsumerThreads;
   Pipeline pipe_k(shared.pipe_k, pipe_params, Shape<_1, _1, _1>{});
   Pipeline pipe_v(shared.pipe_v, pipe_params, Shape<_1, _1, _1>{});
+  using TilePipeline = typename Cfg::TilePipeline;
+  typename TilePipeline::Params tile_params;
+  tile_params.role = warpgroup_idx == 0 ? TilePipeline::ThreadCategory::Producer
+                                        : TilePipeline::ThreadCategory::Consumer;
+  tile_params.producer_arv_count = 1;  // the producer's first thread
+  tile_params.consumer_arv_count = Cfg::kConsumerThreads;
+  TilePipeline pipe_tile(shared.pipe_tile, tile_params);
   __syncthreads();  // barrier inits visible to all before any use
 
   Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Cfg::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Cfg::SmemLayoutK{});
   Tensor sVt = make_tensor(make_smem_ptr(shared.v.data()), typename Cfg::SmemLayoutVt{});
 
+  // The tile ring's slot accesses sit between its mbarrier operations, whose asm has no memory
+  // clobber: this keeps the compiler from moving them across.
+  auto compiler_fence = [] { asm volatile("" ::: "memory"); };
+
   // Q loads and their hand-backs: the consumers free Q after every tile that loaded one, and the
   // producer waits for that before every Q load but its first, and once at the end (so that the
-  // named barrier's arrivals and waits stay matched whatever tiles are empty).
+  // named barrier's arrivals and waits stay matched whatever tiles are empty: both sides walk
+  // the same tiles, handed over through the tile ring).
   if (warpgroup_idx == 0) {
     // ---------------- producer: warp 0; its first thread issues every TMA load ----------------
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
@@ -466,15 +503,31 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
     Tensor mVt = params.tma_v.get_tma_tensor(params.shape_vt);
     PipelineState write_k = cutlass::make_producer_start_state<Pipeline>();
     PipelineState write_v = cutlass::make_producer_start_state<Pipeline>();
+    auto write_tile = cutlass::make_producer_start_state<TilePipeline>();
     int q_loads = 0;
-    for (int round = 0, tile = scheduler.tile_of_round(0); tile >= 0;
-         tile = scheduler.tile_of_round(++round)) {
+    // The whole warp walks the tiles (the named barrier below counts it); the first thread
+    // claims each next tile, and the warp takes it from that thread at the top of the loop.
+    int claimed = scheduler.tile_of_round(0);
+    for (int round = 0;; ++round) {
+      int const tile = __shfl_sync(0xffffffff, claimed, 0);
+      pipe_tile.producer_acquire(write_tile);
+      if (leader) {
+        compiler_fence();
+        shared.tiles[write_tile.index()] = tile;
+        compiler_fence();
+        pipe_tile.producer_commit(write_tile);  // (mbarrier.arrive releases the store)
+      }
+      ++write_tile;
+      if (tile < 0) { break; }
       int m_block, head, batch;
       scheduler.template decode<kCausal>(tile, m_block, head, batch);
       SeqInfo const si = seq_info(args, batch);
       int n_min, n_max;
       tile_key_blocks<kBlockM, kBlockN>(si, band_of(args, si), m_block, n_min, n_max);
-      if (n_max <= n_min) { continue; }
+      if (n_max <= n_min) {
+        if (leader) { claimed = scheduler.next_tile(round); }
+        continue;
+      }
       int const head_kv = head / params.heads_per_kv;
       Tensor gQ = local_tile(sequence_rows<0>(mQ, si.q_packed, si.start_q, head, batch),
                              select<0, 2>(typename Cfg::TileQK{}), make_coord(m_block, _0{}));  // (M, D)
@@ -513,6 +566,10 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
           load_k(n_block - 1);
           load_v(n_block);
         }
+        // The next tile is claimed here, when the consumers are a few key blocks from this
+        // tile's end (dynamic: a CTA holds no tile long while others may be free), and the
+        // atomic's latency hides under the wait for the last V stage.
+        claimed = scheduler.next_tile(round);
         load_v(n_min);
       }
       __syncwarp();
@@ -578,8 +635,17 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
 
   PipelineState read_k;   // consumer state starts at stage 0, phase 0
   int q_loads = 0;
-  for (int round = 0, tile = scheduler.tile_of_round(0); tile >= 0;
-       tile = scheduler.tile_of_round(++round)) {
+  // Tiles taken from the ring: one counter across the key loop (a PipelineState's stage and
+  // phase took one register more, and the three-consumer tiles spilled it).
+  for (int taken = 0;; ++taken) {
+    typename TilePipeline::PipelineState const slot(taken % TilePipeline::Stages,
+                                                    (taken / TilePipeline::Stages) % 2, taken);
+    pipe_tile.consumer_wait(slot);
+    compiler_fence();
+    int const tile = shared.tiles[slot.index()];
+    compiler_fence();
+    pipe_tile.consumer_release(slot);
+    if (tile < 0) { break; }
     int m_block, head, batch;
     scheduler.template decode<kCausal>(tile, m_block, head, batch);
     SeqInfo const si = seq_info(args, batch);

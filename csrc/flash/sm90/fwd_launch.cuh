@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include <cuda_bf16.h>
@@ -110,26 +111,42 @@ inline bool short_rows(int head_dim, bool causal, const FwdParams& p) {
   return (causal ? p.seqlen_q : p.seqlen_k) <= short_rows_limit(head_dim, causal);
 }
 
-// Grid choice measured on the H100 (bf16, batch * seqlen = 16k): at d128 the persistent grid
-// wins where tiles are short (s = 1k: +10% non-causal, +6% causal) and ties non-causal at
-// 4k/16k; for longer causal rows the static round-robin loses 5-9% to the hardware's dynamic
-// hand-out of one CTA per tile. d64 causal: persistent 203 / 130 TFLOPS at s = 512 / 1k,
-// one CTA per tile 155 / 228 (2026-11-24; the persistent s = 1k case is not understood yet).
-inline bool use_persistent_grid(bool causal, int seqlen_q, int head_dim) {
-  return !causal || seqlen_q <= (head_dim == 128 ? 1024 : 512);
+// How the CTAs get their tiles (TileScheduler, fwd_kernel.cuh): one CTA per tile, a persistent
+// grid (one CTA per SM at most) in the static snake order, or a persistent grid whose CTAs
+// claim the next tile from a counter as they free up (dynamic). Unmasked rows take the static
+// order (the persistent grid won over one CTA per tile on the H100 at short rows and tied at
+// long ones). Causal rows take the dynamic one: their tiles differ in length, which the static
+// order balances badly and one CTA per tile pays for with a launch per tile. Measured (H200,
+// bf16, batch * s = 16k, 2026-11-28; forward TFLOPS, dynamic vs the old default of static up to
+// 512 (1k at d128) and one CTA per tile above): d64 causal 1k 287 vs 231, 2k 375 vs 335, 4k 428
+// vs 404; d128 causal 2k 521 vs 466, 4k 567 vs 532; even at d256 and on unmasked rows.
+// TRANSFORMER_FA_SM90_SCHEDULER=grid / static / dynamic forces one (tests and benchmarks;
+// anything else: the default). Configs that stage O in Q's buffer run one CTA per tile whatever
+// is chosen (launch).
+enum class FwdScheduler { kGrid, kStatic, kDynamic };
+inline FwdScheduler fwd_scheduler(bool causal) {
+  const char* forced = std::getenv("TRANSFORMER_FA_SM90_SCHEDULER");
+  if (forced != nullptr) {
+    if (std::strcmp(forced, "grid") == 0) return FwdScheduler::kGrid;
+    if (std::strcmp(forced, "static") == 0) return FwdScheduler::kStatic;
+    if (std::strcmp(forced, "dynamic") == 0) return FwdScheduler::kDynamic;
+  }
+  return causal ? FwdScheduler::kDynamic : FwdScheduler::kStatic;
 }
 
 // Causal tiles go in groups of heads whose K and V (row_bytes per row each) fit in about half
 // of the L2 cache together (24 MB of the H100's 50 MB measured best for this kernel).
+// counter: the dynamic order's (zeroed before the launch), or nullptr for the static one.
 inline TileScheduler make_scheduler(const FwdParams& p, const Device& device, int block_m,
-                                    int row_bytes) {
+                                    int row_bytes, int* counter) {
   const int64_t l2_budget = (device.l2_bytes > 0 ? int64_t(device.l2_bytes) : int64_t(48) << 20) / 2;
   const int64_t kv_bytes_per_head = 2 * int64_t(p.seqlen_k) * row_bytes;
   const int heads_batches = p.h * p.b;
   const int per_group = int(std::max<int64_t>(
       1, std::min<int64_t>(heads_batches, l2_budget / kv_bytes_per_head)));
   const int num_m_blocks = (p.seqlen_q + block_m - 1) / block_m;
-  return TileScheduler{num_m_blocks, heads_batches, p.h, per_group, num_m_blocks * heads_batches};
+  return TileScheduler{num_m_blocks, heads_batches, p.h, per_group, num_m_blocks * heads_batches,
+                       counter};
 }
 
 // A call's tensor as the TMA descriptors see it, (rows, d, heads, batch) (V^T: (d, rows, heads,
@@ -160,6 +177,14 @@ void launch(const FwdParams& a, const Device& device, cudaStream_t stream) {
   typename Cfg::ShapeQKV shape_q = make_shape(q.rows, a.d, a.h, q.batches);
   typename Cfg::ShapeQKV shape_k = make_shape(k.rows, a.d, a.h_k, k.batches);
   typename Cfg::ShapeQKV shape_vt = make_shape(a.d, v.rows, a.h_k, v.batches);
+  // O staged in Q's buffer: one CTA per tile, whatever is forced (the next tile's Q could load
+  // only after the epilogue; measured (d256, H200, 2026-11-28) a persistent grid then ran
+  // 0.94-1.01x one CTA per tile). Without the binding's counter (FwdParams::tile_counter) the
+  // dynamic order falls back to the static one.
+  FwdScheduler order = Cfg::kOStagedInQ ? FwdScheduler::kGrid
+                                        : fwd_scheduler(kCausal);
+  if (order == FwdScheduler::kDynamic && a.tile_counter == nullptr) order = FwdScheduler::kStatic;
+  int* const counter = order == FwdScheduler::kDynamic ? a.tile_counter : nullptr;
   auto mQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(a.q)), shape_q,
                         make_stride(a.q_row_stride, _1{}, a.q_head_stride, q.batch_stride));
   auto mK = make_tensor(make_gmem_ptr(static_cast<Element const*>(a.k)), shape_k,
@@ -173,7 +198,8 @@ void launch(const FwdParams& a, const Device& device, cudaStream_t stream) {
            make_tma_copy(SM90_TMA_LOAD{}, mVt, take<0, 2>(typename Cfg::SmemLayoutVt{}),
                          select<1, 2>(typename Cfg::TilePV{}), _1{}),
            shape_q, shape_k, shape_vt, a.h / a.h_k,
-           make_scheduler(a, device, Cfg::kBlockM, Cfg::kHeadDim * int(sizeof(Element))), a};
+           make_scheduler(a, device, Cfg::kBlockM, Cfg::kHeadDim * int(sizeof(Element)), counter),
+           a};
 
   constexpr auto kernel = fwd_kernel<Cfg, kCausal, kLocal>;
   static_assert(sizeof(typename Cfg::SharedStorage) <= 227 * 1024, "over sm90's shared memory");
@@ -181,11 +207,9 @@ void launch(const FwdParams& a, const Device& device, cudaStream_t stream) {
   allow_dynamic_smem<kernel>(smem_bytes);
   const int num_tiles = p.scheduler.num_tiles;
   if (num_tiles == 0) return;  // thd with every sequence empty (max_seqlen_q = 0)
-  // O staged in Q's buffer: the next tile's Q could load only after the epilogue; measured
-  // (d256, H200, 2026-11-28) a persistent grid then ran 0.94-1.01x one CTA per tile.
-  const bool persistent = !Cfg::kOStagedInQ && use_persistent_grid(kCausal, a.seqlen_q,
-                                                                    Cfg::kHeadDim);
-  const int grid = persistent ? std::min(num_tiles, device.sms) : num_tiles;
+  // (the counter is this call's own, zeroed on its stream: ordered before the kernel)
+  if (counter != nullptr) cudaMemsetAsync(counter, 0, sizeof(int), stream);
+  const int grid = order == FwdScheduler::kGrid ? num_tiles : std::min(num_tiles, device.sms);
   kernel<<<grid, Cfg::kThreads, smem_bytes, stream>>>(p);
 }
 

@@ -26,13 +26,13 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-from typing import List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from .. import masks
-from ..constants import (ENV_FLASH_FAMILY, ENV_FLASH_KERNELS, FLASH_FAMILIES, FLASH_FORMAT_CODES,
-                         FLASH_MAX_HEAD_DIM, MAX_GRID_YZ)
+from .. import environment, masks
+from ..constants import (ENV_FLASH_BWD_FAMILY, ENV_FLASH_FAMILY, ENV_FLASH_KERNELS,
+                         FLASH_FAMILIES, FLASH_FORMAT_CODES, FLASH_MAX_HEAD_DIM, MAX_GRID_YZ)
 from ..params import AttentionInputs, AttentionParams
 from .support import (aligned, dropout_rng_state, fresh, grads_like, never_raises, op_schema,
                       packed_extent, reference_only_reasons)
@@ -112,13 +112,6 @@ def _reasons(p: AttentionParams) -> List[str]:
 
 # Why this backend cannot serve params (each reads after "Disabling <NAME> ").
 not_supported_reasons = never_raises(_reasons)
-
-
-# The backward's kernel family, as TRANSFORMER_FA_FLASH_FAMILY is the forward's (same values).
-# auto runs the sm90 backward (csrc/flash/sm90/bwd_*) where it serves the call on an sm_90 GPU
-# (it measured faster than sm80 there), sm80 elsewhere. A requested sm90 backward that cannot
-# serve a call fails in the binding with the reason (bwd_family in csrc/flash_api.cpp).
-ENV_FLASH_BWD_FAMILY = "TRANSFORMER_FA_FLASH_BWD_FAMILY"
 
 
 def _family_from_env(env: str) -> int:
@@ -447,6 +440,36 @@ def _alibi_slopes(inputs: AttentionInputs, p: AttentionParams, device) -> torch.
     return slopes
 
 
+def _plan(p: AttentionParams, need_grad: bool) -> Tuple[FlashCall, bool]:
+    """(the call's FlashCall, whether the split-KV decode kernel runs it)."""
+    return (FlashCall.from_params(p, return_lse=need_grad),
+            not need_grad and uses_decode_kernel(p))
+
+
+# _plan by (params, need_grad, the raw kernel-family variables: all it reads besides the
+# params), for eager calls: built anew it costs several µs of a call's host time (two
+# environment reads, the params' properties). Emptied by selection.clear_cache.
+_read_families = environment.reader((ENV_FLASH_FAMILY, ENV_FLASH_BWD_FAMILY))
+_plans: Dict[tuple, Tuple[FlashCall, bool]] = {}
+_PLANS_LIMIT = 1024
+
+
+def _remembered_plan(p: AttentionParams, need_grad: bool) -> Tuple[FlashCall, bool]:
+    key = (p, need_grad, _read_families())
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plan(p, need_grad)  # raises on a bad family variable, every call
+        if len(_plans) >= _PLANS_LIMIT:
+            _plans.clear()
+        _plans[key] = plan
+    return plan
+
+
+def clear_cache() -> None:
+    """Forgets the remembered plans (selection.clear_cache calls it)."""
+    _plans.clear()
+
+
 def run(inputs: AttentionInputs, params: AttentionParams) -> torch.Tensor:
     p = params
     q, k, v = inputs.q, inputs.k, inputs.v
@@ -457,12 +480,13 @@ def run(inputs: AttentionInputs, params: AttentionParams) -> torch.Tensor:
     slopes = _alibi_slopes(inputs, p, q.device) if p.core_attention_bias_type == "alibi" else None
     need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                              or v.requires_grad)
-    call = FlashCall.from_params(p, return_lse=need_grad)
-    if not need_grad and uses_decode_kernel(p):
+    compiling = p.is_compiling or torch.compiler.is_compiling()
+    # Traced code builds the plan anew, as it did before the memo (no dict for the tracer).
+    call, decode = _plan(p, need_grad) if compiling else _remembered_plan(p, need_grad)
+    if decode:
         _require_extension()
         out = _decode(q, k, v, cu_q, cu_kv, inputs.page_table, call)
-        return out.view(*out.shape[:-2], out.shape[-2] * out.shape[-1])
-    if p.is_compiling or torch.compiler.is_compiling():
+    elif compiling:
         out = torch.ops.transformer_fa.flash_attn_fwd(q, k, v, cu_q, cu_kv, rng, slopes,
                                                       *call)[0]
     else:
@@ -471,7 +495,7 @@ def run(inputs: AttentionInputs, params: AttentionParams) -> torch.Tensor:
             out = _FlashAttnFunction.apply(q, k, v, cu_q, cu_kv, rng, slopes, call)
         else:
             out = _fwd_impl(q, k, v, cu_q, cu_kv, rng, slopes, call)[0]
-    return out.view(*out.shape[:-2], out.shape[-2] * out.shape[-1])
+    return out.flatten(-2)  # heads merged (out is contiguous)
 
 
 # --------------------------------------------------------------------------------------------

@@ -122,5 +122,5 @@ def run(inputs: AttentionInputs, params: AttentionParams) -> torch.Tensor:
     elif need_grad:
         out = ops.FusedAttnFunction.apply(q, k, v, bias, cu_q, cu_kv, rng, call)
     else:
-        out = ops.fwd_impl(q, k, v, bias, cu_q, cu_kv, rng, call)[0]
-    return out.view(*out.shape[:-2], out.shape[-2] * out.shape[-1])
+        out = ops.fwd_core(q, k, v, bias, cu_q, cu_kv, rng, call)[0]  # no stats to make
+    return out.flatten(-2)  # heads merged (out is contiguous)

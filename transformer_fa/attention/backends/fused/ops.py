@@ -39,18 +39,19 @@ def _tensors_key(call: FusedCall, q, k, v, bias, cu_q) -> tuple:
 
 def fwd_impl(q, k, v, bias, cu_q, cu_kv, rng, call: FusedCall):
     """(out [*q.shape[:-1], dv] in q's format, stats float32 or an empty tensor)."""
-    return fwd_core(q, k, v, bias, cu_q, cu_kv, rng, call)[:2]
+    out, stats, _ = fwd_core(q, k, v, bias, cu_q, cu_kv, rng, call)
+    return out, stats if stats is not None else out.new_empty((0,), dtype=torch.float32)
 
 
 def fwd_core(q, k, v, bias, cu_q, cu_kv, rng, call: FusedCall):
-    """(out, stats, key): key identifies q, k, v, bias and call, or is None when the call ran
-    on copies (misaligned or refused strides)."""
+    """(out, stats or None where call.return_stats is not set, key): key identifies q, k, v,
+    bias and call, or is None when the call ran on copies (misaligned or refused strides)."""
     if bias is not None:
         bias = _prepare_bias(bias, q.dtype)
     key = _tensors_key(call, q, k, v, bias, cu_q)
     plan = CACHE.plan(CACHE.forward, key, lambda: fwd_spec(call, q, k, v, bias, cu_q), (q, k, v))
     if plan is CONTIGUOUS or (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
-        out, stats = fwd_impl(fresh(q), fresh(k), fresh(v), bias, cu_q, cu_kv, rng, call)
+        out, stats, _ = fwd_core(fresh(q), fresh(k), fresh(v), bias, cu_q, cu_kv, rng, call)
         return out, stats, None
 
     spec = plan.spec
@@ -59,12 +60,11 @@ def fwd_core(q, k, v, bias, cu_q, cu_kv, rng, call: FusedCall):
     out = alloc((*q.shape[:-1], spec.dv), dtype=q.dtype, device=dev)
     pack = {graph.Q: q.data_ptr(), graph.K: k.data_ptr(), graph.V: v.data_ptr(),
             graph.O: out.data_ptr()}
+    stats = None
     if spec.stats is not None:
         shape = (q.shape[0], spec.hq, 1) if spec.ragged_q else (spec.b, spec.hq, spec.sq, 1)
         stats = torch.empty(shape, dtype=torch.float32, device=dev)
         pack[graph.STATS] = stats.data_ptr()
-    else:
-        stats = out.new_empty((0,), dtype=torch.float32)
     if bias is not None:
         pack[graph.BIAS] = bias.data_ptr()
     if spec.dropout > 0.0:
