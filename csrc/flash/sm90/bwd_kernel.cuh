@@ -119,6 +119,10 @@ struct BwdConfig {
   // The LSE and dsum of a query block, stored by one producer warp beside Q and dO's stages.
   using PipelineRows = cutlass::PipelineAsync<kStages>;
   static_assert(std::is_same_v<PipelineState, typename PipelineRows::PipelineState>);
+  // A query block's dQ tile, written by the consumers into one of two buffers, added into
+  // dq_accum by the dQ writer (one thread of producer warp 2), which frees the buffer once
+  // the addition has read it.
+  using PipelineDq = cutlass::PipelineAsync<2>;
 
   struct SharedStorage {
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
@@ -126,13 +130,14 @@ struct BwdConfig {
     cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
     cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> v;
     cute::array_aligned<Element, cosize_v<SmemLayoutDS>, 1024> ds;
-    cute::array_aligned<float, 2 * kDqTileRows * kHeadDim, 128> dq;  // two dQ tiles
+    cute::array_aligned<float, PipelineDq::Stages * kDqTileRows * kHeadDim, 128> dq;
     cute::array_aligned<float, kStages * kBlockM> lse_log2;  // LSE * log2(e) per stage
     cute::array_aligned<float, kStages * kBlockM> dsum;
     alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_kv;
     alignas(16) typename Pipeline::SharedStorage pipe_q;
     alignas(16) typename Pipeline::SharedStorage pipe_do;
     alignas(16) typename PipelineRows::SharedStorage pipe_rows;
+    alignas(16) typename PipelineDq::SharedStorage pipe_dq;
   };
 
   // Global tensors as (seqlen, head_dim, heads, batch); strides in elements.
@@ -160,9 +165,9 @@ struct BwdConfig {
 
 // Named barrier ids beside the forward's (6-13); 0 is __syncthreads.
 enum : uint32_t {
-  // both consumers done with the previous block's dQ GEMM (reads of dS) and its dQ tile written
+  // both consumers done with the previous block's dQ GEMM (its reads of dS)
   kBarDsFree = 14,
-  // both consumers' dS in shared memory, and this block's dQ tile free (its previous copy read)
+  // both consumers' dS in shared memory
   kBarDsReady = 15,
   // MHA's dK and dV staged for the global stores (a forward id: the kernels share no CTA)
   kBarDkvStaged = kBarEpilogueWG0,
@@ -261,7 +266,7 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
 
   int const warp_idx = cutlass::canonical_warp_idx_sync();
   int const warpgroup_idx = cutlass::canonical_warp_group_idx();
-  // (deterministic mode: the last key blocks first, see dq_turns and add_dq)
+  // (deterministic mode: the last key blocks first, see dq_turns)
   int const n_block = params.args.deterministic ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   int const head = blockIdx.y, batch = blockIdx.z;
   BwdParams const& args = params.args;
@@ -311,6 +316,13 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   rows_params.producer_arv_count = 32;  // producer warp 1
   rows_params.consumer_arv_count = Cfg::kConsumerThreads;
   typename Cfg::PipelineRows pipe_rows(shared.pipe_rows, rows_params);
+  using PipelineDq = typename Cfg::PipelineDq;
+  typename PipelineDq::Params dq_params;
+  dq_params.role = warpgroup_idx == 0 ? PipelineDq::ThreadCategory::Consumer
+                                      : PipelineDq::ThreadCategory::Producer;
+  dq_params.producer_arv_count = Cfg::kConsumerThreads;
+  dq_params.consumer_arv_count = 1;  // the dQ writer
+  PipelineDq pipe_dq(shared.pipe_dq, dq_params);
   __syncthreads();  // barrier inits visible to all before any use
 
   Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Cfg::SmemLayoutQ{});
@@ -321,6 +333,27 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   // The LSE (and dsum) of query row 0 of this sequence and head.
   int64_t const lse_offset = si.q_off(args.lse_batch_stride, args.lse_row_stride) +
                              int64_t(head) * args.lse_head_stride;
+
+  // ---------------- dQ: tiles into dq_accum, in order in deterministic mode ----------------
+  float* const dq_accum = sm80::dqa_block(args, si, 0, head);
+  // dQ tiles: a step's rows from dq_accum's row (lead + query0) on, where lead = the 8-row
+  // group offset of the sequence's first row (packed) or 0; rows before and after (another
+  // sequence's, or past ours) stay zero and add zeros.
+  int const lead = sm80::dqa_row(si, 0) & 7;
+  float* const sdQ = shared.dq.data();
+  auto dq_buffer = [&](int index) { return sdQ + index * Cfg::kDqTileRows * kHeadDim; };
+  // Deterministic mode (dq_turns): block m's count. The key blocks that see m are a run
+  // [first, last] of n (the band's keys of m's rows that are in the sequence), added last
+  // first, so n's rank is last - n. A CTA waits only on CTAs of the same (head, batch) with a
+  // larger n, whose smaller blockIdx.x the hardware dispatched earlier and which wait on none
+  // of their successors: no deadlock, even with fewer SMs than CTAs. The 8-row group that
+  // the tiles of two query blocks (or sequences) share gets zeros from the one it is not of:
+  // exact in any order.
+  auto dq_turn = [&](int m) {
+    DqTurns const t = dq_turns<kBlockM>(args);
+    return reinterpret_cast<int*>(args.dq_accum + t.offset) +
+           (int64_t(batch) * args.h + head) * t.blocks + m;
+  };
 
   if (warpgroup_idx == 0) {
     // ---------------- producer: its first thread issues every TMA load ----------------
@@ -343,6 +376,39 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
         }
         pipe_rows.producer_commit(write);
         ++write;
+      }
+      return;
+    }
+    if (warp_idx == 2) {
+      // The dQ writer: one thread adds each query block's tile in whole 8-row groups (bulk
+      // copies are per thread) and frees its buffer once read. It waits for its turn
+      // (deterministic) apart from the consumers, which go on to the next block meanwhile, and
+      // passes the turn on as soon as its addition has completed (its writes done, not only its
+      // source read).
+      if (cute::elect_one_sync()) {
+        typename PipelineDq::PipelineState read;
+        for (int m = m_begin; m < m_end; ++m) {
+          pipe_dq.consumer_wait(read);
+          if (args.deterministic) {
+            int const last_query = min(m * kBlockM + kBlockM - 1, si.len_q - 1);
+            int const last = (band_keys(band, m * kBlockM, last_query).hi - 1) / kBlockN;
+            sm90::wait_flag_eq(dq_turn(m), last - n_block);
+            sm90::fence_proxy_async_global();  // the acquire before the reduction (async proxy)
+          }
+          int const query = m * kBlockM;
+          int const rows = (lead + min(kBlockM, si.len_q - query) + 7) & ~7;
+          sm90::bulk_reduce_add_f32(dq_accum + int64_t(sm80::dqa_row(si, query) & ~7) * kHeadDim,
+                                    cast_smem_ptr_to_uint(dq_buffer(read.index())),
+                                    uint32_t(rows * kHeadDim * sizeof(float)));
+          sm90::bulk_wait_read<0>();
+          pipe_dq.consumer_release(read);
+          ++read;
+          if (args.deterministic) {
+            sm90::bulk_wait_all();
+            pass_dq_turn(dq_turn(m));
+          }
+        }
+        sm90::bulk_wait_all();
       }
       return;
     }
@@ -430,6 +496,13 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   clear(tdVrdV);
   clear(tdKrdK);
 
+  // (rows of a tile that no step writes stay zero: see lead)
+  constexpr int kDqFloats = PipelineDq::Stages * Cfg::kDqTileRows * kHeadDim;
+  for (int i = tidx * 4; i < kDqFloats; i += Cfg::kConsumerThreads * 4) {
+    *reinterpret_cast<float4*>(sdQ + i) = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  typename PipelineDq::PipelineState dq_write = cutlass::make_producer_start_state<PipelineDq>();
+
   using LayoutS = decltype(
       partition_fragment_C(mma_sdp, select<0, 1>(typename Cfg::TileSdP{})).layout());
   Tensor cS = make_identity_tensor(select<0, 1>(typename Cfg::TileSdP{}));  // (key, query)
@@ -438,55 +511,6 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   Tensor cdQ = make_identity_tensor(select<0, 1>(typename Cfg::TileDQ{}));  // (query, column)
   Tensor tdQcdQ = thr_dq.partition_C(cdQ);
 
-  float* dq_accum = sm80::dqa_block(args, si, 0, head);
-  // dQ tiles: a step's rows from dq_accum's row (lead + query0) on, where lead = the 8-row
-  // group offset of the sequence's first row (packed) or 0; rows before and after (another
-  // sequence's, or past ours) stay zero and add zeros.
-  int const lead = sm80::dqa_row(si, 0) & 7;
-  float* const sdQ = shared.dq.data();
-  for (int i = tidx * 4; i < 2 * Cfg::kDqTileRows * kHeadDim; i += Cfg::kConsumerThreads * 4) {
-    *reinterpret_cast<float4*>(sdQ + i) = make_float4(0.f, 0.f, 0.f, 0.f);
-  }
-  // The tile of block m (its buffer, alternating per step) goes to dq_accum in whole 8-row
-  // groups; one consumer thread issues every copy (bulk-copy groups are per thread).
-  bool const dq_issuer = tidx == 0;
-  auto dq_tile = [&](int m) { return sdQ + ((m - m_begin) & 1) * Cfg::kDqTileRows * kHeadDim; };
-  auto issue_dq = [&](int m) {
-    int const query = m * kBlockM;
-    int const rows = (lead + min(kBlockM, si.len_q - query) + 7) & ~7;
-    sm90::bulk_reduce_add_f32(dq_accum + int64_t(sm80::dqa_row(si, query) & ~7) * kHeadDim,
-                              cast_smem_ptr_to_uint(dq_tile(m)),
-                              uint32_t(rows * kHeadDim * sizeof(float)));
-  };
-  // Deterministic mode (dq_turns; a uniform branch of the issuing thread): block m's count.
-  // The key blocks that see m are a run [first, last] of n (the band's keys of m's rows that
-  // are in the sequence), added last first, so n's rank is last - n. A CTA waits only on CTAs
-  // of the same (head, batch) with a larger n, whose smaller blockIdx.x the hardware
-  // dispatched earlier and which wait on none of their successors: no deadlock, even with
-  // fewer SMs than CTAs. The 8-row group that the tiles of
-  // two query blocks (or sequences) share gets zeros from the one it is not of: exact in any
-  // order.
-  auto dq_turn = [&](int m) {
-    DqTurns const t = dq_turns<kBlockM>(args);
-    return reinterpret_cast<int*>(args.dq_accum + t.offset) +
-           (int64_t(batch) * args.h + head) * t.blocks + m;
-  };
-  // First the previous block's addition, once complete (its writes done, not only its source
-  // read), passes its turn on: one step late, so that the reduction's latency hides under that
-  // step. Then block m's tile is added when the key blocks before this one have added theirs.
-  auto add_dq = [&](int m) {
-    if (args.deterministic) {
-      if (m > m_begin) {
-        sm90::bulk_wait_all();
-        pass_dq_turn(dq_turn(m - 1));
-      }
-      int const last_query = min(m * kBlockM + kBlockM - 1, si.len_q - 1);
-      int const last = (band_keys(band, m * kBlockM, last_query).hi - 1) / kBlockN;
-      sm90::wait_flag_eq(dq_turn(m), last - n_block);
-      sm90::fence_proxy_async_global();  // the acquire before the reduction (async proxy)
-    }
-    issue_dq(m);
-  };
   // Keys past the sequence (zero-filled by TMA, or the next packed sequence's) and keys outside
   // a query's band get P = 0 (query rows past the sequence, or without any key: LSE = +inf,
   // whence P = 0 too).
@@ -548,12 +572,6 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
 
     // dS to shared memory for dQ, which needs both warpgroups' keys.
     named_barrier_sync(Cfg::kConsumerThreads, kBarDsFree);
-    if (dq_issuer && m_block > m_begin) {
-      add_dq(m_block - 1);        // the previous block's tile, complete at the barrier
-      sm90::bulk_wait_read<1>();  // the copy before it has read this block's tile buffer
-    }
-    // (the stmatrix below takes the whole warp, so the issuer's warp is whole again before the
-    // next barrier even when the issuer slept on its turn: see finish_dq below)
     copy(r2s_ds, thr_r2s_ds.retile_S(tdSrdS), tdSsdS);
     cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> wgmma reads
     named_barrier_sync(Cfg::kConsumerThreads, kBarDsReady);
@@ -564,13 +582,14 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
     pipe_do.consumer_release(read);
     ++read;
 
-    // dQ partial -> this block's tile (issued at the next barrier). Rows past the sequence
-    // (another sequence's, or padding) get zeros. The accumulator's elements 2i, 2i + 1 are
+    // dQ partial -> this block's tile, once the writer has freed its buffer; rows past the
+    // sequence (another sequence's, or padding) get zeros. The accumulator's elements 2i, 2i + 1 are
     // adjacent columns; its rows and columns are constant offsets (multiples of 8) from its
     // first element's, so the dq_accum layout's offsets are too.
     int const row0 = get<0>(tdQcdQ(0)), col0 = get<1>(tdQcdQ(0));
     int const valid_rows = si.len_q - query0;
-    float* const dst = dq_tile(m_block) + sm80::dqa_offset(lead + row0, col0, kHeadDim);
+    pipe_dq.producer_acquire(dq_write);
+    float* const dst = dq_buffer(dq_write.index()) + sm80::dqa_offset(lead + row0, col0, kHeadDim);
     CUTE_UNROLL
     for (int i = 0; i < size(tdQrdQ); i += 2) {
       int const row = get<0>(tdQcdQ(i)), col = get<1>(tdQcdQ(i));
@@ -579,21 +598,13 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
           make_float2(in ? tdQrdQ(i) : 0.f, in ? tdQrdQ(i + 1) : 0.f);
     }
     sm90::fence_proxy_async_smem();  // generic-proxy writes -> the bulk copy's reads
+    pipe_dq.producer_commit(dq_write);
+    ++dq_write;
   }
   if (m_end > m_begin) {
-    named_barrier_sync(Cfg::kConsumerThreads, kBarDsFree);  // the last tile is complete
+    // both warpgroups past their last GEMM: Q's and dO's buffers take dK and dV (MHA)
+    named_barrier_sync(Cfg::kConsumerThreads, kBarDsFree);
   }
-  // The last block's dQ addition comes after the dK / dV epilogue, not before it: its issuer
-  // may wait for its turn (deterministic, in nanosleep), and a sleeping lane can be left behind
-  // at a convergence point, so that its warp would meet the epilogue's barrier in two parts
-  // (the first counts as the whole warp; the late lane then waits forever).
-  auto finish_dq = [&] {
-    if (m_end > m_begin && dq_issuer) {
-      add_dq(m_end - 1);
-      sm90::bulk_wait_all();  // the copies have read shared memory before the CTA exits
-      if (args.deterministic) { pass_dq_turn(dq_turn(m_end - 1)); }
-    }
-  };
 
   // ---------------- epilogue: dV and dK (times the softmax scale) ----------------
   Tensor cKV = make_identity_tensor(select<0, 1>(typename Cfg::TileKV{}));  // (key, column)
@@ -617,7 +628,6 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
         sm80::atomic_add2(dv_acc + at, tdVrdV(i), tdVrdV(i + 1));
       }
     }
-    finish_dq();
     return;
   }
   // MHA: every row the sequence owns (padding rows past its length get zeros, as from sm80),
@@ -647,7 +657,6 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
                                   si.k_off(args.dv_batch_stride, args.dv_row_stride) +
                                   int64_t(head) * args.dv_head_stride + first * args.dv_row_stride,
                               args.dv_row_stride, sdV, wg * 64, rows, args.d, tidx % 128);
-  finish_dq();
 }
 
 }  // namespace sm90
