@@ -45,11 +45,9 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
 __device__ __forceinline__ void fence_proxy_async_global() {
   TFA_SM90("fence.proxy.async.global;\n" ::: "memory");
 }
-// Waits until *flag == value (acquire, GPU scope), sleeping between reads: at most 128 ns,
-// since every wait sits on the deterministic dQ's chain of turns, one per key block, and its
-// one thread per CTA polls a single L2 line.
+// Waits until *flag == value (acquire, GPU scope), sleeping between reads.
 __device__ __forceinline__ void wait_flag_eq(const int* flag, int value) {
-  for (int ns = 32;; ns = ns < 128 ? 2 * ns : ns) {
+  for (int ns = 32;; ns = ns < 1024 ? 2 * ns : ns) {
     int seen = value;  // (the load's; below sm90 the load traps)
     TFA_SM90("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(flag) : "memory");
     if (seen == value) { return; }
