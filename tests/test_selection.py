@@ -286,18 +286,20 @@ def test_flash_goes_first_on_hopper_from_the_measured_length(sm90_rule, d, mask,
         assert (flash.faster_than_cudnn(p) is None) == (first is fused)
 
 
-def test_flash_goes_first_on_hopper_for_training_from_the_measured_length(sm90_rule):
+@pytest.mark.parametrize("mask,shortest", [({}, 4096), (CAUSAL, 8192)],
+                         ids=["no_mask", "causal"])
+def test_flash_goes_first_on_hopper_for_training_from_the_measured_length(sm90_rule, mask,
+                                                                          shortest):
     from transformer_fa.attention.backends import flash, fused
-    for s, first in ((4096, fused), (8192, flash), (16384, flash)):
-        p = hopper_params(max_seqlen_q=s, max_seqlen_kv=s, requires_grad=True)
+    for s, first in ((shortest // 2, fused), (shortest, flash), (2 * shortest, flash)):
+        p = hopper_params(max_seqlen_q=s, max_seqlen_kv=s, requires_grad=True, **mask)
         assert selection.preference_order(p)[0] is first, s
     assert "forward and backward were measured faster" in flash.faster_than_cudnn(p)
 
 
 @pytest.mark.parametrize("change", [
-    dict(deterministic=True),                       # its speed is not measured
-    dict(**CAUSAL),                                 # below cuDNN's in a run
-    dict(head_dim_qk=128, head_dim_v=128),
+    dict(deterministic=True),                       # not measured against cuDNN's own
+    dict(head_dim_qk=128, head_dim_v=128),          # below cuDNN's in places
     dict(head_dim_qk=256, head_dim_v=256, **CAUSAL),  # forward-only rule, sm80 backward
 ])
 def test_training_keeps_cudnn_first_on_hopper_elsewhere(sm90_rule, change):
@@ -315,7 +317,7 @@ def test_training_keeps_cudnn_first_when_the_sm80_backward_would_run(sm90_rule):
 
 
 @pytest.mark.parametrize("change", [
-    dict(requires_grad=True),                       # training: only from s = 8192 (above)
+    dict(requires_grad=True, max_seqlen_q=2048, max_seqlen_kv=2048),  # training: from 4k
     dict(dtype=torch.float16),                      # measured in bf16 only
     dict(num_gqa_groups=2),                         # GQA
     dict(max_seqlen_kv=8192),                       # sq != skv
@@ -384,7 +386,8 @@ def test_the_hopper_preference_is_in_the_debug_log(sm90_rule, log_lines):
         "Preferring FlashAttention to FusedAttention on Hopper: its sm90 forward was measured "
         "faster than cuDNN for forward-only bf16 calls at head dim 64 from s = 2048 (H200, "
         "2026-11-28)")
-    selection._log_hopper_preference(hopper_params(requires_grad=True), both)
+    selection._log_hopper_preference(
+        hopper_params(requires_grad=True, max_seqlen_q=2048, max_seqlen_kv=2048), both)
     assert log_lines[-1].startswith("Preferring FusedAttention to FlashAttention on Hopper: "
                                     "cuDNN was measured faster for this call shape")
     count = len(log_lines)
