@@ -119,16 +119,21 @@ tf::Arch fwd_family(const tf::FwdParams& p, int arch, bool bf16, int requested,
 
 // The family that runs a backward: sm90 where this build has its kernel and bwd_declines
 // accepts the call (measured faster than sm80 at every grid row it serves: H100, 2026-11-25,
-// d64 / d128, s 512-16k, causal or not), unless sm80 is requested; sm80 otherwise. Either
+// d64 / d128, s 512-16k, causal or not), unless sm80 is requested; sm80 otherwise. Calls that
+// bwd_auto_declines names (the d256 draft) take sm90 only when it is requested. Either
 // family reads the LSE that either family's forward writes (float32, natural log, same
 // layout). `why_not_sm90` says why sm90 was not taken, when it was not.
 tf::Arch bwd_family(const tf::BwdParams& p, int arch, bool bf16, int requested,
                     std::string& why_not_sm90) {
   const char* declined = tf::sm90::bwd_declines(p, arch);
+  // (served, but taken only when requested: the d256 draft)
+  const char* not_auto = tf::sm90::bwd_auto_declines(p);
   if (requested == static_cast<int>(tf::Arch::kSm80)) {
     why_not_sm90 = "the sm80 family was requested";
   } else if (declined != nullptr) {
     why_not_sm90 = declined;
+  } else if (requested == kAnyFamily && not_auto != nullptr) {
+    why_not_sm90 = not_auto;
   } else if (!tf::has_bwd(tf::Arch::kSm90, bf16, tf::family_head_dim(tf::Arch::kSm90, p.d))) {
     why_not_sm90 = "this build has no sm90 backward kernel for this dtype and head dim";
   } else {

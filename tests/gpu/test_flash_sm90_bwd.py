@@ -89,12 +89,18 @@ CASES = {
     "cross-sbhd-sq17-sk1-b2-h2": (2, 17, 1, 2, "sbhd", 1.0),
 }
 MASKS = {"no_mask": (False, False), "causal": (True, False), "causal_bottom_right": (True, True)}
+# The kernels' head dims. d256 (bwd_kernel_d256.cuh, a draft until these pass on a GPU) runs
+# only when the sm90 backward is requested, as every test here does (family 90); `auto` keeps
+# it on sm80 (test_auto_keeps_the_d256_backward_on_sm80). Deterministic mode: d64 and d128
+# only (d256 declines it).
+DIMS = [64, 128, 256]
+DIM_IDS = [f"d{d}" for d in DIMS]
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("mask", sorted(MASKS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("d", DIMS, ids=DIM_IDS)
 def test_backward_matches_float64(name, mask, dtype, d):
     b, sq, sk, h, layout, gain = CASES[name]
     causal, bottom_right = MASKS[mask]
@@ -119,9 +125,9 @@ def check_grads(tag, q, k, v, layout, causal, bottom_right, window=None):
         check(f"{tag} d{which}", to_bshd(g, layout).double(), r, bg.double(), 1e-3)
 
 
-# Head dims below a kernel's (multiples of 8 up to 128) on the d64 or d128 kernel: TMA
+# Head dims below a kernel's (multiples of 8 up to 256) on the d64, d128 or d256 kernel: TMA
 # zero-fills the columns past d; dK / dV store none of them, dQ's conversion writes d columns.
-OTHER_DIMS = [8, 40, 96, 120]
+OTHER_DIMS = [8, 40, 96, 120, 160, 200]
 
 
 @pytest.mark.parametrize("name", ["s257-b2-h4", "sbhd-s113-b2-h4", "cross-sq113-sk1000-b2-h2"])
@@ -164,7 +170,7 @@ def make_gqa_qkv(b, sq, sk, h, hkv, dtype, layout, d, seed=0):
 @pytest.mark.parametrize("group", sorted(GROUPS))
 @pytest.mark.parametrize("mask", sorted(MASKS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("d", DIMS, ids=DIM_IDS)
 def test_gqa_backward_matches_float64(name, group, mask, dtype, d):
     """dk / dv summed over each KV head's query heads (float32 reductions, then converted)."""
     b, sq, sk, layout = GQA_CASES[name]
@@ -188,7 +194,7 @@ WINDOW_CASES = ("s257-b2-h4", "s1000-b1-h4", "sbhd-s113-b2-h4", "cross-sq113-sk1
 @pytest.mark.parametrize("window", sorted(WINDOWS))
 @pytest.mark.parametrize("bottom_right", [False, True], ids=["top_left", "bottom_right"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("d", DIMS, ids=DIM_IDS)
 def test_window_backward_matches_float64(name, window, bottom_right, dtype, d):
     """Sliding windows: each key block's query blocks from the band, the blocks it cuts
     masked (ragged tails, sq != sk both ways: rows without any key, key blocks no query sees,
@@ -204,7 +210,7 @@ def test_window_backward_matches_float64(name, window, bottom_right, dtype, d):
 @pytest.mark.parametrize("group", sorted(GROUPS))
 @pytest.mark.parametrize("window", sorted(WINDOWS))
 @pytest.mark.parametrize("bottom_right", [False, True], ids=["top_left", "bottom_right"])
-@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("d", DIMS, ids=DIM_IDS)
 def test_gqa_window_backward_matches_float64(name, group, window, bottom_right, d):
     """GQA / MQA with sliding windows (bf16): the dK / dV reductions of key blocks that no
     query of a head sees add zeros."""
@@ -231,7 +237,7 @@ def cu_seqlens(lens):
 @pytest.mark.parametrize("fmt", ["thd", "bshd-padded"])
 @pytest.mark.parametrize("mask", sorted(MASKS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("d", DIMS, ids=DIM_IDS)
 def test_varlen_backward_matches_float64(fmt, mask, dtype, d):
     """cu_seqlens: packed thd tensors (a sequence's tiles reach into the next one's tokens),
     or bshd batch rows padded past each sequence's length (dK / dV padding rows: zeros)."""
@@ -243,7 +249,7 @@ def test_varlen_backward_matches_float64(fmt, mask, dtype, d):
 @pytest.mark.parametrize("bottom_right", [False, True], ids=["top_left", "bottom_right"])
 @pytest.mark.parametrize("hkv", [2, 1], ids=["mha", "mqa"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("d", DIMS, ids=DIM_IDS)
 def test_varlen_window_backward_matches_float64(fmt, window, bottom_right, hkv, dtype, d):
     """Varlen with sliding windows, MHA (2 heads) and MQA (2 query heads on 1): each
     sequence's band from its own lengths (ragged, sq != sk both ways)."""
@@ -254,7 +260,7 @@ def test_varlen_window_backward_matches_float64(fmt, window, bottom_right, hkv, 
 @pytest.mark.parametrize("group", sorted(GROUPS))
 @pytest.mark.parametrize("mask", sorted(MASKS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("d", DIMS, ids=DIM_IDS)
 def test_varlen_gqa_backward_matches_float64(fmt, group, mask, dtype, d):
     """As above with GQA / MQA: a sequence's dk / dv rows get only its own keys' sums (thd: the
     accumulators' rows of the next sequence are untouched by its tiles)."""
@@ -346,6 +352,33 @@ def test_auto_runs_the_sm90_backward_where_it_serves():
     assert all(torch.equal(a, b) for a, b in zip(grads[0][1:], grads[90][1:]))
     assert EXT.bwd_family(*SERVED, 0) == ["sm90", ""]
     assert EXT.bwd_family(*SERVED, 80) == ["sm80", "the sm80 family was requested"]
+
+
+@pytest.mark.parametrize("hkv", [4, 2], ids=["mha", "gqa"])
+def test_auto_keeps_the_d256_backward_on_sm80(hkv):
+    """d256: auto (family 0) runs the sm80 backward until the sm90 d256 kernel (a draft) has
+    passed this file on a GPU (bwd_support.h, bwd_auto_declines); family 90 runs the sm90
+    kernel (bwd_kernel_d256), and both obey the file's rule against float64."""
+    q, k, v = make_qkv(2, 512, 512, 4, hkv, torch.bfloat16, "bshd", seed=3, d=256)
+    dout = torch.randn_like(q)
+    grads = {}
+    kernels = {}
+    for family in (0, 90):
+        def call(family=family):
+            grads[family] = run_fwd_bwd(q, k, v, dout, "bshd", True, False, family=family)
+        call()  # the first call loads the modules
+        kernels[family] = bwd_kernels(call)
+    assert kernels == {0: {"sm80::bwd_kernel"}, 90: {"sm90::bwd_kernel"}}
+    args = (90, True, 256, 512, 512, False, -1, 0, False, False, False, hkv != 4, False)
+    family, why = EXT.bwd_family(*args, 0)
+    assert family == "sm80" and "draft" in why, (family, why)
+    assert EXT.bwd_family(*args, 90) == ["sm90", ""]
+    scale = 1 / math.sqrt(q.shape[-1])
+    ref = reference_grads(q, k, v, dout, True, False, scale, torch.float64)
+    base = reference_grads(q, k, v, dout, True, False, scale, torch.bfloat16)
+    for family in (0, 90):
+        for which, g, r, bg in zip("qkv", grads[family], ref, base):
+            check(f"family {family} d{which}", g.double(), r, bg.double(), 1e-3)
 
 
 @pytest.mark.parametrize("group", sorted(GROUPS))
@@ -524,10 +557,10 @@ def test_deterministic_training_step_through_dot_product_attention(monkeypatch):
 # (d, sq, sk, varlen, window_left, window_right, bottom_right, alibi, dropout, gqa,
 #  deterministic) -> the reason's words
 DECLINED = {
-    "head dim 160": ((160, 256, 256, False, -1, 0, False, False, False, False, False),
-                     "head dims up to 128 only"),
-    "head dim 256": ((256, 256, 256, False, -1, 0, False, False, False, False, False),
-                     "head dims up to 128 only"),
+    "head dim 264": ((264, 256, 256, False, -1, 0, False, False, False, False, False),
+                     "head dims up to 256 only"),
+    "deterministic d256": ((256, 256, 256, False, -1, 0, False, False, False, False, True),
+                           "d256 backward is not deterministic"),
     "alibi": ((128, 256, 256, False, -1, 0, False, True, False, False, False), "ALiBi"),
     "dropout": ((128, 256, 256, False, -1, -1, False, False, True, False, False), "dropout"),
     "deterministic gqa": ((128, 256, 256, False, -1, -1, False, False, False, True, True),
@@ -543,10 +576,10 @@ def test_declined_calls_say_why(name):
     assert EXT.bwd_family(80, True, *SERVED[2:], 90)[0] == "sm80"  # not an sm_90 GPU
 
 
-@pytest.mark.parametrize("case", ["head dim 160", "deterministic gqa"])
+@pytest.mark.parametrize("case", ["deterministic d160", "deterministic gqa"])
 def test_forced_sm90_on_a_declined_call_is_a_clear_error(case):
     d, h, hkv, left, deterministic, words = {
-        "head dim 160": (160, 2, 2, 64, False, "head dims up to 128 only"),
+        "deterministic d160": (160, 2, 2, 64, True, "d256 backward is not deterministic"),
         "deterministic gqa": (128, 4, 2, -1, True, "not deterministic with GQA"),
     }[case]
     q, k, v = make_qkv(1, 256, 256, h, hkv, torch.bfloat16, "bshd", d=d)
@@ -560,12 +593,13 @@ def test_forced_sm90_on_a_declined_call_is_a_clear_error(case):
 
 @pytest.mark.parametrize("hkv", [4, 2], ids=["mha", "gqa"])
 @pytest.mark.parametrize("mask", ["no_mask", "causal", "window"])
-def test_training_step_with_the_sm90_backward(monkeypatch, mask, hkv):
+@pytest.mark.parametrize("d", [128, 256], ids=["d128", "d256"])
+def test_training_step_with_the_sm90_backward(monkeypatch, mask, hkv, d):
     """Through DotProductAttention with TRANSFORMER_FA_FLASH_BWD_FAMILY=sm90: the debug log
     names the sm90 backward, and the gradients obey the rule against float64 autograd
     (window: causal with window_size (64, 0))."""
     monkeypatch.setenv("TRANSFORMER_FA_FLASH_BWD_FAMILY", "sm90")
-    b, s, h, d = 2, 300, 4, 128
+    b, s, h = 2, 300, 4
     q, k, v = make_qkv(b, s, s, h, hkv, torch.bfloat16, "bshd", seed=7, d=d)
     causal = mask != "no_mask"
     window = (64, 0) if mask == "window" else None
@@ -579,12 +613,13 @@ def test_training_step_with_the_sm90_backward(monkeypatch, mask, hkv):
 
 
 def test_forced_sm90_backward_on_a_declined_call_fails_with_the_reason(monkeypatch):
-    """TRANSFORMER_FA_FLASH_BWD_FAMILY=sm90 on a call its backward declines (head dim 160, GQA
-    with a sliding window): the forward runs, the backward raises the binding's error naming
-    the reason (no silent fallback)."""
+    """TRANSFORMER_FA_FLASH_BWD_FAMILY=sm90 on a call its backward declines (deterministic
+    head dim 160, GQA with a sliding window): the forward runs, the backward raises the
+    binding's error naming the reason (no silent fallback)."""
     import transformer_fa as tfa
 
     monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
     monkeypatch.setenv("TRANSFORMER_FA_FLASH_BWD_FAMILY", "sm90")
     q, k, v = make_qkv(2, 256, 256, 4, 2, torch.bfloat16, "bshd", d=160)
     dpa = tfa.DotProductAttention(4, 160, num_gqa_groups=2, qkv_format="bshd",
@@ -592,6 +627,6 @@ def test_forced_sm90_backward_on_a_declined_call_fails_with_the_reason(monkeypat
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     out = dpa(*leaves)
     assert dpa.last_backend == "FlashAttention"
-    with pytest.raises(RuntimeError, match="sm90 family was requested, but its backward has "
-                                           "kernels for head dims up to 128 only"):
+    with pytest.raises(RuntimeError, match="sm90 family was requested, but its backward is not "
+                                           "deterministic with GQA"):
         out.sum().backward()

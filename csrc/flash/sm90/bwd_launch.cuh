@@ -11,6 +11,7 @@
 #include "flash/flash.h"
 #include "flash/sm80/bwd_launch.cuh"
 #include "flash/sm90/bwd_kernel.cuh"
+#include "flash/sm90/bwd_kernel_d256.cuh"
 #include "flash/sm90/bwd_support.h"
 #include "flash/sm90/fwd_launch.cuh"  // CuteElement, tma_rows
 
@@ -28,6 +29,11 @@ template <class Element> struct BwdTile<Element, 64> {
 };
 template <class Element> struct BwdTile<Element, 128> {
   using Config = BwdConfig<Element, 128, 64, 128, 2>;
+};
+// d256 (a draft, compile-checked only: bwd_support.h's bwd_auto_declines keeps `auto` on sm80):
+// FlashAttention-3's 64 query x 80 key tile, its own kernel (bwd_kernel_d256.cuh).
+template <class Element> struct BwdTile<Element, 256> {
+  using Config = BwdConfigD256<Element>;
 };
 
 template <class T, int kHeadDim>
@@ -100,15 +106,21 @@ void launch_main(const BwdParams& a, cudaStream_t stream) {
                  a.v_head_stride, a.v_batch_stride);
   auto tile_q = Shape<Int<Cfg::kBlockM>, Int<Cfg::kHeadDim>>{};
   auto tile_k = Shape<Int<Cfg::kBlockN>, Int<Cfg::kHeadDim>>{};
-  auto smem_q = take<0, 2>(typename Cfg::SmemLayoutQ{});
-  auto smem_k = typename Cfg::SmemLayoutK{};
+  auto smem_q = typename Cfg::SmemTileQ{};
+  auto smem_k = typename Cfg::SmemTileK{};
   typename Cfg::Params p{make_tma_copy(SM90_TMA_LOAD{}, mQ, smem_q, tile_q, _1{}),
                          make_tma_copy(SM90_TMA_LOAD{}, mdO, smem_q, tile_q, _1{}),
                          make_tma_copy(SM90_TMA_LOAD{}, mK, smem_k, tile_k, _1{}),
                          make_tma_copy(SM90_TMA_LOAD{}, mV, smem_k, tile_k, _1{}),
                          mQ.shape(), mK.shape(), a};
 
-  constexpr auto kernel = bwd_kernel<Cfg, kCausal, kLocal>;
+  constexpr auto kernel = [] {
+    if constexpr (Cfg::kDqFromRegisters) {
+      return bwd_kernel_d256<Cfg, kCausal, kLocal>;
+    } else {
+      return bwd_kernel<Cfg, kCausal, kLocal>;
+    }
+  }();
   static_assert(sizeof(typename Cfg::SharedStorage) <= 227 * 1024, "over sm90's shared memory");
   const int smem_bytes = int(sizeof(typename Cfg::SharedStorage));
   allow_dynamic_smem<kernel>(smem_bytes);
@@ -120,12 +132,7 @@ template <class T, int kHeadDim>
 void launch_bwd(const BwdParams& params, const Device& device, cudaStream_t stream) {
   using Cfg = BwdConfigOf<T, kHeadDim>;
   if (params.b == 0 || params.h == 0) return;
-  if (params.seqlen_q > 0) {
-    // dsum and the zeroed dq_accum (the sm80 family's kernel, with its lanes per row).
-    constexpr int kLanes = kHeadDim <= 64 ? 8 : 16;
-    dim3 grid((params.seqlen_q + 8 * 32 / kLanes - 1) / (8 * 32 / kLanes), params.h, params.b);
-    sm80::dot_do_o_kernel<T, kLanes><<<grid, 256, 0, stream>>>(params);
-  }
+  sm80::launch_dot_do_o<T, kHeadDim>(params, stream);  // dsum, the zeroed dq_accum
   const bool gqa = params.h != params.h_k;
   if (gqa) {
     KvAccum const acc = kv_accum(params);
