@@ -285,6 +285,10 @@ bwd_kernel_d256(__grid_constant__ const typename Cfg::Params params) {
     wg_gemm<true>(mma_sdp, tSrQ(_, _, _, read_q.index()), tSrK, tSrS);
     pipe_do.consumer_wait(read_do);
     wg_gemm<true>(mma_sdp, tdPrdO(_, _, _, read_do.index()), tdPrV, tdPrdP);
+    // Both warpgroups are done with the previous block's GEMMs (each waited for all of its
+    // own before this barrier): P's and dS's buffers are free. (Here, while S and dP run, not
+    // after the softmax: fewer registers are live across it.)
+    named_barrier_sync(Cfg::kConsumerThreads, kBarDsFree);
 
     Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));   // (query, key)
     Tensor dp = make_tensor(tdPrdP.data(), acc_rowcol(tdPrdP.layout()));
@@ -307,9 +311,6 @@ bwd_kernel_d256(__grid_constant__ const typename Cfg::Params params) {
     }
     Tensor tPrP = make_tensor<Element>(LayoutS{});
     convert_fragment<Element>(tSrS, tPrP);
-    // Both warpgroups are done with the previous block's GEMMs (each waited for all of its
-    // own before this barrier): P's and dS's buffers are free.
-    named_barrier_sync(Cfg::kConsumerThreads, kBarDsFree);
     copy(r2s, thr_r2s.retile_S(tPrP), tPsP);
     warpgroup_wait<0>();  // dP
     warpgroup_fence_operand(tdPrdP);
@@ -354,15 +355,18 @@ bwd_kernel_d256(__grid_constant__ const typename Cfg::Params params) {
     float* const dk_acc = kv_accum_block(args, si, batch, kv_head);
     float* const dv_acc = dk_acc + kv_accum(args).floats;
     int const row0 = si.k_packed ? si.start_k : 0;
-    CUTE_UNROLL
-    for (int i = 0; i < size(tdVrdV); ++i) {
-      int const key = key0 + get<1>(tKVcKV(i));
-      if (key < si.len_k) {
-        int64_t const at = sm80::dqa_offset(row0 + key, get<0>(tKVcKV(i)), kHeadDim);
-        atomicAdd(dk_acc + at, tdKrdK(i));
-        atomicAdd(dv_acc + at, tdVrdV(i));
+    // (one tile after the other: fewer addresses live at once)
+    auto add_tile = [&](float* acc, auto const& tile) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(tile); ++i) {
+        int const key = key0 + get<1>(tKVcKV(i));
+        if (key < si.len_k) {
+          atomicAdd(acc + sm80::dqa_offset(row0 + key, get<0>(tKVcKV(i)), kHeadDim), tile(i));
+        }
       }
-    }
+    };
+    add_tile(dv_acc, tdVrdV);
+    add_tile(dk_acc, tdKrdK);
     return;
   }
   // MHA: dK and dV staged as (key, column) rows in K's and V's buffers (2-byte writes from the
@@ -370,12 +374,14 @@ bwd_kernel_d256(__grid_constant__ const typename Cfg::Params params) {
   // (padding rows past the sequence's keys get zeros: their P and dS are 0).
   Tensor sdK = make_tensor(make_smem_ptr(shared.k.data()), typename Cfg::SmemLayoutDKV{});
   Tensor sdV = make_tensor(make_smem_ptr(shared.v.data()), typename Cfg::SmemLayoutDKV{});
-  CUTE_UNROLL
-  for (int i = 0; i < size(tdKrdK); ++i) {
-    int const col = get<0>(tKVcKV(i)), key = get<1>(tKVcKV(i));
-    sdK(key, col) = static_cast<Element>(tdKrdK(i) * args.scale_softmax);
-    sdV(key, col) = static_cast<Element>(tdVrdV(i));
-  }
+  auto stage = [&](auto& staged, auto const& tile, float scale) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(tile); ++i) {
+      staged(get<1>(tKVcKV(i)), get<0>(tKVcKV(i))) = static_cast<Element>(tile(i) * scale);
+    }
+  };
+  stage(sdV, tdVrdV, 1.f);
+  stage(sdK, tdKrdK, args.scale_softmax);
   // (the stores below read rows that the other warpgroup wrote)
   named_barrier_sync(Cfg::kConsumerThreads, kBarDkvStaged);
   constexpr int kRowsPerWarpgroup = kBlockN / Cfg::kConsumerWarpgroups;
