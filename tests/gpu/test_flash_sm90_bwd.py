@@ -4,7 +4,9 @@ in Python): dq, dk, dv against float64 autograd (bshd, sbhd, packed bs3hd, and v
 and padded bshd; MHA, GQA and MQA; no mask, causal and sliding windows of both diagonal
 alignments; deterministic mode: bitwise the same gradients run after run), what it declines
 and the error when it is forced on such a call, and training steps through
-DotProductAttention.
+DotProductAttention. Head dims 64, 128 and 256: d256 (and 129-255) run on the d256 kernel
+(bwd_kernel_d256.cuh, a draft), which only a requested sm90 family runs (every test here
+requests it; test_auto_keeps_the_d256_backward_on_sm80 checks that `auto` does not).
 
 Error rule per gradient: max |ours - float64| <= 2 x max |the same math in the input dtype -
 float64| + 1e-3 (relative to the reference's magnitude; attention_cases.check). The gradients

@@ -405,8 +405,18 @@ __device__ __forceinline__ void load_tiles(typename Cfg::Params const& params, S
   auto& kv_barrier = reinterpret_cast<uint64_t&>(shared.barrier_kv);
   copy(params.tma_k.with(kv_barrier), get<0>(k_parts), get<1>(k_parts));
   copy(params.tma_v.with(kv_barrier), get<0>(v_parts), get<1>(v_parts));
+  // dO's pipeline state: Q's own where both have the same stages (this thread has 24
+  // registers; a second state spilled).
+  constexpr bool kOneState = std::is_same_v<PipeQ, PipeDo>;
   auto write_q = cutlass::make_producer_start_state<PipeQ>();
-  auto write_do = cutlass::make_producer_start_state<PipeDo>();
+  [[maybe_unused]] auto write_do_own = cutlass::make_producer_start_state<PipeDo>();
+  auto& write_do = [&]() -> auto& {
+    if constexpr (kOneState) {
+      return write_q;
+    } else {
+      return write_do_own;
+    }
+  }();
   for (int m_block = m_begin; m_block < m_end; ++m_block) {
     pipe_q.producer_acquire(write_q);
     copy(params.tma_q.with(*pipe_q.producer_get_barrier(write_q)), get<0>(q_parts)(_, m_block),
@@ -415,7 +425,7 @@ __device__ __forceinline__ void load_tiles(typename Cfg::Params const& params, S
     copy(params.tma_do.with(*pipe_do.producer_get_barrier(write_do)),
          get<0>(do_parts)(_, m_block), get<1>(do_parts)(_, write_do.index()));
     ++write_q;
-    ++write_do;
+    if constexpr (!kOneState) { ++write_do; }
   }
   pipe_q.producer_tail(write_q);
   pipe_do.producer_tail(write_do);
