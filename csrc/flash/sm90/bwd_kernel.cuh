@@ -291,13 +291,14 @@ __device__ __forceinline__ Band kernel_band(BwdParams const& args, SeqInfo const
   return band;
 }
 
-// Whether key `key` gets P = 0 for query `query` in a tile that the band cuts (`masked`): keys
-// past the sequence (zero-filled by TMA, or the next packed sequence's) and keys outside the
-// band. (Query rows past the sequence, or without any key, have LSE = +inf: P = 0 too.)
-__device__ __forceinline__ bool key_out(bool masked, Band const& band, int len_k, int query,
-                                        int key) {
-  return masked && (key >= len_k || (band.right >= 0 && key > query + band.off + band.right) ||
-                    (band.left >= 0 && key < query + band.off - band.left));
+// Whether key `key` gets P = 0 for query `query`, asked only in tiles that the band cuts
+// (`masked && key_out(...)` at the call: with `masked` inside, the d64 windows kernel spilled
+// one more value): keys past the sequence (zero-filled by TMA, or the next packed sequence's)
+// and keys outside the band. (Query rows past the sequence, or without any key, have
+// LSE = +inf: P = 0 too.)
+__device__ __forceinline__ bool key_out(Band const& band, int len_k, int query, int key) {
+  return key >= len_k || (band.right >= 0 && key > query + band.off + band.right) ||
+         (band.left >= 0 && key < query + band.off - band.left);
 }
 
 // The first thread, before the pipelines: the TMA descriptors prefetched, K / V's barrier set.
@@ -672,7 +673,7 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
       CUTE_UNROLL
       for (int r = 0; r < size<0>(s); ++r) {
         int const key = key0 + get<0>(tScS_rc(r, c));
-        bool const out = key_out(masked, band, si.len_k, query, key);
+        bool const out = masked && key_out(band, si.len_k, query, key);
         s(r, c) = out ? 0.f : fast_exp2(s(r, c) * scale_log2 - lse_log2);
       }
     }
