@@ -186,9 +186,10 @@ struct BwdConfig : BwdGlobalTiles<Element_, kBlockM_, kBlockN_, kHeadDim_> {
 
 // Named barrier ids beside the forward's (6-13); 0 is __syncthreads.
 enum : uint32_t {
-  // both consumers done with the previous block's dQ GEMM (its reads of dS)
+  // both consumers done with the previous block's dQ GEMM (its reads of dS; d256: the GEMMs
+  // reading P and dS), and after the loop with every GEMM
   kBarDsFree = 14,
-  // both consumers' dS in shared memory
+  // both consumers' dS in shared memory (d256: P and dS)
   kBarDsReady = 15,
   // MHA's dK and dV staged for the global stores (a forward id: the kernels share no CTA)
   kBarDkvStaged = kBarEpilogueWG0,
