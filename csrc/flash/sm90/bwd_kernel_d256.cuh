@@ -49,7 +49,7 @@ using namespace cute;
 // Registers per consumer thread (240 after setmaxnreg): dV^T and dK^T, 2 x 64 x 80 floats per
 // warpgroup each = 80 + 80, live over the loop; S and dP 20 + 20 and P / dS 16-bit 10 + 10
 // during the softmax part of a step; a dQ chunk 32 (64 x 64 floats per warpgroup) after it.
-// Peak about 160 + 50 + addresses.
+// Peak about 160 + 50 + addresses; ptxas (nvcc 13.0): no spills (docs/flash_kernel_notes.md).
 template <class Element_>
 struct BwdConfigD256 : BwdGlobalTiles<Element_, 64, 80, 256> {
   using Element = Element_;
@@ -231,9 +231,10 @@ bwd_kernel_d256(__grid_constant__ const typename Cfg::Params params) {
   Tensor tdQrKt1 = thr_dq.partition_fragment_B(sKt_chunk(1));
   static_assert(kHeadDim == 2 * Cfg::kDqChunk);
   // P and dS from the accumulator layout (queries, keys) into their (keys, queries) K-major
-  // tiles by stmatrix.trans, one 8 x 8 matrix per instruction (a warpgroup's 40 keys are not
-  // a multiple of the 16 that the wider forms take).
-  auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U16x2_STSM_T, Element>{}, mma_sdp);
+  // tiles by stmatrix.trans, two 8 x 8 matrices per instruction (a warpgroup's 40 keys are not
+  // a multiple of the 16 that the x4 form takes; the x1 form left 4 / 8 bytes of spills in
+  // the no-mask kernel, this one none).
+  auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U16x4_STSM_T, Element>{}, mma_sdp);
   auto thr_r2s = r2s.get_thread_slice(tidx);
   Tensor tPsP = thr_r2s.partition_D(sP);
   Tensor tdSsdS = thr_r2s.partition_D(sdS);
