@@ -73,9 +73,10 @@ struct BwdConfigD256 : BwdGlobalTiles<Element_, 64, 80, 256> {
   using TileDQ = Shape<Int<kBlockM>, Int<kDqChunk>, Int<kBlockN>>;   // dQ = dS K, a chunk
 
   // S, dP: the warpgroups split the keys (N = 40 each: an extended wgmma shape, cute_config.h).
+  static constexpr int kKeysPerWarpgroup = kBlockN / kConsumerWarpgroups;
   using MmaSdP = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float,
-                           Shape<Int<kBlockM>, Int<kBlockN / kConsumerWarpgroups>, Int<kHeadDim>>>(),
+                           Shape<Int<kBlockM>, Int<kKeysPerWarpgroup>, Int<kHeadDim>>>(),
       Layout<Shape<_1, Int<kConsumerWarpgroups>, _1>>{}));
   // dV^T, dK^T: A = dO^T / Q^T (MN-major views of dO / Q), B = P / dS as (keys, queries)
   // (K-major: how the consumers store them); the warpgroups take turns along the head dim (64
@@ -90,7 +91,7 @@ struct BwdConfigD256 : BwdGlobalTiles<Element_, 64, 80, 256> {
                            Shape<Int<kBlockM>, Int<kDqChunk / kConsumerWarpgroups>, Int<kBlockN>>,
                            GMMA::Major::MN, GMMA::Major::MN>(),
       Layout<Shape<_1, Int<kConsumerWarpgroups>, _1>>{}));
-  static_assert(size<1>(typename MmaSdP::AtomShape_MNK{}) == kBlockN / kConsumerWarpgroups &&
+  static_assert(size<1>(typename MmaSdP::AtomShape_MNK{}) == kKeysPerWarpgroup &&
                 size<1>(typename MmaKV::AtomShape_MNK{}) == kBlockN &&
                 size<1>(typename MmaDQ::AtomShape_MNK{}) == kDqChunk / kConsumerWarpgroups,
                 "wgmma N: one instruction spans each GEMM's N");
@@ -385,7 +386,7 @@ bwd_kernel_d256(__grid_constant__ const typename Cfg::Params params) {
   stage(sdK, tdKrdK, args.scale_softmax);
   // (the stores below read rows that the other warpgroup wrote)
   named_barrier_sync(Cfg::kConsumerThreads, kBarDkvStaged);
-  constexpr int kRowsPerWarpgroup = kBlockN / Cfg::kConsumerWarpgroups;
+  constexpr int kRowsPerWarpgroup = Cfg::kKeysPerWarpgroup;
   static_assert(kRowsPerWarpgroup <= 64, "store_staged_rows stores up to 64 rows");
   int const wg = tidx / 128;
   int const row0 = wg * kRowsPerWarpgroup;
