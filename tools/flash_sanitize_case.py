@@ -37,8 +37,9 @@ parser.add_argument("--sm90-backward", action="store_true",
                          "sq != sk, no mask, causal of both alignments, sliding windows (left, "
                          "right, both), d40 (the d64 kernel, columns past d), d64, d128, d192 "
                          "(the d256 draft kernel, columns past d) and d256, MHA and GQA (4 "
-                         "query heads on 2 KV heads: dK / dV reductions); MHA at d <= 128 "
-                         "also deterministic (dQ additions in turn; d256 declines it)")
+                         "query heads on 2 KV heads: dK / dV reductions); at d <= 128 each "
+                         "also deterministic (dQ additions, and GQA's dK / dV, in turn; d256 "
+                         "declines it)")
 parser.add_argument("--decode", action="store_true",
                     help="only the split-KV decode kernel: thd and padded bshd queries against "
                          "contiguous and paged K/V (shuffled pages of 16 and 64), ragged cached "
@@ -111,8 +112,8 @@ if args.sm90_backward:
                                            0.0, False, True, bwd_family=90)
                     out, lse = flash._fwd_impl(q, k, v, *cu, None, None, call)
                     dout = torch.randn_like(out)
-                    # (deterministic GQA and deterministic d > 128 run on sm80)
-                    for deterministic in (False, True) if hk == 4 and d <= 128 else (False,):
+                    # (deterministic d > 128 runs on sm80)
+                    for deterministic in (False, True) if d <= 128 else (False,):
                         dq, dk, dv = flash._bwd_impl(
                             dout, q, k, v, out, lse, *cu, None, None,
                             call._replace(deterministic=deterministic))

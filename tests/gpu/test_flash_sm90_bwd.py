@@ -433,8 +433,9 @@ def test_auto_runs_the_sm90_backward_on_windows(window, hkv):
 
 
 # Deterministic mode: the key blocks that see a query block add their dQ tiles into it one at a
-# time in the order of the key blocks (bwd_kernel.cuh, dq_turns), so that dq (and dk, dv) are
-# bitwise the same on every run. The cases: many key blocks per query block (s 2048: 16), sq !=
+# time, last key block first, and GQA's query heads add their dK / dV into the group's
+# accumulators one at a time (bwd_kernel.cuh, turns_of), so that dq, dk and dv are bitwise the
+# same on every run. The cases: many key blocks per query block (s 2048: 16), sq !=
 # sk both ways, ragged tails; no mask, causal of both alignments and windows (whose first key
 # block differs per query block).
 DETERMINISTIC_CASES = {
@@ -455,14 +456,15 @@ DETERMINISTIC_MASKS = {"no_mask": ((-1, -1), False), "causal": ((-1, 0), False),
 @pytest.mark.parametrize("mask", sorted(DETERMINISTIC_MASKS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
-def test_deterministic_backward_is_bitwise_reproducible(name, mask, dtype, d):
+@pytest.mark.parametrize("group", [1, 2], ids=["mha", "gqa"])
+def test_deterministic_backward_is_bitwise_reproducible(name, mask, dtype, d, group):
     """Three deterministic backwards of one call: dq, dk, dv bit for bit equal, and within the
-    file's rule against float64."""
+    file's rule against float64; GQA (two query heads per KV head; MQA where h = 2)."""
     b, sq, sk, h, layout, gain = DETERMINISTIC_CASES[name]
     window, bottom_right = DETERMINISTIC_MASKS[mask]
     if bottom_right and sq == sk:
         pytest.skip("the same mask as top-left")
-    q, k, v = make_qkv(b, sq, sk, h, h, dtype, layout, gain, d=d)
+    q, k, v = make_qkv(b, sq, sk, h, h // group, dtype, layout, gain, d=d)
     gen = torch.Generator(device=DEV).manual_seed(1)
     dout = torch.randn(q.shape, generator=gen, device=DEV).to(dtype)
     runs = [run_fwd_bwd(q, k, v, dout, layout, False, bottom_right, family=90,
@@ -481,17 +483,20 @@ def test_deterministic_backward_is_bitwise_reproducible(name, mask, dtype, d):
 @pytest.mark.parametrize("fmt", ["thd", "bshd-padded"])
 @pytest.mark.parametrize("mask", sorted(DETERMINISTIC_MASKS))
 @pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
-def test_varlen_deterministic_backward_is_bitwise_reproducible(fmt, mask, d):
+@pytest.mark.parametrize("hkv", [2, 1], ids=["mha", "mqa"])
+def test_varlen_deterministic_backward_is_bitwise_reproducible(fmt, mask, d, hkv):
     """Varlen (bf16): three deterministic backwards bit for bit equal (thd: the 8-row groups
-    that two sequences' tiles share), each sequence within the rule against float64."""
+    that two sequences' tiles share), each sequence within the rule against float64; MHA and
+    MQA (2 query heads on 1 KV head)."""
     window, bottom_right = DETERMINISTIC_MASKS[mask]
-    check_varlen(fmt, window, bottom_right, torch.bfloat16, d, 2, 2, deterministic=True, runs=3)
+    check_varlen(fmt, window, bottom_right, torch.bfloat16, d, 2, hkv, deterministic=True,
+                 runs=3)
 
 
 @pytest.mark.parametrize("mask", ["no_mask", "causal", "left48-right16"])
 def test_auto_runs_the_sm90_backward_when_deterministic(mask):
-    """Deterministic MHA: auto (family 0) runs the sm90 kernel (no sm80 kernel in the
-    profile) and bwd_family says so; deterministic GQA runs on sm80, with the reason."""
+    """Deterministic MHA and GQA: auto (family 0) runs the sm90 kernel (no sm80 kernel in the
+    profile), bwd_family says so, and two runs give the same bits."""
     window, bottom_right = DETERMINISTIC_MASKS[mask]
     q, k, v = make_qkv(2, 1024, 1024, 4, 4, torch.bfloat16, "bshd", seed=3)
     dout = torch.randn_like(q)
@@ -506,15 +511,16 @@ def test_auto_runs_the_sm90_backward_when_deterministic(mask):
     left, right = window
     args = (90, True, 128, 1024, 1024, False, left, right, bottom_right, False, False)
     assert EXT.bwd_family(*args, False, True, 0) == ["sm90", ""]
-    family, why = EXT.bwd_family(*args, True, True, 0)
-    assert family == "sm80" and "not deterministic with GQA" in why, (family, why)
+    assert EXT.bwd_family(*args, True, True, 0) == ["sm90", ""]
     q, k, v = make_qkv(2, 1024, 1024, 4, 2, torch.bfloat16, "bshd", seed=3)
+    grads = []
 
     def call_gqa():
-        run_fwd_bwd(q, k, v, dout, "bshd", False, bottom_right, family=0, deterministic=True,
-                    window=window)
+        grads.append(run_fwd_bwd(q, k, v, dout, "bshd", False, bottom_right, family=0,
+                                 deterministic=True, window=window))
     call_gqa()  # the first call loads the modules
-    assert bwd_kernels(call_gqa) == {"sm80::bwd_kernel"}
+    assert bwd_kernels(call_gqa) == {"sm90::bwd_kernel"}
+    assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1]))
 
 
 def sm90_backward_through_dpa(monkeypatch, q, k, v, hkv, causal, window=None):
@@ -565,8 +571,6 @@ DECLINED = {
                            "d256 backward is not deterministic"),
     "alibi": ((128, 256, 256, False, -1, 0, False, True, False, False, False), "ALiBi"),
     "dropout": ((128, 256, 256, False, -1, -1, False, False, True, False, False), "dropout"),
-    "deterministic gqa": ((128, 256, 256, False, -1, -1, False, False, False, True, True),
-                          "not deterministic with GQA"),
 }
 
 
@@ -578,17 +582,12 @@ def test_declined_calls_say_why(name):
     assert EXT.bwd_family(80, True, *SERVED[2:], 90)[0] == "sm80"  # not an sm_90 GPU
 
 
-@pytest.mark.parametrize("case", ["deterministic d160", "deterministic gqa"])
-def test_forced_sm90_on_a_declined_call_is_a_clear_error(case):
-    d, h, hkv, left, deterministic, words = {
-        "deterministic d160": (160, 2, 2, 64, True, "d256 backward is not deterministic"),
-        "deterministic gqa": (128, 4, 2, -1, True, "not deterministic with GQA"),
-    }[case]
-    q, k, v = make_qkv(1, 256, 256, h, hkv, torch.bfloat16, "bshd", d=d)
+def test_forced_sm90_on_a_declined_call_is_a_clear_error():
+    q, k, v = make_qkv(1, 256, 256, 2, 2, torch.bfloat16, "bshd", d=160)
     with pytest.raises(RuntimeError, match="flash_attn_bwd: the sm90 family was requested, but "
-                                           ".*" + words):
+                                           ".*d256 backward is not deterministic"):
         run_fwd_bwd(q, k, v, torch.randn_like(q), "bshd", True, True, family=90,
-                    deterministic=deterministic, window_left=left)
+                    deterministic=True, window_left=64)
     with pytest.raises(RuntimeError, match="family must be 0"):
         run_fwd_bwd(q, k, v, torch.randn_like(q), "bshd", True, True, family=100)
 

@@ -193,6 +193,9 @@ enum : uint32_t {
   kBarDsReady = 15,
   // MHA's dK and dV staged for the global stores (a forward id: the kernels share no CTA)
   kBarDkvStaged = kBarEpilogueWG0,
+  // GQA, deterministic: both consumers' dK / dV reductions done (the MHA path's id: the two
+  // epilogues never meet in one CTA)
+  kBarKvAdded = kBarEpilogueWG0,
 };
 
 // GQA / MQA (h_k < h): the h / h_k query heads of a KV head add their dK and dV. Each CTA
@@ -233,18 +236,27 @@ __host__ __device__ inline KvAccum kv_accum(const BwdParams& p) {
 // backward went from 0.31-0.56x of cuDNN to 0.90-1.03x, with the dQ writer warp). Unmasked,
 // all start at m = 0 and the turns form a wavefront of one addition's latency per key block
 // (0.80-0.98 of the default backward).
-struct DqTurns {
-  int64_t offset;  // from dq_accum, in 4-byte words
-  int64_t count;   // 0 unless deterministic
-  int blocks;      // query blocks per (sequence, head)
+// GQA / MQA adds dK and dV into its accumulators (kv_accum) in turns too: a count per
+// (sequence, KV head, key block) after the dQ counts, and the query heads of a group add in
+// the order of their index (their CTAs have larger blockIdx.y the later they come: dispatched
+// later, so the wait is never on a CTA that has not started).
+struct Turns {
+  int64_t offset;    // of the dQ counts from dq_accum, in 4-byte words
+  int64_t dq_count;  // 0 unless deterministic
+  int64_t kv_count;  // 0 unless deterministic GQA; the KV counts follow the dQ counts
+  int q_blocks;      // query blocks per (sequence, head)
+  int k_blocks;      // key blocks per (sequence, KV head)
 };
-template <int kBlockM>
-__host__ __device__ inline DqTurns dq_turns(const BwdParams& p) {
+template <int kBlockM, int kBlockN>
+__host__ __device__ inline Turns turns_of(const BwdParams& p) {
   KvAccum const acc = kv_accum(p);
-  DqTurns t;
-  t.offset = acc.offset + (p.h != p.h_k ? 2 * acc.floats : 0);
-  t.blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
-  t.count = p.deterministic ? int64_t(p.b) * p.h * t.blocks : 0;
+  bool const gqa = p.h != p.h_k;
+  Turns t;
+  t.offset = acc.offset + (gqa ? 2 * acc.floats : 0);
+  t.q_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
+  t.k_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
+  t.dq_count = p.deterministic ? int64_t(p.b) * p.h * t.q_blocks : 0;
+  t.kv_count = p.deterministic && gqa ? int64_t(p.b) * p.h_k * t.k_blocks : 0;
   return t;
 }
 
@@ -482,7 +494,7 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
 
   int const warp_idx = cutlass::canonical_warp_idx_sync();
   int const warpgroup_idx = cutlass::canonical_warp_group_idx();
-  // (deterministic mode: the last key blocks first, see dq_turns)
+  // (deterministic mode: the last key blocks first, see turns_of)
   int const n_block = params.args.deterministic ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   int const head = blockIdx.y, batch = blockIdx.z;
   BwdParams const& args = params.args;
@@ -529,17 +541,17 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   int const lead = sm80::dqa_row(si, 0) & 7;
   float* const sdQ = shared.dq.data();
   auto dq_buffer = [&](int index) { return sdQ + index * Cfg::kDqTileRows * kHeadDim; };
-  // Deterministic mode (dq_turns): block m's count. The key blocks that see m are a run
+  // Deterministic mode (turns_of): block m's count. The key blocks that see m are a run
   // [first, last] of n (the band's keys of m's rows that are in the sequence), added last
   // first, so n's rank is last - n. A CTA waits only on CTAs of the same (head, batch) with a
   // larger n, whose smaller blockIdx.x the hardware dispatched earlier and which wait on none
   // of their successors: no deadlock, even with fewer SMs than CTAs. The 8-row group that
   // the tiles of two query blocks (or sequences) share gets zeros from the one it is not of:
   // exact in any order.
+  Turns const turns = turns_of<kBlockM, kBlockN>(args);
+  int* const turn_counts = reinterpret_cast<int*>(args.dq_accum + turns.offset);
   auto dq_turn = [&](int m) {
-    DqTurns const t = dq_turns<kBlockM>(args);
-    return reinterpret_cast<int*>(args.dq_accum + t.offset) +
-           (int64_t(batch) * args.h + head) * t.blocks + m;
+    return turn_counts + (int64_t(batch) * args.h + head) * turns.q_blocks + m;
   };
 
   if (warpgroup_idx == 0) {
@@ -744,6 +756,14 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
     float* const dk_acc = kv_accum_block(args, si, batch, kv_head);
     float* const dv_acc = dk_acc + kv_accum(args).floats;
     int const row0 = si.k_packed ? si.start_k : 0;
+    // Deterministic mode: this key block's turn among the group's query heads (turns_of),
+    // waited for by each warp as a whole (a lane asleep alone could be left behind at a
+    // convergence point: csrc/flash/README.md); every thread's reductions are complete and
+    // visible (fence) before the count is raised.
+    int const group = args.h / args.h_k;
+    int* const kv_turn = turn_counts + turns.dq_count +
+                         (int64_t(batch) * args.h_k + kv_head) * turns.k_blocks + n_block;
+    if (args.deterministic) { sm90::wait_flag_eq<true>(kv_turn, head - kv_head * group); }
     CUTE_UNROLL
     for (int i = 0; i < size(tdVrdV); i += 2) {
       int const key = key0 + get<0>(tKVcKV(i));
@@ -752,6 +772,11 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
         sm80::atomic_add2(dk_acc + at, tdKrdK(i), tdKrdK(i + 1));
         sm80::atomic_add2(dv_acc + at, tdVrdV(i), tdVrdV(i + 1));
       }
+    }
+    if (args.deterministic) {
+      __threadfence();
+      named_barrier_sync(Cfg::kConsumerThreads, kBarKvAdded);
+      if (tidx == 0) { sm90::release_flag_inc(kv_turn); }
     }
     return;
   }

@@ -41,15 +41,15 @@ using BwdConfigOf = typename BwdTile<typename CuteElement<T>::type, kHeadDim>::C
 
 // The dq_accum layout and its zeroing are the sm80 family's (its dsum and dQ conversion
 // kernels run here too), with one split also in deterministic mode, which orders the
-// additions itself (dq_turns). GQA: dK's and dV's accumulators (kv_accum) follow in the same
+// additions itself (turns_of). GQA: dK's and dV's accumulators (kv_accum) follow in the same
 // allocation, then deterministic mode's counts.
 template <class T, int kHeadDim>
 BwdPlan plan_bwd(BwdParams& p, const Device& device) {
   using Cfg = BwdConfigOf<T, kHeadDim>;
   BwdPlan plan = sm80::plan_bwd<T, kHeadDim>(p, device);
   p.num_splits = 1;
-  DqTurns const turns = dq_turns<Cfg::kBlockM>(p);
-  plan.dq_accum_floats = turns.offset + turns.count;
+  Turns const turns = turns_of<Cfg::kBlockM, Cfg::kBlockN>(p);
+  plan.dq_accum_floats = turns.offset + turns.dq_count + turns.kv_count;
   plan.smem_bytes = int(sizeof(typename Cfg::SharedStorage));
   return plan;
 }
@@ -138,9 +138,10 @@ void launch_bwd(const BwdParams& params, const Device& device, cudaStream_t stre
     KvAccum const acc = kv_accum(params);
     cudaMemsetAsync(params.dq_accum + acc.offset, 0, 2 * acc.floats * sizeof(float), stream);
   }
-  DqTurns const turns = dq_turns<Cfg::kBlockM>(params);
-  if (turns.count > 0) {
-    cudaMemsetAsync(params.dq_accum + turns.offset, 0, turns.count * sizeof(int), stream);
+  Turns const turns = turns_of<Cfg::kBlockM, Cfg::kBlockN>(params);
+  if (turns.dq_count + turns.kv_count > 0) {
+    cudaMemsetAsync(params.dq_accum + turns.offset, 0,
+                    (turns.dq_count + turns.kv_count) * sizeof(int), stream);
   }
   if (params.seqlen_k > 0) {
     // A left window bound (with or without a right one), a right bound alone (causal: 0), none.
