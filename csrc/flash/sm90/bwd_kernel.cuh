@@ -375,6 +375,16 @@ __device__ __forceinline__ void store_query_rows(PipelineRows& pipe_rows, float*
   }
 }
 
+// a if kFirst, else b (a reference to either: a constexpr choice between two variables).
+template <bool kFirst, class A, class B>
+__device__ __forceinline__ auto& first_if(A& a, B& b) {
+  if constexpr (kFirst) {
+    return a;
+  } else {
+    return b;
+  }
+}
+
 // The producer thread: K and V of key block n_block (barrier_kv), then the Q and dO tiles of
 // query blocks [m_begin, m_end) through their pipelines (each with its own stages).
 template <class Cfg, class PipeQ, class PipeDo, class Shared>
@@ -424,13 +434,7 @@ __device__ __forceinline__ void load_tiles(typename Cfg::Params const& params, S
   constexpr bool kOneState = std::is_same_v<PipeQ, PipeDo>;
   auto write_q = cutlass::make_producer_start_state<PipeQ>();
   [[maybe_unused]] auto write_do_own = cutlass::make_producer_start_state<PipeDo>();
-  auto& write_do = [&]() -> auto& {
-    if constexpr (kOneState) {
-      return write_q;
-    } else {
-      return write_do_own;
-    }
-  }();
+  auto& write_do = first_if<kOneState>(write_q, write_do_own);
   for (int m_block = m_begin; m_block < m_end; ++m_block) {
     pipe_q.producer_acquire(write_q);
     copy(params.tma_q.with(*pipe_q.producer_get_barrier(write_q)), get<0>(q_parts)(_, m_block),
