@@ -727,9 +727,9 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
     ++read;
 
     // dQ partial -> this block's tile, once the writer has freed its buffer; rows past the
-    // sequence (another sequence's, or padding) get zeros. The accumulator's elements 2i, 2i + 1 are
-    // adjacent columns; its rows and columns are constant offsets (multiples of 8) from its
-    // first element's, so the dq_accum layout's offsets are too.
+    // sequence (another sequence's, or padding) get zeros. The accumulator's elements 2i,
+    // 2i + 1 are adjacent columns; its rows and columns are constant offsets (multiples of 8)
+    // from its first element's, so the dq_accum layout's offsets are too.
     int const row0 = get<0>(tdQcdQ(0)), col0 = get<1>(tdQcdQ(0));
     int const valid_rows = si.len_q - query0;
     pipe_dq.producer_acquire(dq_write);
