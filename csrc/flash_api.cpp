@@ -119,9 +119,9 @@ tf::Arch fwd_family(const tf::FwdParams& p, int arch, bool bf16, int requested,
 
 // The family that runs a backward: sm90 where this build has its kernel and bwd_declines
 // accepts the call (measured faster than sm80 at every grid row it serves: H100, 2026-11-25,
-// d64 / d128, s 512-16k, causal or not), unless sm80 is requested; sm80 otherwise. Either
-// family reads the LSE that either family's forward writes (float32, natural log, same
-// layout). `why_not_sm90` says why sm90 was not taken, when it was not.
+// d64 / d128, s 512-16k, causal or not; H200, 2026-11-28, d256), unless sm80 is requested;
+// sm80 otherwise. Either family reads the LSE that either family's forward writes (float32,
+// natural log, same layout). `why_not_sm90` says why sm90 was not taken, when it was not.
 tf::Arch bwd_family(const tf::BwdParams& p, int arch, bool bf16, int requested,
                     std::string& why_not_sm90) {
   const char* declined = tf::sm90::bwd_declines(p, arch);

@@ -49,7 +49,7 @@ FAMILIES = {
     "sm80": Family(enum="kSm80", archs=None, directions=("fwd", "bwd", "decode")),
     # wgmma/TMA forward and backward for sm_90a; the binding runs what they decline on sm80.
     "sm90": Family(enum="kSm90", archs=("90a",), directions=("fwd", "bwd"),
-                   head_dims=(64, 128, 256), needs_cutlass=True, bwd_head_dims=(64, 128)),
+                   head_dims=(64, 128, 256), needs_cutlass=True),
 }
 EVERY_GPU_FAMILY = "sm80"
 

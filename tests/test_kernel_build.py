@@ -18,11 +18,11 @@ def test_default_builds_every_instantiation_for_its_targets():
     sm90 = {f: t for f, t in files.items() if f.endswith("_sm90.cu")}
     assert len(sm80) == 3 * 2 * len(generate.HEAD_DIMS)  # fwd, bwd and decode, 2 dtypes
     assert set(sm80.values()) == {("80", "90a")}
-    # sm90: forward at d64, d128 and d256, backward at d64 and d128 (one macro per kernel)
+    # sm90: forward and backward at d64, d128 and d256 (one macro per kernel)
     sm90_fwd = [f"flash/instantiations/fwd_{t}_hdim{d}_sm90.cu"
                 for t in ("bf16", "fp16") for d in (64, 128, 256)]
     sm90_bwd = [f"flash/instantiations/bwd_{t}_hdim{d}_sm90.cu"
-                for t in ("bf16", "fp16") for d in (64, 128)]
+                for t in ("bf16", "fp16") for d in (64, 128, 256)]
     assert sorted(sm90) == sorted(sm90_fwd + sm90_bwd)
     assert set(sm90.values()) == {("90a",)}
     assert len(files) == len(sm80) + len(sm90)
@@ -79,7 +79,7 @@ def test_a_family_builds_only_for_its_targets():
     # The CI compile check covers each family at each of its targets.
     assert [job for job in generate.compile_check_jobs() if job[0].endswith("_sm90.cu")] == \
         [("flash/instantiations/fwd_fp16_hdim64_sm90.cu", "90a"),
-         ("flash/instantiations/bwd_fp16_hdim128_sm90.cu", "90a")]
+         ("flash/instantiations/bwd_bf16_hdim256_sm90.cu", "90a")]
 
 
 def test_dispatch_lists_the_user_names_of_the_every_gpu_family():

@@ -286,13 +286,15 @@ def test_flash_goes_first_on_hopper_from_the_measured_length(sm90_rule, d, mask,
         assert (flash.faster_than_cudnn(p) is None) == (first is fused)
 
 
-@pytest.mark.parametrize("mask,shortest", [({}, 4096), (CAUSAL, 8192)],
-                         ids=["no_mask", "causal"])
-def test_flash_goes_first_on_hopper_for_training_from_the_measured_length(sm90_rule, mask,
+@pytest.mark.parametrize("d,mask,shortest", [(64, {}, 4096), (64, CAUSAL, 8192),
+                                             (256, {}, 8192), (256, CAUSAL, 16384)],
+                         ids=["d64-no_mask", "d64-causal", "d256-no_mask", "d256-causal"])
+def test_flash_goes_first_on_hopper_for_training_from_the_measured_length(sm90_rule, d, mask,
                                                                           shortest):
     from transformer_fa.attention.backends import flash, fused
     for s, first in ((shortest // 2, fused), (shortest, flash), (2 * shortest, flash)):
-        p = hopper_params(max_seqlen_q=s, max_seqlen_kv=s, requires_grad=True, **mask)
+        p = hopper_params(head_dim_qk=d, head_dim_v=d, max_seqlen_q=s, max_seqlen_kv=s,
+                          requires_grad=True, **mask)
         assert selection.preference_order(p)[0] is first, s
     assert "forward and backward were measured faster" in flash.faster_than_cudnn(p)
 
@@ -300,7 +302,7 @@ def test_flash_goes_first_on_hopper_for_training_from_the_measured_length(sm90_r
 @pytest.mark.parametrize("change", [
     dict(deterministic=True),                       # not measured against cuDNN's own
     dict(head_dim_qk=128, head_dim_v=128),          # below cuDNN's in places
-    dict(head_dim_qk=256, head_dim_v=256, **CAUSAL),  # forward-only rule, sm80 backward
+    dict(head_dim_qk=192, head_dim_v=192),          # d192: below cuDNN
 ])
 def test_training_keeps_cudnn_first_on_hopper_elsewhere(sm90_rule, change):
     from transformer_fa.attention.backends import flash, fused

@@ -35,9 +35,11 @@ parser.add_argument("--sm90-backward", action="store_true",
                     help="only the sm90 family's backward: thd with ragged lengths (a tile "
                          "reaching into the next sequence, a one-token sequence) and bshd with "
                          "sq != sk, no mask, causal of both alignments, sliding windows (left, "
-                         "right, both), d40 (the d64 kernel, columns past d), d64 and d128, MHA "
-                         "and GQA (4 query heads on 2 KV heads: dK / dV reductions); MHA also "
-                         "deterministic (dQ additions in turn)")
+                         "right, both), d40 (the d64 kernel, columns past d), d64, d128, d192 "
+                         "(the d256 kernel, columns past d) and d256, MHA and GQA (4 "
+                         "query heads on 2 KV heads: dK / dV reductions); at d <= 128 each "
+                         "also deterministic (dQ additions, and GQA's dK / dV, in turn; d256 "
+                         "declines it)")
 parser.add_argument("--decode", action="store_true",
                     help="only the split-KV decode kernel: thd and padded bshd queries against "
                          "contiguous and paged K/V (shuffled pages of 16 and 64), ragged cached "
@@ -94,7 +96,7 @@ if args.sm90_backward:
     lens_q, lens_k = [37, 130, 1, 200], [50, 129, 9, 70]
     cu_q, cu_k = (torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32,
                                device="cuda") for n in (lens_q, lens_k))
-    for d in (int(x) for x in args.dims.split(",") if int(x) <= 128):
+    for d in (int(x) for x in args.dims.split(",") if int(x) <= 256):
         for dtype, hk in ((torch.bfloat16, 4), (torch.float16, 4), (torch.bfloat16, 2)):
             thd = [torch.randn(sum(n), h, d, device="cuda", dtype=dtype)
                    for n, h in ((lens_q, 4), (lens_k, hk), (lens_k, hk))]
@@ -110,8 +112,8 @@ if args.sm90_backward:
                                            0.0, False, True, bwd_family=90)
                     out, lse = flash._fwd_impl(q, k, v, *cu, None, None, call)
                     dout = torch.randn_like(out)
-                    # (deterministic GQA runs on sm80)
-                    for deterministic in (False, True) if hk == 4 else (False,):
+                    # (deterministic d > 128 runs on sm80)
+                    for deterministic in (False, True) if d <= 128 else (False,):
                         dq, dk, dv = flash._bwd_impl(
                             dout, q, k, v, out, lse, *cu, None, None,
                             call._replace(deterministic=deterministic))

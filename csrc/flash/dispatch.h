@@ -198,11 +198,17 @@ inline bool has_bwd(Arch arch, bool bf16, int hd) {
 #ifdef TFA_FLASH_SM90_FP16_HDIM128
   if (arch == Arch::kSm90 && !bf16 && hd == 128) return true;
 #endif
+#ifdef TFA_FLASH_SM90_FP16_HDIM256
+  if (arch == Arch::kSm90 && !bf16 && hd == 256) return true;
+#endif
 #ifdef TFA_FLASH_SM90_BF16_HDIM64
   if (arch == Arch::kSm90 && bf16 && hd == 64) return true;
 #endif
 #ifdef TFA_FLASH_SM90_BF16_HDIM128
   if (arch == Arch::kSm90 && bf16 && hd == 128) return true;
+#endif
+#ifdef TFA_FLASH_SM90_BF16_HDIM256
+  if (arch == Arch::kSm90 && bf16 && hd == 256) return true;
 #endif
   return false;
 }
@@ -268,6 +274,12 @@ inline bool dispatch_plan_bwd(Arch arch, bool bf16, int hd, BwdParams& params,
     return true;
   }
 #endif
+#ifdef TFA_FLASH_SM90_FP16_HDIM256
+  if (arch == Arch::kSm90 && !bf16 && hd == 256) {
+    plan = plan_bwd<Arch::kSm90, DType::kFP16, 256>(params, device);
+    return true;
+  }
+#endif
 #ifdef TFA_FLASH_SM90_BF16_HDIM64
   if (arch == Arch::kSm90 && bf16 && hd == 64) {
     plan = plan_bwd<Arch::kSm90, DType::kBF16, 64>(params, device);
@@ -277,6 +289,12 @@ inline bool dispatch_plan_bwd(Arch arch, bool bf16, int hd, BwdParams& params,
 #ifdef TFA_FLASH_SM90_BF16_HDIM128
   if (arch == Arch::kSm90 && bf16 && hd == 128) {
     plan = plan_bwd<Arch::kSm90, DType::kBF16, 128>(params, device);
+    return true;
+  }
+#endif
+#ifdef TFA_FLASH_SM90_BF16_HDIM256
+  if (arch == Arch::kSm90 && bf16 && hd == 256) {
+    plan = plan_bwd<Arch::kSm90, DType::kBF16, 256>(params, device);
     return true;
   }
 #endif
@@ -344,6 +362,12 @@ inline bool dispatch_bwd(Arch arch, bool bf16, int hd, const BwdParams& params,
     return true;
   }
 #endif
+#ifdef TFA_FLASH_SM90_FP16_HDIM256
+  if (arch == Arch::kSm90 && !bf16 && hd == 256) {
+    run_bwd<Arch::kSm90, DType::kFP16, 256>(params, device, stream);
+    return true;
+  }
+#endif
 #ifdef TFA_FLASH_SM90_BF16_HDIM64
   if (arch == Arch::kSm90 && bf16 && hd == 64) {
     run_bwd<Arch::kSm90, DType::kBF16, 64>(params, device, stream);
@@ -353,6 +377,12 @@ inline bool dispatch_bwd(Arch arch, bool bf16, int hd, const BwdParams& params,
 #ifdef TFA_FLASH_SM90_BF16_HDIM128
   if (arch == Arch::kSm90 && bf16 && hd == 128) {
     run_bwd<Arch::kSm90, DType::kBF16, 128>(params, device, stream);
+    return true;
+  }
+#endif
+#ifdef TFA_FLASH_SM90_BF16_HDIM256
+  if (arch == Arch::kSm90 && bf16 && hd == 256) {
+    run_bwd<Arch::kSm90, DType::kBF16, 256>(params, device, stream);
     return true;
   }
 #endif

@@ -4,7 +4,8 @@ in Python): dq, dk, dv against float64 autograd (bshd, sbhd, packed bs3hd, and v
 and padded bshd; MHA, GQA and MQA; no mask, causal and sliding windows of both diagonal
 alignments; deterministic mode: bitwise the same gradients run after run), what it declines
 and the error when it is forced on such a call, and training steps through
-DotProductAttention.
+DotProductAttention. Head dims 64, 128 and 256: d256 (and 129-255) run on the d256 kernel
+(bwd_kernel_d256.cuh), which `auto` takes as well (test_auto_runs_the_d256_backward_on_sm90).
 
 Error rule per gradient: max |ours - float64| <= 2 x max |the same math in the input dtype -
 float64| + 1e-3 (relative to the reference's magnitude; attention_cases.check). The gradients
@@ -89,12 +90,16 @@ CASES = {
     "cross-sbhd-sq17-sk1-b2-h2": (2, 17, 1, 2, "sbhd", 1.0),
 }
 MASKS = {"no_mask": (False, False), "causal": (True, False), "causal_bottom_right": (True, True)}
+# The kernels' head dims (the tests here request the sm90 backward: family 90). Deterministic
+# mode: d64 and d128 only (the d256 kernel declines it).
+DIMS = [64, 128, 256]
+DIM_IDS = [f"d{d}" for d in DIMS]
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("mask", sorted(MASKS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("d", DIMS, ids=DIM_IDS)
 def test_backward_matches_float64(name, mask, dtype, d):
     b, sq, sk, h, layout, gain = CASES[name]
     causal, bottom_right = MASKS[mask]
@@ -119,9 +124,9 @@ def check_grads(tag, q, k, v, layout, causal, bottom_right, window=None):
         check(f"{tag} d{which}", to_bshd(g, layout).double(), r, bg.double(), 1e-3)
 
 
-# Head dims below a kernel's (multiples of 8 up to 128) on the d64 or d128 kernel: TMA
+# Head dims below a kernel's (multiples of 8 up to 256) on the d64, d128 or d256 kernel: TMA
 # zero-fills the columns past d; dK / dV store none of them, dQ's conversion writes d columns.
-OTHER_DIMS = [8, 40, 96, 120]
+OTHER_DIMS = [8, 40, 96, 120, 160, 200]
 
 
 @pytest.mark.parametrize("name", ["s257-b2-h4", "sbhd-s113-b2-h4", "cross-sq113-sk1000-b2-h2"])
@@ -164,7 +169,7 @@ def make_gqa_qkv(b, sq, sk, h, hkv, dtype, layout, d, seed=0):
 @pytest.mark.parametrize("group", sorted(GROUPS))
 @pytest.mark.parametrize("mask", sorted(MASKS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("d", DIMS, ids=DIM_IDS)
 def test_gqa_backward_matches_float64(name, group, mask, dtype, d):
     """dk / dv summed over each KV head's query heads (float32 reductions, then converted)."""
     b, sq, sk, layout = GQA_CASES[name]
@@ -188,7 +193,7 @@ WINDOW_CASES = ("s257-b2-h4", "s1000-b1-h4", "sbhd-s113-b2-h4", "cross-sq113-sk1
 @pytest.mark.parametrize("window", sorted(WINDOWS))
 @pytest.mark.parametrize("bottom_right", [False, True], ids=["top_left", "bottom_right"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("d", DIMS, ids=DIM_IDS)
 def test_window_backward_matches_float64(name, window, bottom_right, dtype, d):
     """Sliding windows: each key block's query blocks from the band, the blocks it cuts
     masked (ragged tails, sq != sk both ways: rows without any key, key blocks no query sees,
@@ -204,7 +209,7 @@ def test_window_backward_matches_float64(name, window, bottom_right, dtype, d):
 @pytest.mark.parametrize("group", sorted(GROUPS))
 @pytest.mark.parametrize("window", sorted(WINDOWS))
 @pytest.mark.parametrize("bottom_right", [False, True], ids=["top_left", "bottom_right"])
-@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("d", DIMS, ids=DIM_IDS)
 def test_gqa_window_backward_matches_float64(name, group, window, bottom_right, d):
     """GQA / MQA with sliding windows (bf16): the dK / dV reductions of key blocks that no
     query of a head sees add zeros."""
@@ -231,7 +236,7 @@ def cu_seqlens(lens):
 @pytest.mark.parametrize("fmt", ["thd", "bshd-padded"])
 @pytest.mark.parametrize("mask", sorted(MASKS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("d", DIMS, ids=DIM_IDS)
 def test_varlen_backward_matches_float64(fmt, mask, dtype, d):
     """cu_seqlens: packed thd tensors (a sequence's tiles reach into the next one's tokens),
     or bshd batch rows padded past each sequence's length (dK / dV padding rows: zeros)."""
@@ -243,7 +248,7 @@ def test_varlen_backward_matches_float64(fmt, mask, dtype, d):
 @pytest.mark.parametrize("bottom_right", [False, True], ids=["top_left", "bottom_right"])
 @pytest.mark.parametrize("hkv", [2, 1], ids=["mha", "mqa"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("d", DIMS, ids=DIM_IDS)
 def test_varlen_window_backward_matches_float64(fmt, window, bottom_right, hkv, dtype, d):
     """Varlen with sliding windows, MHA (2 heads) and MQA (2 query heads on 1): each
     sequence's band from its own lengths (ragged, sq != sk both ways)."""
@@ -254,7 +259,7 @@ def test_varlen_window_backward_matches_float64(fmt, window, bottom_right, hkv, 
 @pytest.mark.parametrize("group", sorted(GROUPS))
 @pytest.mark.parametrize("mask", sorted(MASKS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("d", DIMS, ids=DIM_IDS)
 def test_varlen_gqa_backward_matches_float64(fmt, group, mask, dtype, d):
     """As above with GQA / MQA: a sequence's dk / dv rows get only its own keys' sums (thd: the
     accumulators' rows of the next sequence are untouched by its tiles)."""
@@ -348,6 +353,37 @@ def test_auto_runs_the_sm90_backward_where_it_serves():
     assert EXT.bwd_family(*SERVED, 80) == ["sm80", "the sm80 family was requested"]
 
 
+@pytest.mark.parametrize("hkv", [4, 2], ids=["mha", "gqa"])
+def test_auto_runs_the_d256_backward_on_sm90(hkv):
+    """d256: auto (family 0) runs the sm90 d256 kernel (bwd_kernel_d256; measured faster than
+    sm80 at every grid row), and in deterministic mode, which that kernel declines, the sm80
+    kernel with the reason; a forced sm80 runs sm80. Every result obeys the file's rule
+    against float64."""
+    q, k, v = make_qkv(2, 512, 512, 4, hkv, torch.bfloat16, "bshd", seed=3, d=256)
+    dout = torch.randn_like(q)
+    grads = {}
+    kernels = {}
+    runs = {"auto": (0, False), "sm80": (80, False), "auto-deterministic": (0, True)}
+    for name, (family, deterministic) in runs.items():
+        def call(name=name, family=family, deterministic=deterministic):
+            grads[name] = run_fwd_bwd(q, k, v, dout, "bshd", True, False, family=family,
+                                      deterministic=deterministic)
+        call()  # the first call loads the modules
+        kernels[name] = bwd_kernels(call)
+    assert kernels == {"auto": {"sm90::bwd_kernel"}, "sm80": {"sm80::bwd_kernel"},
+                       "auto-deterministic": {"sm80::bwd_kernel"}}
+    args = (90, True, 256, 512, 512, False, -1, 0, False, False, False, hkv != 4)
+    assert EXT.bwd_family(*args, False, 0) == ["sm90", ""]
+    family, why = EXT.bwd_family(*args, True, 0)
+    assert family == "sm80" and "d256 backward is not deterministic" in why, (family, why)
+    scale = 1 / math.sqrt(q.shape[-1])
+    ref = reference_grads(q, k, v, dout, True, False, scale, torch.float64)
+    base = reference_grads(q, k, v, dout, True, False, scale, torch.bfloat16)
+    for name in runs:
+        for which, g, r, bg in zip("qkv", grads[name], ref, base):
+            check(f"{name} d{which}", g.double(), r, bg.double(), 1e-3)
+
+
 @pytest.mark.parametrize("group", sorted(GROUPS))
 def test_auto_runs_the_sm90_backward_on_gqa(group):
     """GQA / MQA: auto (family 0) runs the sm90 kernel (no sm80 kernel in the profile), and its
@@ -398,8 +434,9 @@ def test_auto_runs_the_sm90_backward_on_windows(window, hkv):
 
 
 # Deterministic mode: the key blocks that see a query block add their dQ tiles into it one at a
-# time in the order of the key blocks (bwd_kernel.cuh, dq_turns), so that dq (and dk, dv) are
-# bitwise the same on every run. The cases: many key blocks per query block (s 2048: 16), sq !=
+# time, last key block first, and GQA's query heads add their dK / dV into the group's
+# accumulators one at a time (bwd_kernel.cuh, turns_of), so that dq, dk and dv are bitwise the
+# same on every run. The cases: many key blocks per query block (s 2048: 16), sq !=
 # sk both ways, ragged tails; no mask, causal of both alignments and windows (whose first key
 # block differs per query block).
 DETERMINISTIC_CASES = {
@@ -420,14 +457,15 @@ DETERMINISTIC_MASKS = {"no_mask": ((-1, -1), False), "causal": ((-1, 0), False),
 @pytest.mark.parametrize("mask", sorted(DETERMINISTIC_MASKS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
-def test_deterministic_backward_is_bitwise_reproducible(name, mask, dtype, d):
+@pytest.mark.parametrize("group", [1, 2], ids=["mha", "gqa"])
+def test_deterministic_backward_is_bitwise_reproducible(name, mask, dtype, d, group):
     """Three deterministic backwards of one call: dq, dk, dv bit for bit equal, and within the
-    file's rule against float64."""
+    file's rule against float64; GQA (two query heads per KV head; MQA where h = 2)."""
     b, sq, sk, h, layout, gain = DETERMINISTIC_CASES[name]
     window, bottom_right = DETERMINISTIC_MASKS[mask]
     if bottom_right and sq == sk:
         pytest.skip("the same mask as top-left")
-    q, k, v = make_qkv(b, sq, sk, h, h, dtype, layout, gain, d=d)
+    q, k, v = make_qkv(b, sq, sk, h, h // group, dtype, layout, gain, d=d)
     gen = torch.Generator(device=DEV).manual_seed(1)
     dout = torch.randn(q.shape, generator=gen, device=DEV).to(dtype)
     runs = [run_fwd_bwd(q, k, v, dout, layout, False, bottom_right, family=90,
@@ -446,17 +484,20 @@ def test_deterministic_backward_is_bitwise_reproducible(name, mask, dtype, d):
 @pytest.mark.parametrize("fmt", ["thd", "bshd-padded"])
 @pytest.mark.parametrize("mask", sorted(DETERMINISTIC_MASKS))
 @pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
-def test_varlen_deterministic_backward_is_bitwise_reproducible(fmt, mask, d):
+@pytest.mark.parametrize("hkv", [2, 1], ids=["mha", "mqa"])
+def test_varlen_deterministic_backward_is_bitwise_reproducible(fmt, mask, d, hkv):
     """Varlen (bf16): three deterministic backwards bit for bit equal (thd: the 8-row groups
-    that two sequences' tiles share), each sequence within the rule against float64."""
+    that two sequences' tiles share), each sequence within the rule against float64; MHA and
+    MQA (2 query heads on 1 KV head)."""
     window, bottom_right = DETERMINISTIC_MASKS[mask]
-    check_varlen(fmt, window, bottom_right, torch.bfloat16, d, 2, 2, deterministic=True, runs=3)
+    check_varlen(fmt, window, bottom_right, torch.bfloat16, d, 2, hkv, deterministic=True,
+                 runs=3)
 
 
 @pytest.mark.parametrize("mask", ["no_mask", "causal", "left48-right16"])
 def test_auto_runs_the_sm90_backward_when_deterministic(mask):
-    """Deterministic MHA: auto (family 0) runs the sm90 kernel (no sm80 kernel in the
-    profile) and bwd_family says so; deterministic GQA runs on sm80, with the reason."""
+    """Deterministic MHA and GQA: auto (family 0) runs the sm90 kernel (no sm80 kernel in the
+    profile), bwd_family says so, and two runs give the same bits."""
     window, bottom_right = DETERMINISTIC_MASKS[mask]
     q, k, v = make_qkv(2, 1024, 1024, 4, 4, torch.bfloat16, "bshd", seed=3)
     dout = torch.randn_like(q)
@@ -471,15 +512,16 @@ def test_auto_runs_the_sm90_backward_when_deterministic(mask):
     left, right = window
     args = (90, True, 128, 1024, 1024, False, left, right, bottom_right, False, False)
     assert EXT.bwd_family(*args, False, True, 0) == ["sm90", ""]
-    family, why = EXT.bwd_family(*args, True, True, 0)
-    assert family == "sm80" and "not deterministic with GQA" in why, (family, why)
+    assert EXT.bwd_family(*args, True, True, 0) == ["sm90", ""]
     q, k, v = make_qkv(2, 1024, 1024, 4, 2, torch.bfloat16, "bshd", seed=3)
+    grads = []
 
     def call_gqa():
-        run_fwd_bwd(q, k, v, dout, "bshd", False, bottom_right, family=0, deterministic=True,
-                    window=window)
+        grads.append(run_fwd_bwd(q, k, v, dout, "bshd", False, bottom_right, family=0,
+                                 deterministic=True, window=window))
     call_gqa()  # the first call loads the modules
-    assert bwd_kernels(call_gqa) == {"sm80::bwd_kernel"}
+    assert bwd_kernels(call_gqa) == {"sm90::bwd_kernel"}
+    assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1]))
 
 
 def sm90_backward_through_dpa(monkeypatch, q, k, v, hkv, causal, window=None):
@@ -524,14 +566,12 @@ def test_deterministic_training_step_through_dot_product_attention(monkeypatch):
 # (d, sq, sk, varlen, window_left, window_right, bottom_right, alibi, dropout, gqa,
 #  deterministic) -> the reason's words
 DECLINED = {
-    "head dim 160": ((160, 256, 256, False, -1, 0, False, False, False, False, False),
-                     "head dims up to 128 only"),
-    "head dim 256": ((256, 256, 256, False, -1, 0, False, False, False, False, False),
-                     "head dims up to 128 only"),
+    "head dim 264": ((264, 256, 256, False, -1, 0, False, False, False, False, False),
+                     "head dims up to 256 only"),
+    "deterministic d256": ((256, 256, 256, False, -1, 0, False, False, False, False, True),
+                           "d256 backward is not deterministic"),
     "alibi": ((128, 256, 256, False, -1, 0, False, True, False, False, False), "ALiBi"),
     "dropout": ((128, 256, 256, False, -1, -1, False, False, True, False, False), "dropout"),
-    "deterministic gqa": ((128, 256, 256, False, -1, -1, False, False, False, True, True),
-                          "not deterministic with GQA"),
 }
 
 
@@ -543,29 +583,25 @@ def test_declined_calls_say_why(name):
     assert EXT.bwd_family(80, True, *SERVED[2:], 90)[0] == "sm80"  # not an sm_90 GPU
 
 
-@pytest.mark.parametrize("case", ["head dim 160", "deterministic gqa"])
-def test_forced_sm90_on_a_declined_call_is_a_clear_error(case):
-    d, h, hkv, left, deterministic, words = {
-        "head dim 160": (160, 2, 2, 64, False, "head dims up to 128 only"),
-        "deterministic gqa": (128, 4, 2, -1, True, "not deterministic with GQA"),
-    }[case]
-    q, k, v = make_qkv(1, 256, 256, h, hkv, torch.bfloat16, "bshd", d=d)
+def test_forced_sm90_on_a_declined_call_is_a_clear_error():
+    q, k, v = make_qkv(1, 256, 256, 2, 2, torch.bfloat16, "bshd", d=160)
     with pytest.raises(RuntimeError, match="flash_attn_bwd: the sm90 family was requested, but "
-                                           ".*" + words):
+                                           ".*d256 backward is not deterministic"):
         run_fwd_bwd(q, k, v, torch.randn_like(q), "bshd", True, True, family=90,
-                    deterministic=deterministic, window_left=left)
+                    deterministic=True, window_left=64)
     with pytest.raises(RuntimeError, match="family must be 0"):
         run_fwd_bwd(q, k, v, torch.randn_like(q), "bshd", True, True, family=100)
 
 
 @pytest.mark.parametrize("hkv", [4, 2], ids=["mha", "gqa"])
 @pytest.mark.parametrize("mask", ["no_mask", "causal", "window"])
-def test_training_step_with_the_sm90_backward(monkeypatch, mask, hkv):
+@pytest.mark.parametrize("d", [128, 256], ids=["d128", "d256"])
+def test_training_step_with_the_sm90_backward(monkeypatch, mask, hkv, d):
     """Through DotProductAttention with TRANSFORMER_FA_FLASH_BWD_FAMILY=sm90: the debug log
     names the sm90 backward, and the gradients obey the rule against float64 autograd
     (window: causal with window_size (64, 0))."""
     monkeypatch.setenv("TRANSFORMER_FA_FLASH_BWD_FAMILY", "sm90")
-    b, s, h, d = 2, 300, 4, 128
+    b, s, h = 2, 300, 4
     q, k, v = make_qkv(b, s, s, h, hkv, torch.bfloat16, "bshd", seed=7, d=d)
     causal = mask != "no_mask"
     window = (64, 0) if mask == "window" else None
@@ -579,12 +615,13 @@ def test_training_step_with_the_sm90_backward(monkeypatch, mask, hkv):
 
 
 def test_forced_sm90_backward_on_a_declined_call_fails_with_the_reason(monkeypatch):
-    """TRANSFORMER_FA_FLASH_BWD_FAMILY=sm90 on a call its backward declines (head dim 160, GQA
-    with a sliding window): the forward runs, the backward raises the binding's error naming
-    the reason (no silent fallback)."""
+    """TRANSFORMER_FA_FLASH_BWD_FAMILY=sm90 on a call its backward declines (deterministic at
+    head dim 160, the d256 kernel's; GQA with a sliding window): the forward runs, the
+    backward raises the binding's error naming the reason (no silent fallback)."""
     import transformer_fa as tfa
 
     monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
     monkeypatch.setenv("TRANSFORMER_FA_FLASH_BWD_FAMILY", "sm90")
     q, k, v = make_qkv(2, 256, 256, 4, 2, torch.bfloat16, "bshd", d=160)
     dpa = tfa.DotProductAttention(4, 160, num_gqa_groups=2, qkv_format="bshd",
@@ -592,6 +629,6 @@ def test_forced_sm90_backward_on_a_declined_call_fails_with_the_reason(monkeypat
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     out = dpa(*leaves)
     assert dpa.last_backend == "FlashAttention"
-    with pytest.raises(RuntimeError, match="sm90 family was requested, but its backward has "
-                                           "kernels for head dims up to 128 only"):
+    with pytest.raises(RuntimeError, match="sm90 family was requested, but its d256 backward is "
+                                           "not deterministic"):
         out.sum().backward()

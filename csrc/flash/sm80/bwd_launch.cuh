@@ -110,18 +110,24 @@ BwdPlan plan_bwd(BwdParams& p, const Device& device) {
                  int64_t(splits) * p.dqa_split_stride, p.dqa_zeroed};
 }
 
+// dsum = rowsum(dO * O) and the zeroing of dq_accum (dot_do_o_kernel); the sm90 backward
+// runs it too.
+template <typename T, int kHeadDim>
+void launch_dot_do_o(const BwdParams& params, cudaStream_t stream) {
+  if (params.seqlen_q <= 0) return;
+  // Lanes per row: one 8-element chunk each (d 64, 128), or a whole warp.
+  constexpr int kLanes = kHeadDim <= 64 ? 8 : kHeadDim <= 128 ? 16 : 32;
+  constexpr int kRows = 8 * 32 / kLanes;
+  dim3 grid((params.seqlen_q + kRows - 1) / kRows, params.h, params.b);
+  dot_do_o_kernel<T, kLanes><<<grid, 256, 0, stream>>>(params);
+}
+
 template <typename Tr>
 void launch_bwd_traits(const BwdParams& params, const Device& device, cudaStream_t stream) {
   constexpr int kHeadDim = Tr::D;
   using T = typename Tr::Element;
   if (params.b == 0 || params.h == 0) return;
-  if (params.seqlen_q > 0) {
-    // Lanes per row: one 8-element chunk each (d 64, 128), or a whole warp.
-    constexpr int kLanes = kHeadDim <= 64 ? 8 : kHeadDim <= 128 ? 16 : 32;
-    constexpr int kRows = 8 * 32 / kLanes;
-    dim3 grid((params.seqlen_q + kRows - 1) / kRows, params.h, params.b);
-    dot_do_o_kernel<T, kLanes><<<grid, 256, 0, stream>>>(params);
-  }
+  launch_dot_do_o<T, kHeadDim>(params, stream);
   const int num_n = (params.seqlen_k + Tr::BN - 1) / Tr::BN;
   if (num_n > 0) {
     // Under a causal-like mask the first key blocks see the most query rows: heavy first

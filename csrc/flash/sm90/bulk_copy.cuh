@@ -45,12 +45,16 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
 __device__ __forceinline__ void fence_proxy_async_global() {
   TFA_SM90("fence.proxy.async.global;\n" ::: "memory");
 }
-// Waits until *flag == value (acquire, GPU scope), sleeping between reads.
+// Waits until *flag == value (acquire, GPU scope), sleeping between reads. kWholeWarp: every
+// lane of the warp calls it (each read acquires) and the warp leaves the loop together; a
+// single lane asleep in a wait can be left behind at the compiler's convergence point, so
+// that its warp meets a later aligned barrier in two parts and hangs there.
+template <bool kWholeWarp = false>
 __device__ __forceinline__ void wait_flag_eq(const int* flag, int value) {
   for (int ns = 32;; ns = ns < 1024 ? 2 * ns : ns) {
     int seen = value;  // (the load's; below sm90 the load traps)
     TFA_SM90("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(flag) : "memory");
-    if (seen == value) { return; }
+    if (kWholeWarp ? __all_sync(0xffffffffu, seen == value) : seen == value) { return; }
     __nanosleep(ns);
   }
 }

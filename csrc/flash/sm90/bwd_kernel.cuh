@@ -42,10 +42,60 @@ namespace sm90 {
 
 using namespace cute;
 
+// K-major 128-byte swizzled tiles of (kRows, kCols) (and kStages of them) as TMA writes them,
+// and their transposed (MN-major) views of shape (kCols, kRows): a K-major tile of (rows, d)
+// is, element for element, the MN-major tile of (d, rows) with the atoms ordered along the
+// rows (Step<_2, _1>).
+template <class Element, int kRows, int kCols>
+using SmemRowsK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                         Shape<Int<kRows>, Int<kCols>>{}));
+template <class Element, int kRows, int kCols>
+using SmemRowsMN = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
+                                          Shape<Int<kCols>, Int<kRows>>{}, Step<_2, _1>{}));
+template <class Element, int kRows, int kCols, int kStages>
+using SmemStagedRowsK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                               Shape<Int<kRows>, Int<kCols>, Int<kStages>>{}));
+template <class Element, int kRows, int kCols, int kStages>
+using SmemStagedRowsMN = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
+                                                Shape<Int<kCols>, Int<kRows>, Int<kStages>>{},
+                                                Step<_2, _1, _3>{}));
+
+// The TMA side of a backward config (both sm90 backward kernels): Q / dO tiles of kBlockM
+// rows, K / V tiles of kBlockN rows, the kernel's parameters.
+template <class Element, int kBlockM, int kBlockN, int kHeadDim>
+struct BwdGlobalTiles {
+  // Global tensors as (seqlen, head_dim, heads, batch); strides in elements.
+  using ShapeRows = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using StrideRows = Stride<int64_t, _1, int64_t, int64_t>;
+  using GmemRows = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                                        ShapeRows{}, StrideRows{}));
+  using SmemTileQ = SmemRowsK<Element, kBlockM, kHeadDim>;  // a Q or dO tile
+  using SmemTileK = SmemRowsK<Element, kBlockN, kHeadDim>;  // a K or V tile
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemRows{}, SmemTileQ{},
+                                      Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
+  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemRows{}, SmemTileK{},
+                                      Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+
+  struct Params {
+    TmaQ tma_q;   // Q and dO
+    TmaQ tma_do;
+    TmaK tma_k;   // K and V
+    TmaK tma_v;
+    // (rows, d, heads, batch): rows = seqlen_q / seqlen_k, or for packed (thd) tensors all
+    // their tokens with a batch of 1 (a sequence's tiles start at its first token then).
+    ShapeRows shape_q;
+    ShapeRows shape_k;
+    BwdParams args;  // the call: lengths (common/sequence.cuh), LSE, dsum, dq_accum, dK, dV
+  };
+
+  static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
+};
+
 // A named backward tile configuration: kBlockN key rows per CTA (64 per consumer
 // warpgroup), kBlockM query rows per step, kStages Q / dO buffers.
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
-struct BwdConfig {
+struct BwdConfig : BwdGlobalTiles<Element_, kBlockM_, kBlockN_, kHeadDim_> {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
@@ -59,6 +109,7 @@ struct BwdConfig {
 
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
+  static constexpr bool kDqFromRegisters = false;  // dQ: tiles through the dQ writer
 
   using TileSdP = Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>;  // S^T = K Q^T, dP^T = V dO^T
   using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>;   // dV = P^T dO, dK = dS^T Q
@@ -87,18 +138,13 @@ struct BwdConfig {
                 size<1>(typename MmaKV::AtomShape_MNK{}) == kHeadDim &&
                 size<1>(typename MmaDQ::AtomShape_MNK{}) == kHeadDim / kDqWarpgroupsN, "wgmma N");
 
-  // K-major tiles as TMA writes them, and their transposed (MN-major) views.
   template <int kRows, int kCols>
-  using RowsK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                       Shape<Int<kRows>, Int<kCols>>{}));
+  using RowsK = SmemRowsK<Element, kRows, kCols>;
   template <int kRows, int kCols>
-  using RowsMN = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
-                                        Shape<Int<kCols>, Int<kRows>>{}, Step<_2, _1>{}));
-  using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                             Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
-  using SmemLayoutQt = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
-                                              Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{},
-                                              Step<_2, _1, _3>{}));
+  using RowsMN = SmemRowsMN<Element, kRows, kCols>;
+  using SmemLayoutQ = SmemStagedRowsK<Element, kBlockM, kHeadDim, kStages>;
+  using SmemLayoutQt = SmemStagedRowsMN<Element, kBlockM, kHeadDim, kStages>;
+  using SmemLayoutDo = SmemLayoutQ;                 // dO: Q's stages
   using SmemLayoutK = RowsK<kBlockN, kHeadDim>;     // K and V
   using SmemLayoutKt = RowsMN<kBlockN, kHeadDim>;
   using SmemLayoutDS = RowsK<kBlockM, kBlockN>;      // dS (query rows, keys)
@@ -110,9 +156,6 @@ struct BwdConfig {
   // A step's dQ tile: dq_accum's rows of the 8-row groups that its kBlockM query rows touch
   // (a packed sequence may start inside a group), in dq_accum's layout.
   static constexpr int kDqTileRows = kBlockM + 8;
-
-  static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
-  static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename Pipeline::PipelineState;
@@ -139,38 +182,20 @@ struct BwdConfig {
     alignas(16) typename PipelineRows::SharedStorage pipe_rows;
     alignas(16) typename PipelineDq::SharedStorage pipe_dq;
   };
-
-  // Global tensors as (seqlen, head_dim, heads, batch); strides in elements.
-  using ShapeRows = Shape<int32_t, int32_t, int32_t, int32_t>;
-  using StrideRows = Stride<int64_t, _1, int64_t, int64_t>;
-  using GmemRows = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
-                                        ShapeRows{}, StrideRows{}));
-  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemRows{}, take<0, 2>(SmemLayoutQ{}),
-                                      Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
-  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemRows{}, SmemLayoutK{},
-                                      Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
-
-  struct Params {
-    TmaQ tma_q;   // Q and dO
-    TmaQ tma_do;
-    TmaK tma_k;   // K and V
-    TmaK tma_v;
-    // (rows, d, heads, batch): rows = seqlen_q / seqlen_k, or for packed (thd) tensors all
-    // their tokens with a batch of 1 (a sequence's tiles start at its first token then).
-    ShapeRows shape_q;
-    ShapeRows shape_k;
-    BwdParams args;  // the call: lengths (common/sequence.cuh), LSE, dsum, dq_accum, dK, dV
-  };
 };
 
 // Named barrier ids beside the forward's (6-13); 0 is __syncthreads.
 enum : uint32_t {
-  // both consumers done with the previous block's dQ GEMM (its reads of dS)
+  // both consumers done with the previous block's dQ GEMM (its reads of dS; d256: the GEMMs
+  // reading P and dS), and after the loop with every GEMM
   kBarDsFree = 14,
-  // both consumers' dS in shared memory
+  // both consumers' dS in shared memory (d256: P and dS)
   kBarDsReady = 15,
   // MHA's dK and dV staged for the global stores (a forward id: the kernels share no CTA)
   kBarDkvStaged = kBarEpilogueWG0,
+  // GQA, deterministic: both consumers' dK / dV reductions done (the MHA path's id: the two
+  // epilogues never meet in one CTA)
+  kBarKvAdded = kBarEpilogueWG0,
 };
 
 // GQA / MQA (h_k < h): the h / h_k query heads of a KV head add their dK and dV. Each CTA
@@ -211,18 +236,27 @@ __host__ __device__ inline KvAccum kv_accum(const BwdParams& p) {
 // backward went from 0.31-0.56x of cuDNN to 0.90-1.03x, with the dQ writer warp). Unmasked,
 // all start at m = 0 and the turns form a wavefront of one addition's latency per key block
 // (0.80-0.98 of the default backward).
-struct DqTurns {
-  int64_t offset;  // from dq_accum, in 4-byte words
-  int64_t count;   // 0 unless deterministic
-  int blocks;      // query blocks per (sequence, head)
+// GQA / MQA adds dK and dV into its accumulators (kv_accum) in turns too: a count per
+// (sequence, KV head, key block) after the dQ counts, and the query heads of a group add in
+// the order of their index (their CTAs have larger blockIdx.y the later they come: dispatched
+// later, so the wait is never on a CTA that has not started).
+struct Turns {
+  int64_t offset;    // of the dQ counts from dq_accum, in 4-byte words
+  int64_t dq_count;  // 0 unless deterministic
+  int64_t kv_count;  // 0 unless deterministic GQA; the KV counts follow the dQ counts
+  int q_blocks;      // query blocks per (sequence, head)
+  int k_blocks;      // key blocks per (sequence, KV head)
 };
-template <int kBlockM>
-__host__ __device__ inline DqTurns dq_turns(const BwdParams& p) {
+template <int kBlockM, int kBlockN>
+__host__ __device__ inline Turns turns_of(const BwdParams& p) {
   KvAccum const acc = kv_accum(p);
-  DqTurns t;
-  t.offset = acc.offset + (p.h != p.h_k ? 2 * acc.floats : 0);
-  t.blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
-  t.count = p.deterministic ? int64_t(p.b) * p.h * t.blocks : 0;
+  bool const gqa = p.h != p.h_k;
+  Turns t;
+  t.offset = acc.offset + (gqa ? 2 * acc.floats : 0);
+  t.q_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
+  t.k_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
+  t.dq_count = p.deterministic ? int64_t(p.b) * p.h * t.q_blocks : 0;
+  t.kv_count = p.deterministic && gqa ? int64_t(p.b) * p.h_k * t.k_blocks : 0;
   return t;
 }
 
@@ -247,6 +281,202 @@ __device__ __forceinline__ void query_blocks(SeqInfo const& si, Band const& band
   m_begin = min(rows.lo / kBlockM, m_end);
 }
 
+// The band as mask case (kCausal, kLocal) sees it: the sides it lacks as the constants they
+// are, and its diagonal moved onto its left bound (kLocal) or its right one (kCausal), that
+// bound now 0 (the bounds are j >= i + off - left, j <= i + off + right), so that the main loop
+// keeps fewer values (the causal one: off alone, as before windows).
+template <bool kCausal, bool kLocal>
+__device__ __forceinline__ Band kernel_band(BwdParams const& args, SeqInfo const& si) {
+  static_assert(!(kCausal && kLocal), "kLocal covers a right bound too");
+  Band band = band_of(args, si);
+  if constexpr (kLocal) {
+    band.off -= band.left;
+    if (band.right >= 0) { band.right += band.left; }
+    band.left = 0;
+  } else {
+    band.left = -1;
+  }
+  if constexpr (kCausal) {
+    band.off += band.right;
+    band.right = 0;
+  }
+  if constexpr (!kCausal && !kLocal) { band.right = -1; }
+  return band;
+}
+
+// Whether key `key` gets P = 0 for query `query`, asked only in tiles that the band cuts
+// (`masked && key_out(...)` at the call: with `masked` inside, the d64 windows kernel spilled
+// one more value): keys past the sequence (zero-filled by TMA, or the next packed sequence's)
+// and keys outside the band. (Query rows past the sequence, or without any key, have
+// LSE = +inf: P = 0 too.)
+__device__ __forceinline__ bool key_out(Band const& band, int len_k, int query, int key) {
+  return key >= len_k || (band.right >= 0 && key > query + band.off + band.right) ||
+         (band.left >= 0 && key < query + band.off - band.left);
+}
+
+// The first thread, before the pipelines: the TMA descriptors prefetched, K / V's barrier set.
+template <class Params, class Shared>
+__device__ __forceinline__ void prefetch_and_init(Params const& params, Shared& shared) {
+  cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
+  cute::prefetch_tma_descriptor(params.tma_do.get_tma_descriptor());
+  cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
+  cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+  shared.barrier_kv.init(1);
+}
+
+// The backward's pipelines' parameters: warpgroup 0 produces the Q / dO tiles (its first
+// thread) and the LSE / dsum rows (warp 1); the consumer warpgroups consume them.
+template <class Pipeline>
+__device__ __forceinline__ typename Pipeline::Params tma_pipe_params(int warpgroup_idx,
+                                                                     uint32_t bytes,
+                                                                     int consumer_threads) {
+  typename Pipeline::Params p;
+  p.transaction_bytes = bytes;
+  p.role = warpgroup_idx == 0 ? Pipeline::ThreadCategory::Producer
+                              : Pipeline::ThreadCategory::Consumer;
+  p.is_leader = threadIdx.x == 0;
+  p.num_consumers = consumer_threads;
+  return p;
+}
+template <class PipelineRows>
+__device__ __forceinline__ typename PipelineRows::Params rows_pipe_params(int warpgroup_idx,
+                                                                          int consumer_threads) {
+  typename PipelineRows::Params p;
+  p.role = warpgroup_idx == 0 ? PipelineRows::ThreadCategory::Producer
+                              : PipelineRows::ThreadCategory::Consumer;
+  p.producer_arv_count = 32;  // producer warp 1
+  p.consumer_arv_count = consumer_threads;
+  return p;
+}
+
+// Producer warp 1: each query block's LSE (log2 units) and dsum into shared memory, stage by
+// stage of pipe_rows: rows past the sequence get LSE = +inf (P = 0) and dsum = 0, so their dS
+// is 0 too. lse_offset: the LSE (and dsum) of this sequence's query row 0 and head.
+template <int kBlockM, class PipelineRows>
+__device__ __forceinline__ void store_query_rows(PipelineRows& pipe_rows, float* lse_log2_smem,
+                                                 float* dsum_smem, BwdParams const& args,
+                                                 SeqInfo const& si, int64_t lse_offset,
+                                                 int m_begin, int m_end) {
+  int const lane = threadIdx.x % 32;
+  auto write = cutlass::make_producer_start_state<PipelineRows>();
+  for (int m_block = m_begin; m_block < m_end; ++m_block) {
+    pipe_rows.producer_acquire(write);
+    float* lse_log2 = lse_log2_smem + write.index() * kBlockM;
+    float* dsum = dsum_smem + write.index() * kBlockM;
+    for (int r = lane; r < kBlockM; r += 32) {
+      int const query = m_block * kBlockM + r;
+      int64_t const at = lse_offset + int64_t(query) * args.lse_row_stride;
+      bool const in = query < si.len_q;
+      lse_log2[r] = in ? args.lse[at] * float(M_LOG2E) : INFINITY;
+      dsum[r] = in ? args.dsum[at] : 0.f;
+    }
+    pipe_rows.producer_commit(write);
+    ++write;
+  }
+}
+
+// a if kFirst, else b (a reference to either: a constexpr choice between two variables).
+template <bool kFirst, class A, class B>
+__device__ __forceinline__ auto& first_if(A& a, B& b) {
+  if constexpr (kFirst) {
+    return a;
+  } else {
+    return b;
+  }
+}
+
+// The producer thread: K and V of key block n_block (barrier_kv), then the Q and dO tiles of
+// query blocks [m_begin, m_end) through their pipelines (each with its own stages).
+template <class Cfg, class PipeQ, class PipeDo, class Shared>
+__device__ __forceinline__ void load_tiles(typename Cfg::Params const& params, Shared& shared,
+                                           PipeQ& pipe_q, PipeDo& pipe_do, SeqInfo const& si,
+                                           int head, int kv_head, int batch, int n_block,
+                                           int m_begin, int m_end) {
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
+  Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Cfg::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Cfg::SmemLayoutDo{});
+  Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Cfg::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Cfg::SmemLayoutK{});
+  Tensor mQ = params.tma_q.get_tma_tensor(params.shape_q);
+  Tensor mdO = params.tma_do.get_tma_tensor(params.shape_q);
+  Tensor mK = params.tma_k.get_tma_tensor(params.shape_k);
+  Tensor mV = params.tma_v.get_tma_tensor(params.shape_k);
+  auto tile_q = Shape<Int<kBlockM>, Int<kHeadDim>>{};
+  auto tile_k = Shape<Int<kBlockN>, Int<kHeadDim>>{};
+  // This sequence's rows: packed tensors from its first token (its tiles may reach into
+  // the next sequence's rows: those are masked like rows past a padded length).
+  auto rows_q = [&](auto& m) {
+    return domain_offset(make_coord(si.q_packed ? si.start_q : 0, _0{}),
+                         m(_, _, head, si.q_packed ? 0 : batch));
+  };
+  auto rows_k = [&](auto& m) {
+    return domain_offset(make_coord(si.k_packed ? si.start_k : 0, _0{}),
+                         m(_, _, kv_head, si.k_packed ? 0 : batch));
+  };
+  Tensor gQ = local_tile(rows_q(mQ), tile_q, make_coord(_, _0{}));      // (M, D, m)
+  Tensor gdO = local_tile(rows_q(mdO), tile_q, make_coord(_, _0{}));    // (M, D, m)
+  Tensor gK = local_tile(rows_k(mK), tile_k, make_coord(n_block, _0{}));  // (N, D)
+  Tensor gV = local_tile(rows_k(mV), tile_k, make_coord(n_block, _0{}));  // (N, D)
+  auto q_parts = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                               group_modes<0, 2>(gQ));
+  auto do_parts = tma_partition(params.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO),
+                                group_modes<0, 2>(gdO));
+  auto k_parts = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                               group_modes<0, 2>(gK));
+  auto v_parts = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                               group_modes<0, 2>(gV));
+  shared.barrier_kv.arrive_and_expect_tx(2 * Cfg::kBytesKV);
+  auto& kv_barrier = reinterpret_cast<uint64_t&>(shared.barrier_kv);
+  copy(params.tma_k.with(kv_barrier), get<0>(k_parts), get<1>(k_parts));
+  copy(params.tma_v.with(kv_barrier), get<0>(v_parts), get<1>(v_parts));
+  // dO's pipeline state: Q's own where both have the same stages (this thread has 24
+  // registers; a second state spilled).
+  constexpr bool kOneState = std::is_same_v<PipeQ, PipeDo>;
+  auto write_q = cutlass::make_producer_start_state<PipeQ>();
+  [[maybe_unused]] auto write_do_own = cutlass::make_producer_start_state<PipeDo>();
+  auto& write_do = first_if<kOneState>(write_q, write_do_own);
+  for (int m_block = m_begin; m_block < m_end; ++m_block) {
+    pipe_q.producer_acquire(write_q);
+    copy(params.tma_q.with(*pipe_q.producer_get_barrier(write_q)), get<0>(q_parts)(_, m_block),
+         get<1>(q_parts)(_, write_q.index()));
+    pipe_do.producer_acquire(write_do);
+    copy(params.tma_do.with(*pipe_do.producer_get_barrier(write_do)),
+         get<0>(do_parts)(_, m_block), get<1>(do_parts)(_, write_do.index()));
+    ++write_q;
+    if constexpr (!kOneState) { ++write_do; }
+  }
+  pipe_q.producer_tail(write_q);
+  pipe_do.producer_tail(write_do);
+}
+
+// GQA / MQA: this (sequence, KV head)'s dK accumulator (kv_accum; dV's is `floats` after it),
+// from its key row 0.
+__device__ __forceinline__ float* kv_accum_block(BwdParams const& args, SeqInfo const& si,
+                                                 int batch, int kv_head) {
+  KvAccum const acc = kv_accum(args);
+  return args.dq_accum + acc.offset + (si.k_packed ? 0 : int64_t(batch) * acc.batch_stride) +
+         int64_t(kv_head) * acc.head_stride;
+}
+
+// MHA: rows [row0, row0 + 64) of the staged dK and dV tiles (16-bit, written by other threads,
+// synchronized), the sequence's key rows first_key.., stored by one warpgroup (tid 0-127):
+// the rows below `rows` only.
+template <int kHeadDim, class Element, class TensorS>
+__device__ __forceinline__ void store_dkv_rows(BwdParams const& args, SeqInfo const& si, int head,
+                                               TensorS const& sdK, TensorS const& sdV, int row0,
+                                               int64_t first_key, int rows, int tid) {
+  store_staged_rows<kHeadDim>(static_cast<Element*>(args.dk) +
+                                  si.k_off(args.dk_batch_stride, args.dk_row_stride) +
+                                  int64_t(head) * args.dk_head_stride +
+                                  first_key * args.dk_row_stride,
+                              args.dk_row_stride, sdK, row0, rows, args.d, tid);
+  store_staged_rows<kHeadDim>(static_cast<Element*>(args.dv) +
+                                  si.k_off(args.dv_batch_stride, args.dv_row_stride) +
+                                  int64_t(head) * args.dv_head_stride +
+                                  first_key * args.dv_row_stride,
+                              args.dv_row_stride, sdV, row0, rows, args.d, tid);
+}
+
 // The mask, as compile-time cases (the forward's): kCausal, a right bound alone
 // (window_right >= 0, window_left < 0; causal is window_right = 0); kLocal, a left bound
 // (window_left >= 0) with or without a right one; neither: only the keys' end. A key block's
@@ -268,56 +498,27 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
 
   int const warp_idx = cutlass::canonical_warp_idx_sync();
   int const warpgroup_idx = cutlass::canonical_warp_group_idx();
-  // (deterministic mode: the last key blocks first, see dq_turns)
+  // (deterministic mode: the last key blocks first, see turns_of)
   int const n_block = params.args.deterministic ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   int const head = blockIdx.y, batch = blockIdx.z;
   BwdParams const& args = params.args;
   int const kv_head = head / (args.h / args.h_k);
   SeqInfo const si = seq_info(args, batch);
-  Band band = band_of(args, si);
-  // The same band as this mask case sees it: the sides it lacks as the constants they are, and
-  // its diagonal moved onto its left bound (kLocal) or its right one (kCausal), that bound now
-  // 0 (the bounds are j >= i + off - left, j <= i + off + right), so that the main loop keeps
-  // fewer values (the causal one: off alone, as before windows).
-  if constexpr (kLocal) {
-    band.off -= band.left;
-    if (band.right >= 0) { band.right += band.left; }
-    band.left = 0;
-  } else {
-    band.left = -1;
-  }
-  if constexpr (kCausal) {
-    band.off += band.right;
-    band.right = 0;
-  }
-  if constexpr (!kBand) { band.right = -1; }
+  Band const band = kernel_band<kCausal, kLocal>(args, si);
   int const key0 = n_block * kBlockN;
   if (key0 >= si.rows_k) { return; }  // past this (packed) sequence: the whole CTA leaves
   int m_begin, m_end;
   query_blocks<Cfg, kBand>(si, band, n_block, m_begin, m_end);
 
-  if (warp_idx == 0 && threadIdx.x == 0) {
-    cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(params.tma_do.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
-    shared.barrier_kv.init(1);
-  }
+  if (threadIdx.x == 0) { prefetch_and_init(params, shared); }
 
-  typename Pipeline::Params pipe_params;
-  pipe_params.transaction_bytes = Cfg::kBytesQ;  // Q and dO tiles have one size
-  pipe_params.role = warpgroup_idx == 0 ? Pipeline::ThreadCategory::Producer
-                                        : Pipeline::ThreadCategory::Consumer;
-  pipe_params.is_leader = threadIdx.x == 0;
-  pipe_params.num_consumers = Cfg::kConsumerThreads;
+  auto const pipe_params = tma_pipe_params<Pipeline>(warpgroup_idx, Cfg::kBytesQ,
+                                                     Cfg::kConsumerThreads);
   Pipeline pipe_q(shared.pipe_q, pipe_params, Shape<_1, _1, _1>{});
-  Pipeline pipe_do(shared.pipe_do, pipe_params, Shape<_1, _1, _1>{});
-  typename Cfg::PipelineRows::Params rows_params;
-  rows_params.role = warpgroup_idx == 0 ? Cfg::PipelineRows::ThreadCategory::Producer
-                                        : Cfg::PipelineRows::ThreadCategory::Consumer;
-  rows_params.producer_arv_count = 32;  // producer warp 1
-  rows_params.consumer_arv_count = Cfg::kConsumerThreads;
-  typename Cfg::PipelineRows pipe_rows(shared.pipe_rows, rows_params);
+  Pipeline pipe_do(shared.pipe_do, pipe_params, Shape<_1, _1, _1>{});  // (dO tiles: Q's size)
+  typename Cfg::PipelineRows pipe_rows(
+      shared.pipe_rows,
+      rows_pipe_params<typename Cfg::PipelineRows>(warpgroup_idx, Cfg::kConsumerThreads));
   using PipelineDq = typename Cfg::PipelineDq;
   typename PipelineDq::Params dq_params;
   dq_params.role = warpgroup_idx == 0 ? PipelineDq::ThreadCategory::Consumer
@@ -344,41 +545,26 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   int const lead = sm80::dqa_row(si, 0) & 7;
   float* const sdQ = shared.dq.data();
   auto dq_buffer = [&](int index) { return sdQ + index * Cfg::kDqTileRows * kHeadDim; };
-  // Deterministic mode (dq_turns): block m's count. The key blocks that see m are a run
+  // Deterministic mode (turns_of): block m's count. The key blocks that see m are a run
   // [first, last] of n (the band's keys of m's rows that are in the sequence), added last
   // first, so n's rank is last - n. A CTA waits only on CTAs of the same (head, batch) with a
   // larger n, whose smaller blockIdx.x the hardware dispatched earlier and which wait on none
   // of their successors: no deadlock, even with fewer SMs than CTAs. The 8-row group that
   // the tiles of two query blocks (or sequences) share gets zeros from the one it is not of:
   // exact in any order.
+  Turns const turns = turns_of<kBlockM, kBlockN>(args);
+  int* const turn_counts = reinterpret_cast<int*>(args.dq_accum + turns.offset);
   auto dq_turn = [&](int m) {
-    DqTurns const t = dq_turns<kBlockM>(args);
-    return reinterpret_cast<int*>(args.dq_accum + t.offset) +
-           (int64_t(batch) * args.h + head) * t.blocks + m;
+    return turn_counts + (int64_t(batch) * args.h + head) * turns.q_blocks + m;
   };
 
   if (warpgroup_idx == 0) {
     // ---------------- producer: its first thread issues every TMA load ----------------
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
     if (warp_idx == 1) {
-      // Warp 1 stores each query block's LSE (log2 units) and dsum in shared memory: rows
-      // past the sequence get LSE = +inf (P = 0) and dsum = 0, so their dS is 0 too.
-      int const lane = threadIdx.x % 32;
-      PipelineState write = cutlass::make_producer_start_state<typename Cfg::PipelineRows>();
-      for (int m_block = m_begin; m_block < m_end; ++m_block) {
-        pipe_rows.producer_acquire(write);
-        float* lse_log2 = shared.lse_log2.data() + write.index() * kBlockM;
-        float* dsum = shared.dsum.data() + write.index() * kBlockM;
-        for (int r = lane; r < kBlockM; r += 32) {
-          int const query = m_block * kBlockM + r;
-          int64_t const at = lse_offset + int64_t(query) * args.lse_row_stride;
-          bool const in = query < si.len_q;
-          lse_log2[r] = in ? args.lse[at] * float(M_LOG2E) : INFINITY;
-          dsum[r] = in ? args.dsum[at] : 0.f;
-        }
-        pipe_rows.producer_commit(write);
-        ++write;
-      }
+      // Warp 1: each query block's LSE and dsum rows into shared memory.
+      store_query_rows<kBlockM>(pipe_rows, shared.lse_log2.data(), shared.dsum.data(), args, si,
+                                lse_offset, m_begin, m_end);
       return;
     }
     if (warp_idx == 2) {
@@ -415,50 +601,8 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
       return;
     }
     if (threadIdx.x != 0) { return; }
-    Tensor mQ = params.tma_q.get_tma_tensor(params.shape_q);
-    Tensor mdO = params.tma_do.get_tma_tensor(params.shape_q);
-    Tensor mK = params.tma_k.get_tma_tensor(params.shape_k);
-    Tensor mV = params.tma_v.get_tma_tensor(params.shape_k);
-    auto tile_q = Shape<Int<kBlockM>, Int<kHeadDim>>{};
-    auto tile_k = Shape<Int<kBlockN>, Int<kHeadDim>>{};
-    // This sequence's rows: packed tensors from its first token (its tiles may reach into
-    // the next sequence's rows: those are masked like rows past a padded length).
-    auto rows_q = [&](auto& m) {
-      return domain_offset(make_coord(si.q_packed ? si.start_q : 0, _0{}),
-                           m(_, _, head, si.q_packed ? 0 : batch));
-    };
-    auto rows_k = [&](auto& m) {
-      return domain_offset(make_coord(si.k_packed ? si.start_k : 0, _0{}),
-                           m(_, _, kv_head, si.k_packed ? 0 : batch));
-    };
-    Tensor gQ = local_tile(rows_q(mQ), tile_q, make_coord(_, _0{}));      // (M, D, m)
-    Tensor gdO = local_tile(rows_q(mdO), tile_q, make_coord(_, _0{}));    // (M, D, m)
-    Tensor gK = local_tile(rows_k(mK), tile_k, make_coord(n_block, _0{}));  // (N, D)
-    Tensor gV = local_tile(rows_k(mV), tile_k, make_coord(n_block, _0{}));  // (N, D)
-    auto q_parts = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
-                                 group_modes<0, 2>(gQ));
-    auto do_parts = tma_partition(params.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO),
-                                  group_modes<0, 2>(gdO));
-    auto k_parts = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
-                                 group_modes<0, 2>(gK));
-    auto v_parts = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
-                                 group_modes<0, 2>(gV));
-    shared.barrier_kv.arrive_and_expect_tx(2 * Cfg::kBytesKV);
-    auto& kv_barrier = reinterpret_cast<uint64_t&>(shared.barrier_kv);
-    copy(params.tma_k.with(kv_barrier), get<0>(k_parts), get<1>(k_parts));
-    copy(params.tma_v.with(kv_barrier), get<0>(v_parts), get<1>(v_parts));
-    PipelineState write = cutlass::make_producer_start_state<Pipeline>();
-    for (int m_block = m_begin; m_block < m_end; ++m_block) {
-      pipe_q.producer_acquire(write);
-      copy(params.tma_q.with(*pipe_q.producer_get_barrier(write)), get<0>(q_parts)(_, m_block),
-           get<1>(q_parts)(_, write.index()));
-      pipe_do.producer_acquire(write);
-      copy(params.tma_do.with(*pipe_do.producer_get_barrier(write)),
-           get<0>(do_parts)(_, m_block), get<1>(do_parts)(_, write.index()));
-      ++write;
-    }
-    pipe_q.producer_tail(write);
-    pipe_do.producer_tail(write);
+    load_tiles<Cfg>(params, shared, pipe_q, pipe_do, si, head, kv_head, batch, n_block, m_begin,
+                    m_end);
     return;
   }
 
@@ -546,9 +690,7 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
       CUTE_UNROLL
       for (int r = 0; r < size<0>(s); ++r) {
         int const key = key0 + get<0>(tScS_rc(r, c));
-        bool const out = masked && (key >= si.len_k ||
-                                    (band.right >= 0 && key > query + band.off + band.right) ||
-                                    (band.left >= 0 && key < query + band.off - band.left));
+        bool const out = masked && key_out(band, si.len_k, query, key);
         s(r, c) = out ? 0.f : fast_exp2(s(r, c) * scale_log2 - lse_log2);
       }
     }
@@ -615,12 +757,17 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
     // GQA: into the accumulators (kv_accum), the keys of the sequence only (the conversion
     // writes the rest as zeros). Elements 2i, 2i + 1 are adjacent columns, an even one first:
     // adjacent in the accumulators' layout too. dK's softmax scale: in the conversion.
-    KvAccum const acc = kv_accum(args);
-    float* const dk_acc = args.dq_accum + acc.offset +
-                          (si.k_packed ? 0 : int64_t(batch) * acc.batch_stride) +
-                          int64_t(kv_head) * acc.head_stride;
-    float* const dv_acc = dk_acc + acc.floats;
+    float* const dk_acc = kv_accum_block(args, si, batch, kv_head);
+    float* const dv_acc = dk_acc + kv_accum(args).floats;
     int const row0 = si.k_packed ? si.start_k : 0;
+    // Deterministic mode: this key block's turn among the group's query heads (turns_of),
+    // waited for by each warp as a whole (a lane asleep alone could be left behind at a
+    // convergence point: csrc/flash/README.md); every thread's reductions are complete and
+    // visible (fence) before the count is raised.
+    int const group = args.h / args.h_k;
+    int* const kv_turn = turn_counts + turns.dq_count +
+                         (int64_t(batch) * args.h_k + kv_head) * turns.k_blocks + n_block;
+    if (args.deterministic) { sm90::wait_flag_eq<true>(kv_turn, head - kv_head * group); }
     CUTE_UNROLL
     for (int i = 0; i < size(tdVrdV); i += 2) {
       int const key = key0 + get<0>(tKVcKV(i));
@@ -629,6 +776,11 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
         sm80::atomic_add2(dk_acc + at, tdKrdK(i), tdKrdK(i + 1));
         sm80::atomic_add2(dv_acc + at, tdVrdV(i), tdVrdV(i + 1));
       }
+    }
+    if (args.deterministic) {
+      __threadfence();
+      named_barrier_sync(Cfg::kConsumerThreads, kBarKvAdded);
+      if (tidx == 0) { sm90::release_flag_inc(kv_turn); }
     }
     return;
   }
@@ -651,14 +803,8 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   int const wg = tidx / 128;
   int const rows = si.rows_k - key0 - wg * 64;
   int64_t const first = key0 + wg * 64;
-  store_staged_rows<kHeadDim>(static_cast<Element*>(args.dk) +
-                                  si.k_off(args.dk_batch_stride, args.dk_row_stride) +
-                                  int64_t(head) * args.dk_head_stride + first * args.dk_row_stride,
-                              args.dk_row_stride, sdK, wg * 64, rows, args.d, tidx % 128);
-  store_staged_rows<kHeadDim>(static_cast<Element*>(args.dv) +
-                                  si.k_off(args.dv_batch_stride, args.dv_row_stride) +
-                                  int64_t(head) * args.dv_head_stride + first * args.dv_row_stride,
-                              args.dv_row_stride, sdV, wg * 64, rows, args.d, tidx % 128);
+  store_dkv_rows<kHeadDim, Element>(args, si, head, sdK, sdV, wg * 64, first, rows,
+                                    tidx % 128);
 }
 
 }  // namespace sm90

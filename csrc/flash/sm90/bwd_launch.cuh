@@ -11,6 +11,7 @@
 #include "flash/flash.h"
 #include "flash/sm80/bwd_launch.cuh"
 #include "flash/sm90/bwd_kernel.cuh"
+#include "flash/sm90/bwd_kernel_d256.cuh"
 #include "flash/sm90/bwd_support.h"
 #include "flash/sm90/fwd_launch.cuh"  // CuteElement, tma_rows
 
@@ -29,21 +30,25 @@ template <class Element> struct BwdTile<Element, 64> {
 template <class Element> struct BwdTile<Element, 128> {
   using Config = BwdConfig<Element, 128, 64, 128, 2>;
 };
+// d256: FlashAttention-3's 64 query x 80 key tile, its own kernel (bwd_kernel_d256.cuh).
+template <class Element> struct BwdTile<Element, 256> {
+  using Config = BwdConfigD256<Element>;
+};
 
 template <class T, int kHeadDim>
 using BwdConfigOf = typename BwdTile<typename CuteElement<T>::type, kHeadDim>::Config;
 
 // The dq_accum layout and its zeroing are the sm80 family's (its dsum and dQ conversion
 // kernels run here too), with one split also in deterministic mode, which orders the
-// additions itself (dq_turns). GQA: dK's and dV's accumulators (kv_accum) follow in the same
+// additions itself (turns_of). GQA: dK's and dV's accumulators (kv_accum) follow in the same
 // allocation, then deterministic mode's counts.
 template <class T, int kHeadDim>
 BwdPlan plan_bwd(BwdParams& p, const Device& device) {
   using Cfg = BwdConfigOf<T, kHeadDim>;
   BwdPlan plan = sm80::plan_bwd<T, kHeadDim>(p, device);
   p.num_splits = 1;
-  DqTurns const turns = dq_turns<Cfg::kBlockM>(p);
-  plan.dq_accum_floats = turns.offset + turns.count;
+  Turns const turns = turns_of<Cfg::kBlockM, Cfg::kBlockN>(p);
+  plan.dq_accum_floats = turns.offset + turns.dq_count + turns.kv_count;
   plan.smem_bytes = int(sizeof(typename Cfg::SharedStorage));
   return plan;
 }
@@ -100,15 +105,21 @@ void launch_main(const BwdParams& a, cudaStream_t stream) {
                  a.v_head_stride, a.v_batch_stride);
   auto tile_q = Shape<Int<Cfg::kBlockM>, Int<Cfg::kHeadDim>>{};
   auto tile_k = Shape<Int<Cfg::kBlockN>, Int<Cfg::kHeadDim>>{};
-  auto smem_q = take<0, 2>(typename Cfg::SmemLayoutQ{});
-  auto smem_k = typename Cfg::SmemLayoutK{};
+  auto smem_q = typename Cfg::SmemTileQ{};
+  auto smem_k = typename Cfg::SmemTileK{};
   typename Cfg::Params p{make_tma_copy(SM90_TMA_LOAD{}, mQ, smem_q, tile_q, _1{}),
                          make_tma_copy(SM90_TMA_LOAD{}, mdO, smem_q, tile_q, _1{}),
                          make_tma_copy(SM90_TMA_LOAD{}, mK, smem_k, tile_k, _1{}),
                          make_tma_copy(SM90_TMA_LOAD{}, mV, smem_k, tile_k, _1{}),
                          mQ.shape(), mK.shape(), a};
 
-  constexpr auto kernel = bwd_kernel<Cfg, kCausal, kLocal>;
+  constexpr auto kernel = [] {
+    if constexpr (Cfg::kDqFromRegisters) {
+      return bwd_kernel_d256<Cfg, kCausal, kLocal>;
+    } else {
+      return bwd_kernel<Cfg, kCausal, kLocal>;
+    }
+  }();
   static_assert(sizeof(typename Cfg::SharedStorage) <= 227 * 1024, "over sm90's shared memory");
   const int smem_bytes = int(sizeof(typename Cfg::SharedStorage));
   allow_dynamic_smem<kernel>(smem_bytes);
@@ -120,20 +131,16 @@ template <class T, int kHeadDim>
 void launch_bwd(const BwdParams& params, const Device& device, cudaStream_t stream) {
   using Cfg = BwdConfigOf<T, kHeadDim>;
   if (params.b == 0 || params.h == 0) return;
-  if (params.seqlen_q > 0) {
-    // dsum and the zeroed dq_accum (the sm80 family's kernel, with its lanes per row).
-    constexpr int kLanes = kHeadDim <= 64 ? 8 : 16;
-    dim3 grid((params.seqlen_q + 8 * 32 / kLanes - 1) / (8 * 32 / kLanes), params.h, params.b);
-    sm80::dot_do_o_kernel<T, kLanes><<<grid, 256, 0, stream>>>(params);
-  }
+  sm80::launch_dot_do_o<T, kHeadDim>(params, stream);  // dsum, the zeroed dq_accum
   const bool gqa = params.h != params.h_k;
   if (gqa) {
     KvAccum const acc = kv_accum(params);
     cudaMemsetAsync(params.dq_accum + acc.offset, 0, 2 * acc.floats * sizeof(float), stream);
   }
-  DqTurns const turns = dq_turns<Cfg::kBlockM>(params);
-  if (turns.count > 0) {
-    cudaMemsetAsync(params.dq_accum + turns.offset, 0, turns.count * sizeof(int), stream);
+  Turns const turns = turns_of<Cfg::kBlockM, Cfg::kBlockN>(params);
+  if (turns.dq_count + turns.kv_count > 0) {
+    cudaMemsetAsync(params.dq_accum + turns.offset, 0,
+                    (turns.dq_count + turns.kv_count) * sizeof(int), stream);
   }
   if (params.seqlen_k > 0) {
     // A left window bound (with or without a right one), a right bound alone (causal: 0), none.

@@ -13,19 +13,20 @@ namespace sm90 {
 // minor), or nullptr when it can. The binding has checked the tensors already (dtypes,
 // 16-byte aligned pointers, strides in multiples of 8 elements: what TMA needs too).
 // Everything declined here runs on the sm80 family. GQA / MQA (h_k < h) is served: dK and dV
-// are summed over a group by float reductions (bwd_kernel.cuh, kv_accum) in any order, so
-// deterministic GQA stays on sm80; deterministic MHA is served (dQ's additions in a fixed
-// order, bwd_kernel.cuh, dq_turns).
+// are summed over a group by float reductions (bwd_kernel.cuh, kv_accum). Deterministic mode
+// is served with and without GQA: dQ's additions, and GQA's dK / dV additions, in a fixed
+// order (bwd_kernel.cuh, turns_of); at head dims 129-256 (the d256 kernel, which adds dQ
+// from registers) it is not.
 inline const char* bwd_declines(const BwdParams& p, int arch) {
   if (arch != 90) return "it runs on sm_90 GPUs only (sm_90a code)";
-  // (head dims up to 128 run on the d64 or d128 kernel, columns past d zero-filled by TMA and
-  // not stored; 192 and 256 need other tiles: dK and dV of 64 keys would take all registers)
-  if (p.d > 128) return "its backward has kernels for head dims up to 128 only";
+  // (head dims up to 128 run on the d64 or d128 kernel, 129-256 on the d256 one, columns past
+  // d zero-filled by TMA and not stored)
+  if (p.d > 256) return "its backward has kernels for head dims up to 256 only";
   if (p.alibi_slopes != nullptr) return "its backward does not take ALiBi";
   if (p.rng_state != nullptr) return "its backward does not take dropout";
-  if (p.deterministic && p.h != p.h_k) {
-    return "its backward is not deterministic with GQA / MQA (dK / dV are added by float "
-           "reductions in any order)";
+  if (p.deterministic && p.d > 128) {
+    return "its d256 backward is not deterministic (dQ is added by float reductions from "
+           "registers in any order: no shared memory is left for the dQ writer's tiles)";
   }
   return nullptr;
 }
