@@ -151,3 +151,39 @@ def test_dot_product_attention_runs_forward_only_decode_on_the_decode_kernel(mon
     q.requires_grad_(True)  # a call that needs gradients stays on the forward kernels
     dpa(q, k, v).sum().backward()
     assert len(calls) == 1
+
+
+def test_overlapped_merge_reads_this_calls_partials(monkeypatch):
+    """On sm_90+ the merge kernel is launched overlapped with the decode kernel and waits for
+    its partials on the GPU (griddepcontrol). A call after one with other inputs (the
+    workspace then holds that call's partials) gives the same bits as with the launches one
+    after the other (TRANSFORMER_FA_OVERLAP_LAUNCHES=0), eagerly and replayed in a CUDA graph."""
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(8, 1, 32, 128, generator=gen).to("cuda", torch.bfloat16),
+               torch.randn(8, 8192, 8, 128, generator=gen).to("cuda", torch.bfloat16),
+               torch.randn(8, 8192, 8, 128, generator=gen).to("cuda", torch.bfloat16))
+
+    def call(scale):
+        return te.flash_attn_with_kvcache(q * scale, k * scale, v, num_splits=16)
+
+    outs = {}
+    for overlap in ("0", "1"):
+        monkeypatch.setenv("TRANSFORMER_FA_OVERLAP_LAUNCHES", overlap)
+        call(-1.0)  # another call's partials in the workspace
+        outs[overlap] = call(1.0)
+    assert torch.equal(outs["0"], outs["1"])
+    torch.testing.assert_close(outs["1"].float(),
+                               reference(q, k, v, [8192] * 8, False, (-1, -1)),
+                               atol=2e-2, rtol=2e-2)
+    scale = torch.ones((), device="cuda", dtype=torch.bfloat16)
+    call(scale)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = call(scale)
+    scale.fill_(-1.0)
+    graph.replay()
+    scale.fill_(1.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, outs["1"])

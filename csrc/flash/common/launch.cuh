@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <cuda_runtime.h>
 
 #include "flash/flash.h"
@@ -56,6 +57,52 @@ inline int heads_per_group(int64_t bytes_per_head, int l2_bytes, int heads, int 
   if (group >= heads) return int(group / heads * heads);
   while (group > 1 && heads % group != 0) --group;
   return group < 1 ? 1 : int(group);
+}
+
+// ---------------------------------------------------------------------------------------
+// Overlapped launches (programmatic dependent launch, sm_90+)
+// ---------------------------------------------------------------------------------------
+// A kernel started by launch_overlapped(..., overlap = true) may be scheduled while the kernel
+// before it in the stream still runs, once every CTA of that one has called
+// let_next_grid_start() (or exited): its launch and its CTAs' start then hide under the other's
+// tail instead of following it. It must call wait_for_prior_grid() before it reads anything
+// the kernel before it wrote (that returns once that kernel has finished and its writes are
+// visible). Both are no-ops where the kernel runs without the overlap, and below sm_90.
+__device__ __forceinline__ void let_next_grid_start() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// Whether launches on `device` may overlap: sm_90+, unless TRANSFORMER_FA_OVERLAP_LAUNCHES=0
+// (benchmarks: the A/B).
+inline bool overlap_launches(const Device& device) {
+  const char* forced = std::getenv("TRANSFORMER_FA_OVERLAP_LAUNCHES");
+  return device.arch >= 90 && !(forced != nullptr && forced[0] == '0' && forced[1] == '\0');
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...), overlapped with the kernel before it in the
+// stream when `overlap` (overlap_launches, and only where that kernel is the one whose outputs
+// this one waits for: a memset between them would not be waited on).
+template <typename... Params, typename... Args>
+void launch_overlapped(void (*kernel)(Params...), dim3 grid, dim3 block, int smem,
+                       cudaStream_t stream, bool overlap, Args... args) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = size_t(smem);
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = overlap ? 1 : 0;
+  cudaLaunchKernelEx(&config, kernel, args...);
 }
 
 // Lets kKernel use `smem` bytes of dynamic shared memory (above the 48 KB default), once per

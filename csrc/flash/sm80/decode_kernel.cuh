@@ -72,6 +72,10 @@ __global__ void __launch_bounds__(Tr::kNThreads) decode_kernel(const DecodeParam
   constexpr int NF_O = D / 8;  // O n-tiles
   constexpr int KF = D / 16;   // k-steps of Q K^T
 
+  // (the merge kernel, launched overlapped, may take free CTA slots from now on: it waits
+  // for this grid to finish before it reads the partials)
+  let_next_grid_start();
+
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sStages = sQ + ROWS * D;
@@ -326,6 +330,7 @@ __global__ void __launch_bounds__(kMaxDecodeSplits) decode_combine_kernel(const 
   __shared__ float4 s_part[kGroups][kColThreads];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int64_t row = blockIdx.x;
+  wait_for_prior_grid();  // decode_kernel's partials (launched overlapped on sm_90+)
   const int64_t token = row / p.h;
   const int head = int(row % p.h);
   T* out;
