@@ -54,11 +54,15 @@ def rope_case(interleaved):
 
 
 def time_both(step, grads):
+    """The kernels at every size (TRANSFORMER_FA_FUSED_NORM=1: the norm kernel also where the
+    modules keep PyTorch's), then the PyTorch path."""
     times = {}
     for path, setting in (("triton", "1"), ("pytorch", "0")):
         os.environ["TRANSFORMER_FA_TRITON_KERNELS"] = setting
+        os.environ["TRANSFORMER_FA_FUSED_NORM"] = setting
         times[path] = timing.median_ms(step, grad_to_none=grads)
     os.environ.pop("TRANSFORMER_FA_TRITON_KERNELS")
+    os.environ.pop("TRANSFORMER_FA_FUSED_NORM")
     return times
 
 

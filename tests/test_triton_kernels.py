@@ -62,8 +62,42 @@ def kernels_on_cpu(monkeypatch):
     monkeypatch.setattr(kernels, "prefer_fused_norm", lambda hidden: True)
 
 
-def test_modules_prefer_the_norm_kernel_only_where_it_was_faster():
+def test_modules_prefer_the_norm_kernel_only_where_it_was_faster(monkeypatch):
+    monkeypatch.delenv("TRANSFORMER_FA_FUSED_NORM", raising=False)
     assert not kernels.prefer_fused_norm(2048) and kernels.prefer_fused_norm(8192)
+
+
+@pytest.mark.parametrize("setting, expected", [
+    (None, {2048: False, 8192: True}),
+    ("1", {2048: True, 8192: True}),
+    ("0", {2048: False, 8192: False}),
+    ("yes", {2048: False, 8192: True}),  # not 0 or 1: the measured rule
+])
+def test_fused_norm_switch(setting, expected, monkeypatch):
+    """TRANSFORMER_FA_FUSED_NORM forces either path, read on every call."""
+    if setting is None:
+        monkeypatch.delenv("TRANSFORMER_FA_FUSED_NORM", raising=False)
+    else:
+        monkeypatch.setenv("TRANSFORMER_FA_FUSED_NORM", setting)
+    assert {h: kernels.prefer_fused_norm(h) for h in expected} == expected
+
+
+def test_fused_norm_switch_reaches_the_modules(monkeypatch):
+    """apply_norm takes the kernel at hidden 64 with the switch at 1 (kernels enabled for CPU
+    tensors, the kernel stubbed: this process has no interpreter), PyTorch's at 0 and unset."""
+    monkeypatch.setattr(kernels, "kernels_enabled", lambda *tensors: True)
+    import transformer_fa.kernels.norm as norm_module
+    calls = []
+    monkeypatch.setattr(norm_module, "fused_norm", lambda x, *a: calls.append(1) or x)
+    x, weight = torch.randn(3, 64), torch.ones(64)
+    for setting, expected in (("1", 1), ("0", 0), (None, 0)):
+        calls.clear()
+        if setting is None:
+            monkeypatch.delenv("TRANSFORMER_FA_FUSED_NORM", raising=False)
+        else:
+            monkeypatch.setenv("TRANSFORMER_FA_FUSED_NORM", setting)
+        apply_norm(x, "RMSNorm", weight, None, 1e-5, False)
+        assert len(calls) == expected, setting
 
 
 def _tol(dtype):
@@ -83,11 +117,14 @@ def _assert_close(fused, reference, dtype):
         torch.testing.assert_close(a, b, **_tol(dtype))
 
 
-def _norm_inputs(normalization, hidden, dtype, zero_centered, shape=(3, 5)):
+def _norm_inputs(normalization, hidden, dtype, zero_centered, shape=(3, 5), with_bias=None):
+    """[x, weight, bias], dy; a bias for LayerNorm unless with_bias says otherwise."""
     g = torch.Generator().manual_seed(hidden)
     x = (torch.randn(*shape, hidden, generator=g) * 2 + 0.5).to(dtype).requires_grad_()
     weight = torch.randn(hidden, generator=g) * 0.2 + (0.0 if zero_centered else 1.0)
-    bias = torch.randn(hidden, generator=g) if normalization == "LayerNorm" else None
+    if with_bias is None:
+        with_bias = normalization == "LayerNorm"
+    bias = torch.randn(hidden, generator=g) if with_bias else None
     params = [p.to(dtype).requires_grad_() if p is not None else None for p in (weight, bias)]
     dy = torch.randn(*shape, hidden, generator=g).to(dtype)
     return [x, *params], dy
@@ -131,6 +168,71 @@ def test_norm_many_rows_per_backward_program():
     fused = _run(lambda *a: fn(*a, 1e-5, False), [x, "LayerNorm", weight, bias], dy)
     reference = _run(lambda *a: apply_norm(*a, 1e-5, False), [x, "LayerNorm", weight, bias], dy)
     _assert_close(fused, reference, torch.float32)
+
+
+def _tiled_rows(hidden):
+    """7 tiles of rows and 3 more: the forward's last tile ragged, and each of the CPU
+    backward's 3 programs takes several tiles (its chunk of 12 rows of 4-row tiles; the last
+    chunk 7 rows, a full tile and a ragged one)."""
+    block_m = norm_kernels._tile_config(hidden)[0]
+    return 7 * block_m + 3
+
+
+@interpreter_only
+@pytest.mark.parametrize("normalization, with_bias, zero_centered", [
+    ("LayerNorm", True, False), ("LayerNorm", False, True), ("RMSNorm", False, False),
+    ("RMSNorm", False, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden", [80, 1000, 2048, 3000])
+def test_norm_tiles_of_rows(normalization, with_bias, zero_centered, dtype, hidden):
+    """Tiles of several rows (4 where hidden is a multiple of 16: 80 and 2048, 1 for 1000 and
+    3000), a ragged last tile and masked columns (80, 1000, 3000): output, dx, dgamma and
+    dbeta against the PyTorch path."""
+    rows = _tiled_rows(hidden)
+    assert hidden % 16 or (rows - 3) // 7 == 4  # the widths meant to take 4-row tiles do
+    (x, weight, bias), dy = _norm_inputs(normalization, hidden, dtype, zero_centered,
+                                         shape=(rows,), with_bias=with_bias)
+
+    def with_(fn):
+        return lambda x, w, b: fn(x, normalization, w, b, 1e-5, zero_centered)
+
+    fused = _run(with_(norm_kernels.fused_norm), [x, weight, bias], dy)
+    reference = _run(with_(apply_norm), [x, weight, bias], dy)
+    assert len(fused) == (4 if with_bias else 3)
+    _assert_close(fused, reference, dtype)
+
+
+@interpreter_only
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_norm_writes_every_element_and_the_same_bits_twice(normalization, monkeypatch):
+    """y, dx, dgamma and dbeta of a run whose new tensors (statistics and partial sums too)
+    start as NaN, against a plain run, bit for bit: every element is written, and the
+    fixed-order sums give the same bits run to run (the interpreter runs programs in order:
+    tests/gpu checks the same on a GPU)."""
+    hidden = 2048
+    (x, weight, bias), dy = _norm_inputs(normalization, hidden, torch.bfloat16, False,
+                                         shape=(_tiled_rows(hidden),))
+
+    def run():
+        return _run(lambda x, w, b: norm_kernels.fused_norm(x, normalization, w, b, 1e-5,
+                                                            False), [x, weight, bias], dy)
+
+    plain = run()
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poisoned(make):
+        def new(*args, **kwargs):
+            t = make(*args, **kwargs)
+            return t.fill_(float("nan")) if t.is_floating_point() else t
+        return new
+
+    monkeypatch.setattr(torch, "empty", poisoned(empty))
+    monkeypatch.setattr(torch, "empty_like", poisoned(empty_like))
+    poisoned_run = run()
+    monkeypatch.undo()
+    for a, b in zip(plain, poisoned_run, strict=True):
+        assert not b.isnan().any()
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
 @interpreter_only

@@ -70,6 +70,52 @@ def test_norm_kernel(normalization, zero_centered, dtype, hidden, monkeypatch):
         assert_close(a, b, dtype)
 
 
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_norm_kernel_ragged_rows_same_bits(normalization, monkeypatch):
+    """The layer benchmark's width with a ragged row count (the forward's last 4-row tile and
+    the backward's last chunk partly filled) against the PyTorch path, and a second run: the
+    same bits (dgamma/dbeta summed in a fixed order, no atomics)."""
+    rows, hidden = 8192 + 5, 2048
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(rows, hidden, device="cuda", generator=g) * 3 + 1).to(torch.bfloat16)
+    weight = (torch.randn(hidden, device="cuda", generator=g) * 0.2 + 1).to(torch.bfloat16)
+    bias = torch.randn(hidden, device="cuda", generator=g).to(torch.bfloat16) \
+        if normalization == "LayerNorm" else None
+    x, weight = x.requires_grad_(), weight.requires_grad_()
+    bias = bias.requires_grad_() if bias is not None else None
+    dy = torch.randn(rows, hidden, device="cuda", generator=g).to(torch.bfloat16)
+    run = lambda x, w, b: apply_norm(x, normalization, w, b, 1e-5, False)  # noqa: E731
+    fused, reference = fused_and_reference(run, [x, weight, bias], dy, monkeypatch)
+    again, _ = fused_and_reference(run, [x, weight, bias], dy, monkeypatch)
+    for a, b, c in zip(fused, reference, again, strict=True):
+        assert_close(a, b, torch.bfloat16)
+        assert torch.equal(a.view(torch.int16), c.view(torch.int16))
+
+
+@pytest.mark.skipif(torch.cuda.is_available()
+                    and torch.cuda.get_device_properties(0).total_memory < 48 * 2**30,
+                    reason="needs ~40 GiB of GPU memory")
+def test_norm_kernel_offsets_past_2_31(monkeypatch):
+    """rows * hidden past 2**31 elements (64-bit offsets): the last rows' y and dx against the
+    PyTorch path on those rows alone, dgamma against the full PyTorch path."""
+    rows, hidden = 2**20 + 3, 2048
+    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    y = apply_norm(x, "RMSNorm", weight, None, 1e-5, False)
+    dx, dw = torch.autograd.grad(y, [x, weight], dy)
+    monkeypatch.setenv("TRANSFORMER_FA_TRITON_KERNELS", "0")
+    tail = x.detach()[-16:].requires_grad_()
+    y_ref = apply_norm(tail, "RMSNorm", weight, None, 1e-5, False)
+    (dx_ref,) = torch.autograd.grad(y_ref, [tail], dy[-16:])
+    assert_close(y[-16:], y_ref, torch.bfloat16)
+    assert_close(dx[-16:], dx_ref, torch.bfloat16)
+    del y, dx, y_ref
+    dw_ref = torch.autograd.grad(apply_norm(x, "RMSNorm", weight, None, 1e-5, False), [weight],
+                                 dy)[0]
+    assert_close(dw, dw_ref, torch.bfloat16)
+
+
 def test_norm_kernel_under_autocast(monkeypatch):
     """float32 parameters, bf16 input (torch.autocast): bf16 out, float32 gradients."""
     x = torch.randn(512, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -208,8 +254,8 @@ def test_transformer_layer_backward_launches_no_bias_sums(monkeypatch):
     """With the kernels, a TransformerLayer backward sums no bias gradient with aten::sum and
     runs no gelu_backward: its 4 bias gradients (qkv, proj, fc1 with GELU's backward, fc2)
     are the column-sum kernel's. Without them (so the check can fail): the 4 sums and the
-    GELU backward. (2048 tokens: not the norm kernel's 4 * SMs partial rows, which aten::sum adds
-    up with the kernels on.)"""
+    GELU backward. (2048 tokens: not the row count of the norm kernel's partial sums, which
+    aten::sum adds up with the kernels on.)"""
     torch.manual_seed(0)
     s, b, hidden, ffn = 1024, 2, 1024, 4096
     layer = te.TransformerLayer(hidden, ffn, 16, hidden_dropout=0.0, attention_dropout=0.0,

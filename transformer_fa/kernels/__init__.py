@@ -16,7 +16,7 @@ import torch
 
 # dtypes the kernels read and write; statistics and angles are float32 inside
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# widest row a norm kernel holds in registers (one row per program)
+# widest row a norm kernel holds in registers (one row a tile)
 MAX_NORM_HIDDEN = 16384
 
 
@@ -54,7 +54,14 @@ NORM_KERNEL_FASTER_FROM = 8192
 
 
 def prefer_fused_norm(hidden: int) -> bool:
-    """Whether the norm kernel is the faster path for rows of this size (measured above)."""
+    """Whether the norm kernel is the faster path for rows of this size (measured above).
+
+    ``TRANSFORMER_FA_FUSED_NORM`` (read on every call, for benchmarks and tests to A/B the
+    paths): ``1`` takes the kernel at every size (where ``use_fused_norm`` allows), ``0``
+    the PyTorch path; unset (or any other value) the rule above."""
+    forced = os.environ.get("TRANSFORMER_FA_FUSED_NORM")
+    if forced in ("0", "1"):
+        return forced == "1"
     return hidden >= NORM_KERNEL_FASTER_FROM
 
 

@@ -1,91 +1,160 @@
 """Fused LayerNorm and RMSNorm (forward and backward) in Triton.
 
-One program normalizes one row in float32 and saves the row's mean (LayerNorm) and rstd for
-the backward, which then needs no second pass over the statistics. The backward's programs
-each take rows ``pid, pid + G, ...``, write dx per row and keep their share of dgamma/dbeta in
-registers; the G partial sums are added up at the end (no atomics, so the result does not
-depend on scheduling).
+Both kernels work on tiles of ``BLOCK_M`` whole rows (``[BLOCK_M, BLOCK_N]``, ``BLOCK_N`` the
+row width rounded up to a power of two), in float32. The forward's programs take one tile
+each, normalize its rows and save each row's mean (LayerNorm) and rstd for the backward,
+which then needs no second pass over the statistics. The backward's programs each take a
+contiguous chunk of rows, a tile at a time, write dx and keep their share of dgamma/dbeta in
+float32 registers; each program writes its partial sums to its own row of a buffer that is
+summed at the end in a fixed order (no atomics: the same bits every run for a given shape
+and GPU).
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def _norm_fwd_kernel(X, Y, W, B, Mean, Rstd, n_cols, eps,
-                     IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(X + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    if IS_RMS:
-        xc = x
-    else:
-        mean = tl.sum(x, axis=0) / n_cols
-        tl.store(Mean + row, mean)
-        xc = tl.where(mask, x - mean, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / n_cols + eps)
-    tl.store(Rstd + row, rstd)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    if ZERO_CENTERED:
-        w = w + 1.0
-    y = xc * rstd * w
-    if HAS_BIAS:
-        y = y + tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + row * n_cols + cols, y.to(Y.dtype.element_ty), mask=mask)
+def _tile(row_start, n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Row indices (int64: rows * cols may pass 2**31), column indices, the element offsets
+    of the tile's rows and the masks of rows, columns and elements (the last tile ragged)."""
+    rows = row_start + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < n_rows
+    col_mask = cols < n_cols
+    offsets = rows[:, None] * n_cols + cols[None, :]
+    return rows, cols, offsets, row_mask, col_mask, row_mask[:, None] & col_mask[None, :]
 
 
 @triton.jit
-def _norm_bwd_kernel(X, DY, DX, W, Mean, Rstd, DW_partial, DB_partial, n_rows, n_cols,
-                     IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)  # 64-bit offsets: rows * cols may pass 2**31
-    n_programs = tl.num_programs(0)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+def _gamma(W, cols, col_mask, ZERO_CENTERED: tl.constexpr):
+    """gamma as float32, 1 + gamma if zero-centered (the masked columns are not stored)."""
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
         w = w + 1.0
-    dw = tl.zeros([BLOCK], dtype=tl.float32)
-    db = tl.zeros([BLOCK], dtype=tl.float32)
-    for i in range(0, tl.cdiv(n_rows - pid, n_programs)):
-        row = pid + i * n_programs
-        offset = row * n_cols
-        x = tl.load(X + offset + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + offset + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(Rstd + row)
+    return w
+
+
+@triton.jit
+def _norm_fwd_kernel(X, Y, W, B, Mean, Rstd, n_rows, n_cols, eps,
+                     IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     ZERO_CENTERED: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+    row_start = tl.program_id(0).to(tl.int64) * BLOCK_M
+    rows, cols, offsets, row_mask, col_mask, mask = _tile(row_start, n_rows, n_cols,
+                                                          BLOCK_M, BLOCK_N)
+    x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
+    if IS_RMS:
+        xc = x
+    else:
+        mean = tl.sum(x, axis=1) / n_cols
+        tl.store(Mean + rows, mean, mask=row_mask)
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / n_cols + eps)
+    tl.store(Rstd + rows, rstd, mask=row_mask)
+    y = xc * rstd[:, None] * _gamma(W, cols, col_mask, ZERO_CENTERED)[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_bwd_kernel(X, DY, DX, W, Mean, Rstd, PARTIAL, n_rows, n_cols, rows_per_program,
+                     IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     ZERO_CENTERED: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, STAGES: tl.constexpr):
+    """dx of rows [pid * rows_per_program, + rows_per_program); PARTIAL[pid] = that chunk's
+    sums of dy * xhat (dgamma) and, with a bias, PARTIAL[pid, n_cols:] its sums of dy."""
+    pid = tl.program_id(0).to(tl.int64)
+    first = pid * rows_per_program
+    end = tl.minimum(first + rows_per_program, n_rows)
+    cols = tl.arange(0, BLOCK_N)
+    w = _gamma(W, cols, cols < n_cols, ZERO_CENTERED)[None, :]
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # STAGES 3: the next two tiles' x and dy are on their way (cp.async, to shared memory)
+    # while this one is reduced, rather than one dependent load after another
+    for row_start in tl.range(first, end, BLOCK_M, num_stages=STAGES):
+        rows, cols, offsets, row_mask, col_mask, mask = _tile(row_start, end, n_cols,
+                                                              BLOCK_M, BLOCK_N)
+        x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
+        # masked elements have dy = 0 (masked rows also rstd = 0): they add nothing below
+        rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)[:, None]
         if IS_RMS:
             xhat = x * rstd
         else:
-            xhat = tl.where(mask, (x - tl.load(Mean + row)) * rstd, 0.0)
+            xhat = (x - tl.load(Mean + rows, mask=row_mask, other=0.0)[:, None]) * rstd
         wdy = w * dy
         # d/dx of (x - mean) * rstd: remove the components along xhat (and the mean)
-        c1 = tl.sum(xhat * wdy, axis=0) / n_cols
+        c1 = tl.sum(xhat * wdy, axis=1)[:, None] / n_cols
         if IS_RMS:
             dx = (wdy - xhat * c1) * rstd
         else:
-            c2 = tl.sum(wdy, axis=0) / n_cols
+            c2 = tl.sum(wdy, axis=1)[:, None] / n_cols
             dx = (wdy - (xhat * c1 + c2)) * rstd
-        tl.store(DX + offset + cols, dx.to(DX.dtype.element_ty), mask=mask)
-        dw += dy * xhat
+        tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=mask)
+        dw += tl.sum(dy * xhat, axis=0)
         if HAS_BIAS:
-            db += dy
-    tl.store(DW_partial + pid * n_cols + cols, dw, mask=mask)
+            db += tl.sum(dy, axis=0)
+    col_mask = cols < n_cols
+    partial = PARTIAL + pid * (2 if HAS_BIAS else 1) * n_cols
+    tl.store(partial + cols, dw, mask=col_mask)
     if HAS_BIAS:
-        tl.store(DB_partial + pid * n_cols + cols, db, mask=mask)
+        tl.store(partial + n_cols + cols, db, mask=col_mask)
 
 
-def _launch_config(n_cols: int):
-    block = triton.next_power_of_2(n_cols)
-    return block, min(16, max(1, block // 512))
+# The backward's register cap: 16 warps' worth of the SM's 64K registers at 128 each, so that
+# 16 // num_warps programs share an SM (at 8 warps ptxas took up to 167 unconstrained: one
+# program per SM). Compiled for sm_90, 2048 columns: bf16 LayerNorm does not spill, RMSNorm
+# spills 6-8 registers.
+_BWD_MAX_REGISTERS = 128
 
 
-def _backward_programs(n_rows: int, device: torch.device) -> int:
-    """Enough programs to fill the GPU a few times over; each then sums many rows."""
+def _tile_config(n_cols: int):
+    """(BLOCK_M, BLOCK_N, num_warps) of both kernels: one warp per 256 columns (a warp's
+    16-byte loads of bf16 cover 256) up to 16 warps; 4 rows a tile up to 4096 columns.
+
+    The kernels are memory-bound, so the tile is sized for bytes in flight within the
+    registers: rows of 256 to 4096 columns give 32 float32 values of each tile-sized tensor
+    per thread (4 rows x 2048: 16 KiB of bf16 per tensor and program; the backward holds x
+    and dy, ~128 registers), and each thread keeps all of its columns' rows, so the
+    backward's column sums of a tile need no cross-warp traffic. Wider rows take one row a
+    tile (16 or 32 values a thread at 16 warps; the backward of 16384 spills, as before), and
+    so do widths that are not a multiple of 16: their loads are not vectorized, each element
+    has its own 64-bit address, and 4 rows would spill. Not yet measured on a GPU: reasoned
+    from the above for H100/H200 and bf16 (and checked to compile for sm_90)."""
+    block_n = triton.next_power_of_2(n_cols)
+    block_m = 4 if block_n <= 4096 and n_cols % 16 == 0 else 1
+    return block_m, block_n, min(16, max(1, block_n // 256))
+
+
+def _backward_stages(x: torch.Tensor, dy: torch.Tensor) -> int:
+    """Pipeline stages of the backward's loop: 3 (two tiles of x and dy in shared memory,
+    at most 128 KiB per SM of 2-byte inputs at any width) for bf16/fp16; 1 (plain loads) with
+    a float32 x or dy, whose buffers would not fit beside each other in an SM."""
+    return 3 if x.element_size() + dy.element_size() <= 4 else 1
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _backward_rows_per_program(n_rows: int, block_m: int, num_warps: int,
+                               device: torch.device) -> int:
+    """Rows per backward program, a multiple of block_m: as many programs as the SMs hold at
+    once (16 // num_warps each, _BWD_MAX_REGISTERS), one wave, so each program sums many rows
+    and the partial sums (4 or 8 bytes per column and program, written and read back) stay
+    small beside the 6 bytes per element (bf16) of x, dy and dx."""
     if device.type == "cuda":
-        return min(n_rows, 4 * torch.cuda.get_device_properties(device).multi_processor_count)
-    return min(n_rows, 4)  # the Triton interpreter on CPU (tests)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        programs = max(1, 16 // num_warps) * _sm_count(index)
+    else:
+        programs = 3  # the Triton interpreter on CPU (tests): several tiles per program
+    return triton.cdiv(triton.cdiv(n_rows, programs), block_m) * block_m
 
 
 class FusedNorm(torch.autograd.Function):
@@ -100,11 +169,11 @@ class FusedNorm(torch.autograd.Function):
         stats = dict(dtype=torch.float32, device=x.device)
         rstd = torch.empty(n_rows, **stats)
         mean = rstd if is_rms else torch.empty(n_rows, **stats)  # unused for RMSNorm
-        block, num_warps = _launch_config(n_cols)
-        _norm_fwd_kernel[(n_rows,)](
-            x2d, y, weight, bias if bias is not None else weight, mean, rstd, n_cols, eps,
-            IS_RMS=is_rms, HAS_BIAS=bias is not None, ZERO_CENTERED=zero_centered,
-            BLOCK=block, num_warps=num_warps)
+        block_m, block_n, num_warps = _tile_config(n_cols)
+        _norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
+            x2d, y, weight, bias if bias is not None else weight, mean, rstd, n_rows, n_cols,
+            eps, IS_RMS=is_rms, HAS_BIAS=bias is not None, ZERO_CENTERED=zero_centered,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
         ctx.save_for_backward(x2d, weight, mean, rstd)
         ctx.has_bias, ctx.is_rms, ctx.zero_centered = bias is not None, is_rms, zero_centered
         ctx.x_shape, ctx.bias_dtype = x.shape, None if bias is None else bias.dtype
@@ -116,16 +185,20 @@ class FusedNorm(torch.autograd.Function):
         n_rows, n_cols = x2d.shape
         dy2d = dy.reshape(n_rows, n_cols).contiguous()
         dx = torch.empty_like(x2d)
-        programs = _backward_programs(n_rows, x2d.device)
-        dw_partial = torch.empty(programs, n_cols, dtype=torch.float32, device=x2d.device)
-        db_partial = torch.empty_like(dw_partial) if ctx.has_bias else dw_partial
-        block, num_warps = _launch_config(n_cols)
+        block_m, block_n, num_warps = _tile_config(n_cols)
+        rows_per_program = _backward_rows_per_program(n_rows, block_m, num_warps, x2d.device)
+        programs = triton.cdiv(n_rows, rows_per_program)
+        # dgamma's (and dbeta's) partial sums side by side: one fixed-order sum adds both up
+        partial = torch.empty(programs, (2 if ctx.has_bias else 1) * n_cols,
+                              dtype=torch.float32, device=x2d.device)
         _norm_bwd_kernel[(programs,)](
-            x2d, dy2d, dx, weight, mean, rstd, dw_partial, db_partial, n_rows, n_cols,
+            x2d, dy2d, dx, weight, mean, rstd, partial, n_rows, n_cols, rows_per_program,
             IS_RMS=ctx.is_rms, HAS_BIAS=ctx.has_bias, ZERO_CENTERED=ctx.zero_centered,
-            BLOCK=block, num_warps=num_warps)
-        dw = dw_partial.sum(0).to(weight.dtype)
-        db = db_partial.sum(0).to(ctx.bias_dtype) if ctx.has_bias else None
+            BLOCK_M=block_m, BLOCK_N=block_n, STAGES=_backward_stages(x2d, dy2d),
+            num_warps=num_warps, maxnreg=_BWD_MAX_REGISTERS)
+        sums = partial.sum(0)
+        dw = sums[:n_cols].to(weight.dtype)
+        db = sums[n_cols:].to(ctx.bias_dtype) if ctx.has_bias else None
         return dx.view(ctx.x_shape), dw, db, None, None, None
 
 
