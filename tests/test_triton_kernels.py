@@ -64,14 +64,14 @@ def kernels_on_cpu(monkeypatch):
 
 def test_modules_prefer_the_norm_kernel_only_where_it_was_faster(monkeypatch):
     monkeypatch.delenv("TRANSFORMER_FA_FUSED_NORM", raising=False)
-    assert not kernels.prefer_fused_norm(2048) and kernels.prefer_fused_norm(8192)
+    assert not kernels.prefer_fused_norm(1024) and kernels.prefer_fused_norm(2048)
 
 
 @pytest.mark.parametrize("setting, expected", [
-    (None, {2048: False, 8192: True}),
-    ("1", {2048: True, 8192: True}),
-    ("0", {2048: False, 8192: False}),
-    ("yes", {2048: False, 8192: True}),  # not 0 or 1: the measured rule
+    (None, {1024: False, 2048: True}),
+    ("1", {1024: True, 2048: True}),
+    ("0", {1024: False, 2048: False}),
+    ("yes", {1024: False, 2048: True}),  # not 0 or 1: the measured rule
 ])
 def test_fused_norm_switch(setting, expected, monkeypatch):
     """TRANSFORMER_FA_FUSED_NORM forces either path, read on every call."""

@@ -16,11 +16,27 @@ from benchmarks.bench_attention import TorchBlock, tfa_layer  # noqa: E402
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+@pytest.mark.parametrize("path", ["0", "1"], ids=["pytorch", "triton"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_layer_norm_low_precision_matches_the_float32_path(dtype):
-    """At hidden 2048 (below the Triton kernel's range) LayerNorm runs CUDA's kernel on x as
-    it is; it computes in float32 as the float32 path did: the same results within rounding,
-    and only x (not a float32 copy) kept for the backward."""
+def test_layer_norm_low_precision_matches_the_float32_path(dtype, path, monkeypatch):
+    """LayerNorm at hidden 2048 on x as it is, through PyTorch's CUDA kernel or the Triton
+    kernel (TRANSFORMER_FA_FUSED_NORM; the modules take the Triton one there): it computes in
+    float32 as the float32 path did, the same results within rounding, and only x (not a
+    float32 copy) kept for the backward. PyTorch's kernel gives the float32 path's values
+    within assert_close's default tolerances; the Triton kernel sums dgamma / dbeta in another
+    float32 order, so its values are checked as the kernel tests check them (relative to the
+    largest magnitude: fp16 failed the defaults by that rounding on the H200, 2026-11-28)."""
+    monkeypatch.setenv("TRANSFORMER_FA_FUSED_NORM", path)
+
+    def close(actual, expected):
+        if path == "0":
+            torch.testing.assert_close(actual, expected)
+        else:
+            tol = {torch.bfloat16: 2e-2, torch.float16: 4e-3}[dtype]
+            scale = expected.float().abs().max().item()
+            torch.testing.assert_close(actual.float(), expected.float(), rtol=tol,
+                                       atol=tol * max(scale, 1e-6))
+
     torch.manual_seed(0)
     norm = te.LayerNorm(2048, params_dtype=dtype, device="cuda")
     with torch.no_grad():
@@ -36,12 +52,12 @@ def test_layer_norm_low_precision_matches_the_float32_path(dtype):
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         y = norm(x)
     y_ref = F.layer_norm(x_ref.float(), (2048,), w.float(), b.float(), 1e-5).to(dtype)
-    torch.testing.assert_close(y, y_ref)
+    close(y, y_ref)
     y.backward(dy)
     y_ref.backward(dy)
-    torch.testing.assert_close(x.grad, x_ref.grad)
-    torch.testing.assert_close(norm.weight.grad, w.grad)
-    torch.testing.assert_close(norm.bias.grad, b.grad)
+    close(x.grad, x_ref.grad)
+    close(norm.weight.grad, w.grad)
+    close(norm.bias.grad, b.grad)
     big = [t for t in saved if t.numel() == x.numel()]
     assert [t.dtype for t in big] == [dtype]
 

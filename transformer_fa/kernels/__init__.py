@@ -47,10 +47,14 @@ def use_fused_norm(x: torch.Tensor, weight: torch.Tensor, bias) -> bool:
             and kernels_enabled(x, weight, *extra))
 
 
-# The norm kernels against the PyTorch path, fwd+bwd, bf16, 8192 tokens (H100, 2026-11-24,
-# benchmarks/results/*-elementwise): hidden 2048 LayerNorm 0.57x, RMSNorm 0.69x; hidden 8192
-# 1.95x and 2.18x. So the modules take them from this hidden size on.
-NORM_KERNEL_FASTER_FROM = 8192
+# The tiled norm kernels (2026-11-28) in the layer benchmark's training step (H200, bf16,
+# hidden 2048, 8192 tokens; profile_layer.py's kernel time per step, 16 LayerNorms): norms
+# 2.11 ms with PyTorch's kernels, 1.18 ms with ours (forward 19 us vs 35-38 us a call,
+# backward 25 us vs 75 us), the step 46.1 -> 45.3 ms beside the same plain PyTorch time. At
+# hidden 8192 they were faster before (bench_elementwise, 1.4x LayerNorm, 3.1-3.5x RMSNorm).
+# bench_elementwise's 2048 rows time the host there (a Triton launch and autograd cost more
+# than the ~50 us of GPU work), so the step's profile decides. Below 2048: not measured.
+NORM_KERNEL_FASTER_FROM = 2048
 
 
 def prefer_fused_norm(hidden: int) -> bool:
