@@ -1212,9 +1212,14 @@ def _forward_calls(module, x, calls, context=None):
 
 def test_modules_take_the_bias_grad_functions_only_where_they_apply(functions_called,
                                                                      monkeypatch):
-    """Forward only (the parent has no interpreter): which Functions each module applies."""
+    """Forward only (the parent has no interpreter, so _LinearGelu's forward kernel is
+    stood in for by torch's GELU): which Functions each module applies."""
+    from transformer_fa.kernels import bias_grad as bias_grad_module
+
     monkeypatch.setattr(kernels, "kernels_enabled", lambda *tensors: True)
     monkeypatch.setattr(kernels, "prefer_fused_norm", lambda hidden: False)
+    monkeypatch.setattr(bias_grad_module, "gelu",
+                        lambda x: torch.nn.functional.gelu(x, approximate="tanh"))
     x = torch.randn(3, 2, 16)
     calls = functions_called
 
@@ -1482,3 +1487,51 @@ def test_fp8_stack_updates_in_one_launch_per_pass(algo, fp8_kernels_on_cpu, upda
     assert update_launches["_update_kernel"].launches == 0
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", _DTYPES)
+@pytest.mark.parametrize("shape", [(1, 7), (37, 256), (5, 3000), (2, 3, 1500)])
+def test_gelu_as_accurate_as_torch(dtype, shape, bf16_rounds_to_nearest, monkeypatch):
+    """The GELU forward kernel against torch's tanh GELU, both against float64, in blocks of
+    1024 elements so that the shapes above span several programs and a ragged last one; a
+    transposed view is read through a copy, and the shape comes back."""
+    monkeypatch.setattr(bias_grad, "_GELU_BLOCK", 1024)
+    x = _sum_input(shape, dtype, seed=2) * 3  # into both tails of GELU
+    got = bias_grad.gelu(x)
+    assert got.shape == x.shape and got.dtype == dtype
+    assert_as_accurate_as_torch(got, torch.nn.functional.gelu(x, approximate="tanh"),
+                                torch.nn.functional.gelu(x.double(), approximate="tanh"))
+    t = x.reshape(-1, shape[-1]).t()
+    assert_as_accurate_as_torch(bias_grad.gelu(t), torch.nn.functional.gelu(t, approximate="tanh"),
+                                torch.nn.functional.gelu(t.double(), approximate="tanh"))
+
+
+@interpreter_only
+def test_gelu_of_empty_and_bad_inputs():
+    assert bias_grad.gelu(torch.zeros(0, 5)).shape == (0, 5)
+    with pytest.raises(TypeError, match="x must be float32, bfloat16 or float16"):
+        bias_grad.gelu(torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        bias_grad.gelu([1.0])
+
+
+@interpreter_only
+def test_mlp_forward_takes_the_gelu_kernel(monkeypatch):
+    """LayerNormMLP's FC1 + GELU (_LinearGelu) runs the forward kernel on the GEMM output."""
+    monkeypatch.setattr(kernels, "kernels_enabled", lambda *tensors: True)
+    seen = []
+    real = bias_grad.gelu
+    monkeypatch.setattr(bias_grad, "gelu", lambda x: seen.append(tuple(x.shape)) or real(x))
+    mlp = te.LayerNormMLP(16, 32, device="cpu")
+    x = torch.randn(3, 16, requires_grad=True)
+    out = mlp(x)
+    out.sum().backward()
+    assert seen == [(3, 32)]
+    with torch.no_grad():
+        h = torch.nn.functional.linear(
+            torch.nn.functional.layer_norm(x, (16,), mlp.layer_norm_weight, mlp.layer_norm_bias),
+            mlp.fc1_weight, mlp.fc1_bias)
+        ref = torch.nn.functional.linear(torch.nn.functional.gelu(h, approximate="tanh"),
+                                         mlp.fc2_weight, mlp.fc2_bias)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -210,6 +210,19 @@ def test_dgelu_column_sum_kernel(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(8192, 8192), (8191, 3000), (3, 5)])
+def test_gelu_kernel(dtype, shape):
+    """The MLP's GELU forward against torch's (tanh), both against float64: as accurate as
+    torch's (the ragged last program included)."""
+    from transformer_fa.kernels.bias_grad import gelu
+
+    g = torch.Generator(device="cuda").manual_seed(shape[1])
+    h = (torch.randn(*shape, device="cuda", generator=g) * 3).to(dtype)
+    assert_as_accurate_as_torch(gelu(h), torch.nn.functional.gelu(h, approximate="tanh"),
+                                torch.nn.functional.gelu(h.double(), approximate="tanh"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("module_name", ["Linear", "LayerNormMLP", "LayerNormMLP-checkpoint"])
 def test_modules_through_bias_grad_functions(dtype, module_name, functions_called, monkeypatch):
     """Outputs and gradients (input, weights, biases) with the bias-gradient Functions

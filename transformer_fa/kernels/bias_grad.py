@@ -13,6 +13,9 @@ which sets the chunks.
 (torch's tanh-approximation formula in float32, tanh from _tanh) in h's dtype and sums the
 float32 dh values, before their rounding, into the bias gradient (as TE's dgelu + dbias
 kernel): one read of dy and h instead of gelu_backward's, then the sum's second read of dh.
+
+``gelu`` is the forward of that GELU (the MLP's FC1 output h -> gelu(h), h kept for the
+backward): one streaming pass with the same float32 formula.
 """
 import functools
 import math
@@ -64,6 +67,15 @@ def gelu_tanh_grad(dy, x):
     inner_derivative = (1.0 + x_sq * _THREE_KAPPA) * _BETA
     right_derivative = left * tanh_derivative * inner_derivative
     return dy * (left_derivative + right_derivative)
+
+
+@triton.jit
+def _gelu_kernel(X, Y, n, BLOCK: tl.constexpr):
+    """Y = gelu(X) over n contiguous elements, in float32, rounded once to Y's dtype."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + offsets, gelu_tanh(x).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -167,6 +179,29 @@ def _column_sums(g: torch.Tensor, h: Optional[torch.Tensor], out_dtype: torch.dt
                                                       triton.next_power_of_2(chunks)),
             BLOCK_C=_FINAL_BLOCK_C, num_warps=4)
     return dh, out
+
+
+# 8192 elements a program with 8 warps: 32 a thread, 16 KiB of 2-byte input in flight per
+# program. 8192 x 8192 bf16 on the H200 (2026-11-28): 70.6 us against torch's gelu's 79.1 us
+# (3.8 against 3.4 TB/s); in the layer benchmark's bf16 step 0.57 ms against 0.69.
+_GELU_BLOCK = 8192
+_GELU_WARPS = 8
+
+
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    """``F.gelu(x, approximate="tanh")`` of a float32, bfloat16 or float16 tensor, in its
+    dtype and shape (a copy first where x is not contiguous): float32 inside, the tanh within
+    a few ulps of torch's (gelu_tanh)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    if x.numel():
+        _gelu_kernel[(triton.cdiv(x.numel(), _GELU_BLOCK),)](
+            x, y, x.numel(), BLOCK=_GELU_BLOCK, num_warps=_GELU_WARPS)
+    return y
 
 
 def _check_2d(t, name: str) -> torch.Tensor:

@@ -123,6 +123,12 @@ _ROW_TILE = (16, 512, 8)
 # 0.25 ms at 128x128, 0.19 at 64x64; dgelu transposed cast with the column sums 0.28 and 0.17
 # (H100, 2026-11-25).
 _ACTIVATION_TRANSPOSE_TILE = (64, 64, 4)
+# Current scaling's GELU cast (the scale computed from the amax in each program) at 64 x 64
+# compiled to 37 registers and ran 8192x8192 bf16, both orientations, in 281 us; at 64 x 128
+# (64 registers) in 195 us, the delayed variant's 64 x 64 (56 registers) in 173 us (H200,
+# 2026-11-28, benchmarks/bench_fp8_cast.py). ptxas schedules the loads differently at each
+# register count, so the tile is chosen per variant, by measurement.
+_GELU_FROM_AMAX_TRANSPOSE_TILE = (64, 128, 4)
 # the second pass: (BLOCK_B, BLOCK_C, num_warps); one step covers 64 row blocks (8192 rows)
 _SUM_TILE = (64, 64, 4)
 
@@ -213,6 +219,8 @@ def cast(x: torch.Tensor, scale: Optional[torch.Tensor], fp8_dtype: torch.dtype,
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     activation = gelu or dgelu_input is not None
     transpose_tile = _ACTIVATION_TRANSPOSE_TILE if activation else _TRANSPOSE_TILE
+    if gelu and from_amax:
+        transpose_tile = _GELU_FROM_AMAX_TRANSPOSE_TILE
     if rowwise and columnwise and (x.dtype == torch.float32 or dgelu_input is not None):
         # Both stores in one kernel gave wrong transposed bytes (NaNs among them) from float32
         # inputs and from the dgelu cast of 16-bit ones (Triton 3.6, sm90; the other 16-bit

@@ -22,7 +22,7 @@ from ._common import (
     pack_outputs,
     resolve_dtype,
 )
-from .activations import gelu, get_activation
+from .activations import get_activation
 from .layernorm import apply_norm, make_norm_params
 
 
@@ -102,14 +102,17 @@ class _LinearBiasGrad(torch.autograd.Function):
 
 
 class _LinearGelu(torch.autograd.Function):
-    """y = gelu(x W^T + b) (tanh GELU): the backward computes GELU's gradient and the bias
-    gradient in one pass over the gradient and the saved GEMM output (TE's dgelu + dbias)."""
+    """y = gelu(x W^T + b) (tanh GELU, the Triton kernel's): the backward computes GELU's
+    gradient and the bias gradient in one pass over the gradient and the saved GEMM output
+    (TE's dgelu + dbias)."""
 
     @staticmethod
     def forward(ctx, inp, weight, bias):
+        from ..kernels.bias_grad import gelu as gelu_kernel
+
         pre_activation = F.linear(inp, weight, bias)
         _save_gemm_operands(ctx, inp, weight, pre_activation)
-        return gelu(pre_activation)
+        return gelu_kernel(pre_activation)
 
     @staticmethod
     @once_differentiable
