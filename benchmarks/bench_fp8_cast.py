@@ -98,6 +98,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args(argv)
+    if not tfa.is_fp8_available():
+        sys.exit("bench_fp8_cast.py needs a GPU with FP8 (and triton): "
+                 + tfa.is_fp8_available(return_reason=True)[1])
     calls = record_calls()
     gpu = torch.cuda.get_device_name()
     rows = []

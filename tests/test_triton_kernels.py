@@ -130,6 +130,15 @@ def _norm_inputs(normalization, hidden, dtype, zero_centered, shape=(3, 5), with
     return [x, *params], dy
 
 
+def _kernel_and_pytorch_norm(normalization, zero_centered, x, weight, bias, dy):
+    """(_run of the norm kernel, _run of apply_norm's PyTorch code) on the same inputs."""
+    def norm_with(fn):
+        return lambda x, w, b: fn(x, normalization, w, b, 1e-5, zero_centered)
+
+    return (_run(norm_with(norm_kernels.fused_norm), [x, weight, bias], dy),
+            _run(norm_with(apply_norm), [x, weight, bias], dy))
+
+
 @interpreter_only
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
 @pytest.mark.parametrize("zero_centered", [False, True])
@@ -139,12 +148,7 @@ def test_norm_matches_pytorch(normalization, zero_centered, dtype, hidden):
     """Output, dx, dgamma and dbeta of the kernel against apply_norm's PyTorch code; odd
     widths leave the row's block partly masked."""
     (x, weight, bias), dy = _norm_inputs(normalization, hidden, dtype, zero_centered)
-
-    def with_(fn):
-        return lambda x, w, b: fn(x, normalization, w, b, 1e-5, zero_centered)
-
-    fused = _run(with_(norm_kernels.fused_norm), [x, weight, bias], dy)
-    reference = _run(with_(apply_norm), [x, weight, bias], dy)
+    fused, reference = _kernel_and_pytorch_norm(normalization, zero_centered, x, weight, bias, dy)
     _assert_close(fused, reference, dtype)
 
 
@@ -192,12 +196,7 @@ def test_norm_tiles_of_rows(normalization, with_bias, zero_centered, dtype, hidd
     assert hidden % 16 or (rows - 3) // 7 == 4  # the widths meant to take 4-row tiles do
     (x, weight, bias), dy = _norm_inputs(normalization, hidden, dtype, zero_centered,
                                          shape=(rows,), with_bias=with_bias)
-
-    def with_(fn):
-        return lambda x, w, b: fn(x, normalization, w, b, 1e-5, zero_centered)
-
-    fused = _run(with_(norm_kernels.fused_norm), [x, weight, bias], dy)
-    reference = _run(with_(apply_norm), [x, weight, bias], dy)
+    fused, reference = _kernel_and_pytorch_norm(normalization, zero_centered, x, weight, bias, dy)
     assert len(fused) == (4 if with_bias else 3)
     _assert_close(fused, reference, dtype)
 
