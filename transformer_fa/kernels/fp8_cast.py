@@ -123,12 +123,12 @@ _ROW_TILE = (16, 512, 8)
 # 0.25 ms at 128x128, 0.19 at 64x64; dgelu transposed cast with the column sums 0.28 and 0.17
 # (H100, 2026-11-25).
 _ACTIVATION_TRANSPOSE_TILE = (64, 64, 4)
-# Current scaling's GELU cast (the scale computed from the amax in each program) at 64 x 64
-# compiled to 37 registers and ran 8192x8192 bf16, both orientations, in 281 us; at 64 x 128
-# (64 registers) in 195 us, the delayed variant's 64 x 64 (56 registers) in 173 us (H200,
-# 2026-11-28, benchmarks/bench_fp8_cast.py). ptxas schedules the loads differently at each
-# register count, so the tile is chosen per variant, by measurement.
-_GELU_FROM_AMAX_TRANSPOSE_TILE = (64, 128, 4)
+# Current scaling's GELU cast (the scale computed from the amax in each program), 8192x8192
+# bf16, both orientations (H200, 2026-11-28, benchmarks/bench_fp8_cast.py): with tanh from
+# exp(-2|y|) 281 us at 64 x 64 (37 registers) and 195 us at 64 x 128; with the exp2 form
+# (bias_grad._exp_minus_2y) 129 us at 64 x 64 and 173 us at 64 x 128. ptxas schedules the
+# loads differently at each register count, so the tile is chosen per variant, by measurement.
+_GELU_FROM_AMAX_TRANSPOSE_TILE = (64, 64, 4)
 # the second pass: (BLOCK_B, BLOCK_C, num_warps); one step covers 64 row blocks (8192 rows)
 _SUM_TILE = (64, 64, 4)
 
