@@ -125,10 +125,9 @@ _ROW_TILE = (16, 512, 8)
 _ACTIVATION_TRANSPOSE_TILE = (64, 64, 4)
 # Current scaling's GELU cast (the scale computed from the amax in each program), 8192x8192
 # bf16, both orientations (H200, 2026-11-28, benchmarks/bench_fp8_cast.py): with tanh from
-# exp(-2|y|) 281 us at 64 x 64 (37 registers) and 195 us at 64 x 128; with the exp2 form
-# (bias_grad._exp_minus_2y) 129 us at 64 x 64 and 173 us at 64 x 128. ptxas schedules the
-# loads differently at each register count, so the tile is chosen per variant, by measurement.
-_GELU_FROM_AMAX_TRANSPOSE_TILE = (64, 64, 4)
+# exp(-2|y|) 281 us here (37 registers) and 195 us at 64 x 128 (its tile then); with
+# the exp2 form (bias_grad._exp_minus_2y) 129 us here and 173 us at 64 x 128. ptxas schedules
+# the loads differently at each register count: re-measure the tiles when the math changes.
 # the second pass: (BLOCK_B, BLOCK_C, num_warps); one step covers 64 row blocks (8192 rows)
 _SUM_TILE = (64, 64, 4)
 
@@ -219,8 +218,6 @@ def cast(x: torch.Tensor, scale: Optional[torch.Tensor], fp8_dtype: torch.dtype,
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     activation = gelu or dgelu_input is not None
     transpose_tile = _ACTIVATION_TRANSPOSE_TILE if activation else _TRANSPOSE_TILE
-    if gelu and from_amax:
-        transpose_tile = _GELU_FROM_AMAX_TRANSPOSE_TILE
     if rowwise and columnwise and (x.dtype == torch.float32 or dgelu_input is not None):
         # Both stores in one kernel gave wrong transposed bytes (NaNs among them) from float32
         # inputs and from the dgelu cast of 16-bit ones (Triton 3.6, sm90; the other 16-bit
