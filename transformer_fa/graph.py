@@ -8,6 +8,7 @@ backward's at the end of the backward pass, from the autograd engine's callback,
 on the captured pass's stream). All of FP8's state lives in device tensors updated in
 place, so a replay does what an eager step under the same autocast does.
 """
+import gc
 from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
@@ -81,6 +82,18 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
             raise ValueError(f"make_graphed_callables(fp8_enabled=True): {reason}")
         wrapped = tuple(_FP8Forward(m, recipe) for m in callables)
         modules = wrapped[0] if single else wrapped
-    return torch.cuda.make_graphed_callables(
-        modules, sample_args, num_warmup_iters=num_warmup_iters,
-        allow_unused_input=allow_unused_input, pool=pool)
+    # torch's capture no longer collects garbage first, so Python's collector could run inside
+    # a capture and finalize objects of earlier work there. Seen once: in the layer benchmark
+    # (after eager rows in the same process) a capture failed with "operation failed due to a
+    # previous error during capture", which the same capture alone never did. So: collect
+    # before, and no collection until the graphs are built.
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return torch.cuda.make_graphed_callables(
+            modules, sample_args, num_warmup_iters=num_warmup_iters,
+            allow_unused_input=allow_unused_input, pool=pool)
+    finally:
+        if collecting:
+            gc.enable()

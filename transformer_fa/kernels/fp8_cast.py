@@ -110,25 +110,37 @@ def _sum_row_blocks_kernel(COL_SUMS, OUT, n_blocks, n_cols, BLOCK_B: tl.constexp
     tl.store(OUT + cols, total.to(OUT.dtype.element_ty), mask=in_range)
 
 
-# (BLOCK_R, BLOCK_C, num_warps): 128 x 64 tiles where a transpose is written (each tile's
-# columns make full 128-byte lines of the transposed FP8 output), wide row strips otherwise.
-# The column sums take the transpose tiles too: 128 rows per program keep their workspace at
-# 1/32 of a 16-bit x (16-row strips: 1/4). Against 128 x 128 tiles with 8 warps (kernel time,
-# bf16, H100, 2026-11-25; same bits): both orientations with the column sums of 8192 x 6144
-# 139 -> 97 us, of 8192 x 2048 54 -> 38 us; the FP8 layer step's casts 5.95 -> 5.50 ms.
-_TRANSPOSE_TILE = (128, 64, 4)
+# Tiles: (BLOCK_R, BLOCK_C, num_warps). Row-major output alone: wide row strips. Where a
+# transpose is written, or the column sums, the tile depends on the kind of call: ptxas lands
+# each kernel variant on its own register count, and the time follows that count more than
+# the tile (53-71 registers ran fast, 37-40 and ~95 slow). The choices below are the best
+# summed over one FP8 layer step's calls of each kind (benchmarks/bench_fp8_cast.py, H200,
+# 2026-11-28, us per layer; re-measure when the kernel's math changes):
+# - plain casts, both orientations: 32 x 128 (delayed 182, current 125) against the former
+#   128 x 64 (197, 143);
+# - gradient casts with the column sums: delayed scaling 64 x 64 (166 against 180 at
+#   128 x 64), current scaling 64 x 64 with 2 warps (130 against 165);
+# - GELU / dgelu casts: 64 x 64 (fewer float32 values per thread alive through the math),
+#   the dgelu's row-major pass too (delayed 105 against 108 on the row strips, current 113
+#   against 139).
+# Inside the layer step (benchmarks/profile_layer.py, two runs each, the casts' kernel time
+# per 8-layer step) these tiles against the former ones: current scaling 7.25 -> 6.98 ms,
+# delayed scaling 5.20 -> 5.22 (no change: there the inputs often come hot from L2).
 _ROW_TILE = (16, 512, 8)
-# With the GELU or its backward applied, smaller square tiles (fewer float32 values per thread
-# alive through the activation's math): gelu cast of 8192x8192 bf16, both orientations,
-# 0.25 ms at 128x128, 0.19 at 64x64; dgelu transposed cast with the column sums 0.28 and 0.17
-# (H100, 2026-11-25).
-_ACTIVATION_TRANSPOSE_TILE = (64, 64, 4)
-# Current scaling's GELU cast (the scale computed from the amax in each program) at 64 x 64
-# compiled to 37 registers and ran 8192x8192 bf16, both orientations, in 281 us; at 64 x 128
-# (64 registers) in 195 us, the delayed variant's 64 x 64 (56 registers) in 173 us (H200,
-# 2026-11-28, benchmarks/bench_fp8_cast.py). ptxas schedules the loads differently at each
-# register count, so the tile is chosen per variant, by measurement.
-_GELU_FROM_AMAX_TRANSPOSE_TILE = (64, 128, 4)
+_TRANSPOSE_TILE = (32, 128, 4)
+_ACTIVATION_TILE = (64, 64, 4)
+_COLUMN_SUMS_TILE = {False: (64, 64, 4), True: (64, 64, 2)}  # by scale_from_amax
+
+
+def _tile(columnwise: bool, dbias: bool, activation: bool, from_amax: bool):
+    """The tile of one cast launch (see above)."""
+    if activation:
+        return _ACTIVATION_TILE
+    if dbias:
+        return _COLUMN_SUMS_TILE[from_amax]
+    return _TRANSPOSE_TILE if columnwise else _ROW_TILE
+
+
 # the second pass: (BLOCK_B, BLOCK_C, num_warps); one step covers 64 row blocks (8192 rows)
 _SUM_TILE = (64, 64, 4)
 
@@ -218,20 +230,18 @@ def cast(x: torch.Tensor, scale: Optional[torch.Tensor], fp8_dtype: torch.dtype,
         out_t = torch.empty((n_cols, n_rows), dtype=fp8_dtype, device=x.device)
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     activation = gelu or dgelu_input is not None
-    transpose_tile = _ACTIVATION_TRANSPOSE_TILE if activation else _TRANSPOSE_TILE
-    if gelu and from_amax:
-        transpose_tile = _GELU_FROM_AMAX_TRANSPOSE_TILE
     if rowwise and columnwise and (x.dtype == torch.float32 or dgelu_input is not None):
         # Both stores in one kernel gave wrong transposed bytes (NaNs among them) from float32
         # inputs and from the dgelu cast of 16-bit ones (Triton 3.6, sm90; the other 16-bit
-        # casts are right): two passes there, the column sums in the second (its square tiles).
-        _launch(x, out, None, source, from_amax, scale_inv, amax, fp8_max, _ROW_TILE,
-                gelu=gelu, dgelu_input=dgelu_input)
+        # casts are right): two passes there, the column sums in the second.
+        _launch(x, out, None, source, from_amax, scale_inv, amax, fp8_max,
+                _tile(False, False, activation, from_amax), gelu=gelu, dgelu_input=dgelu_input)
         col_sums = _launch(x, None, out_t, source, from_amax, None, None, fp8_max,
-                           transpose_tile, dbias=dbias, gelu=gelu, dgelu_input=dgelu_input)
+                           _tile(True, dbias, activation, from_amax), dbias=dbias, gelu=gelu,
+                           dgelu_input=dgelu_input)
     else:
         col_sums = _launch(x, out, out_t, source, from_amax, scale_inv, amax, fp8_max,
-                           transpose_tile if columnwise or dbias else _ROW_TILE, dbias=dbias,
+                           _tile(columnwise, dbias, activation, from_amax), dbias=dbias,
                            gelu=gelu, dgelu_input=dgelu_input)
     return out, out_t, scale_inv, _sum_row_blocks(col_sums, x.dtype) if dbias else None
 
