@@ -236,6 +236,27 @@ def test_bad_recipes_and_shapes_are_named():
         _linear()(torch.randn(3, 32))
 
 
+@pytest.mark.parametrize("field", ["fp8_dpa", "fp8_mha"])
+@pytest.mark.parametrize("recipe", [DelayedScaling, Float8CurrentScaling])
+def test_fp8_attention_recipes_are_refused_by_name(recipe, field):
+    """No FP8 attention: a recipe asking for it is an error in the attention (TE refuses
+    where no backend serves it), not a silent bf16 attention; the same recipe without it
+    runs the layer."""
+    torch.manual_seed(0)
+    layer = te.TransformerLayer(32, 64, 2, hidden_dropout=0.0, attention_dropout=0.0,
+                                device="cpu")
+    x = torch.randn(16, 2, 32)
+    with te.autocast(recipe=recipe(**{field: True})):
+        with pytest.raises(ValueError, match=rf"{recipe.__name__}\({field}=True\).*not "
+                                             rf"supported.*{field}=False"):
+            layer(x)
+    with te.autocast(recipe=recipe()):
+        assert layer(x).shape == x.shape
+    # outside an autocast the recipe's fields do not matter
+    assert te.DotProductAttention(2, 16)(x.view(16, 2, 2, 16), x.view(16, 2, 2, 16),
+                                         x.view(16, 2, 2, 16)).shape == (16, 2, 32)
+
+
 def test_transformer_layer_trains_close_to_high_precision():
     def train(recipe):
         torch.manual_seed(0)

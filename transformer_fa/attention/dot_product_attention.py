@@ -10,7 +10,7 @@ from typing import Callable, Optional, Tuple, Union
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .. import parallel
+from .. import fp8, parallel
 from ..utils import host_reads_allowed, lengths_checked_on_host
 from ..module._common import check_te_only_kwargs
 from . import context_parallel, inference, layout, masks, padding, selection
@@ -464,6 +464,14 @@ def check_unsupported_forward_args(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_pad
     pass, anything else is a clear error."""
     if fp8_output:
         raise ValueError("fp8_output=True needs FP8 attention, which is not supported yet")
+    # TE runs the attention itself in FP8 under a recipe with fp8_dpa / fp8_mha, and refuses
+    # when no backend can; ours has no FP8 attention, so it refuses rather than run bf16.
+    recipe = fp8.get_fp8_recipe() if fp8.fp8_enabled() else None
+    for field in ("fp8_dpa", "fp8_mha"):
+        if getattr(recipe, field, False):
+            raise ValueError(f"{type(recipe).__name__}({field}=True) asks for FP8 attention, "
+                             f"which is not supported yet: use {field}=False (the GEMMs still "
+                             f"run in FP8, the attention in the inputs' dtype)")
     for padded, plain, name in ((cu_seqlens_q_padded, cu_seqlens_q, "cu_seqlens_q_padded"),
                                 (cu_seqlens_kv_padded, cu_seqlens_kv, "cu_seqlens_kv_padded")):
         if padded is not None and plain is None:
