@@ -225,7 +225,7 @@ def column_sum(g2d: torch.Tensor) -> torch.Tensor:
 
 def dgelu_column_sum(dy: torch.Tensor, h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(dh, db) for y = gelu(h) (the tanh approximation): dh = dy * gelu'(h) computed in
-    float32 by torch's gelu_backward formula (its tanh within a few ulps of torch's), in h's
+    float32 by the tanh GELU's derivative without torch's cancellation (_exp_minus_2y), in h's
     dtype (contiguous); db = the column sums of the float32 dh values (before dh's rounding),
     rounded once to h's dtype."""
     dy, h = _check_2d(dy, "dy"), _check_2d(h, "h")

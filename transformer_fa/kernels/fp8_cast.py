@@ -23,14 +23,14 @@ workspace, and a small second kernel adds the row blocks (in a fixed order) and 
 x's dtype. With dbias alone (no FP8 output) the kernel still records the amax and writes the
 inverse scale.
 
-With ``gelu`` the kernel applies tanh GELU (torch's formula, in float32) to the loaded values
-first, as TE's activation casts do: the FP8 GEMM after an MLP's GELU reads the GELU's input h
+With ``gelu`` the kernel applies tanh GELU (in float32, kernels/bias_grad.py's form) to the
+loaded values first, as TE's activation casts do: the FP8 GEMM after an MLP's GELU reads the GELU's input h
 and writes ``fp8(gelu(h))`` (its amax, for delayed scaling; the amax pass of current scaling
 takes the same option), so ``gelu(h)`` in 16 bits is never written. The FP8 values are those
 of the float32 GELU: torch's unfused path rounds gelu(h) to x's dtype before the cast, which
 can move an FP8 value by one step where that rounding crosses an FP8 rounding boundary.
 With a ``dgelu_input`` h (the backward of that GELU) it casts ``dgelu(x, h) = x * gelu'(h)``
-instead (torch's gelu_backward formula in float32, kernels/bias_grad.py's), and sums those
+instead (tanh GELU's derivative in float32, kernels/bias_grad.py's form), and sums those
 float32 values into the column sums: the gradient cast of the GEMM before the GELU reads the
 GELU's output gradient and input, and dh in 16 bits is never written (TE's dgelu cast).
 """
