@@ -47,14 +47,89 @@ needs_cast_kernels = pytest.mark.skipif(
 FP8_MAX = {Format.E4M3: 448.0, Format.E5M2: 57344.0}
 
 
+def _cuda_cast_built():
+    from transformer_fa.attention.backends import flash
+    ext = flash._extension() if flash.is_built() else None
+    if ext is None or not hasattr(ext, "fp8_cast_transpose"):
+        return False
+    major, minor = torch.cuda.get_device_capability()
+    return 10 * major + minor in ext.FP8_CAST_ARCHS
+
+
+@pytest.fixture(params=["cuda", "triton"])
+def cast_impl(request, monkeypatch):
+    """Each cast test twice: with the CUDA cast-transpose kernel (csrc/fp8/) serving the calls
+    it serves (16-bit, transposed output, rows % 16, cols % 8; skipped where the extension
+    lacks it), and with every call on the Triton kernel."""
+    if request.param == "triton":
+        monkeypatch.setenv("TRANSFORMER_FA_FP8_CAST", "triton")
+    elif not _cuda_cast_built():
+        pytest.skip("the CUDA extension has no FP8 cast kernel for this GPU")
+    else:
+        monkeypatch.delenv("TRANSFORMER_FA_FP8_CAST", raising=False)
+    return request.param
+
+
 @pytest.fixture
-def cast_calls(monkeypatch):
-    """The cast kernel's calls, so that a test sees the kernel path ran."""
+def cast_calls(monkeypatch, cast_impl):
+    """The cast kernel's calls, so that a test sees the kernel path ran (in each of
+    cast_impl's settings)."""
     from transformer_fa.kernels import fp8_cast
     calls = []
     real = fp8_cast.cast
     monkeypatch.setattr(fp8_cast, "cast", lambda *a, **k: calls.append(1) or real(*a, **k))
     return calls
+
+
+@needs_cast_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("gelu, dgelu, dbias", [(False, False, False), (True, False, False),
+                                                (False, True, True), (False, False, True)])
+def test_cuda_cast_serves_the_transposed_16bit_casts(dtype, gelu, dgelu, dbias, monkeypatch):
+    """Where the CUDA kernel is built, it (not Triton) runs the 16-bit casts with a transposed
+    output, and its results are the Triton kernel's: the FP8 bytes of plain casts bit for bit
+    (the transpose the row-major cast's), of GELU / dgelu casts within one FP8 step at under
+    1% of the elements (the two compute the activation with different float32 instructions),
+    the amax within 1e-6, the column sums within a rounding of x's dtype."""
+    if not _cuda_cast_built():
+        pytest.skip("the CUDA extension has no FP8 cast kernel for this GPU")
+    from transformer_fa.kernels import fp8_cast
+    served = []
+    real = fp8_cast._cuda_cast_transpose
+    monkeypatch.setattr(fp8_cast, "_cuda_cast_transpose",
+                        lambda *a: served.append(real(*a)) or served[-1])
+    x = _fp8_input((1040, 264), dtype)  # ragged last tiles in both directions
+    x = torch.nan_to_num(x.float(), nan=1.0, posinf=2e3, neginf=-7.0).to(dtype) / 64
+    h = torch.randn_like(x) * 3 if dgelu else None
+    fp8_dtype = torch.float8_e5m2 if dbias else torch.float8_e4m3fn
+    fp8_max = torch.finfo(fp8_dtype).max
+    results = []
+    for setting in ("", "triton"):
+        monkeypatch.setenv("TRANSFORMER_FA_FP8_CAST", setting)
+        amax = torch.zeros(1, device="cuda")
+        scale = torch.tensor(3.0, device="cuda")
+        results.append((*fp8_cast.cast(x, scale, fp8_dtype, fp8_max, rowwise=True,
+                                       columnwise=True, amax=amax, dbias=dbias, gelu=gelu,
+                                       dgelu_input=h), amax))
+    assert served[0] is not None and served[1] is None
+    (out, out_t, inv, sums, amax), (t_out, t_out_t, t_inv, t_sums, t_amax) = results
+    _assert_same_floats(inv, t_inv)
+    if gelu or dgelu:
+        for a, b in ((out, t_out), (out_t, t_out_t)):
+            steps = (a.view(torch.uint8).int() - b.view(torch.uint8).int()).abs()
+            assert steps.max() <= 1 and (steps > 0).float().mean() < 0.01
+        torch.testing.assert_close(amax, t_amax, rtol=1e-6, atol=0)
+    else:
+        _assert_same_fp8(out, t_out)
+        _assert_same_fp8(out_t, t_out_t)
+        _assert_same_floats(amax, t_amax)
+        _assert_same_fp8(out_t, out.t().contiguous())
+    if dbias:
+        # both sum the float32 values in their own order and round once to x's dtype
+        y = x.float() if h is None else torch.ops.aten.gelu_backward(
+            x.float(), h.float(), approximate="tanh")
+        bound = 2 * torch.finfo(dtype).eps * y.sum(0).abs() + 1e-5 * y.abs().sum(0)
+        assert sums.dtype == dtype and ((sums.float() - t_sums.float()).abs() <= bound).all()
 
 
 def _fp8_input(shape, dtype, seed=0):

@@ -34,6 +34,7 @@ instead (tanh GELU's derivative in float32, kernels/bias_grad.py's form), and su
 float32 values into the column sums: the gradient cast of the GEMM before the GELU reads the
 GELU's output gradient and input, and dh in 16 bits is never written (TE's dgelu cast).
 """
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -130,6 +131,7 @@ _ROW_TILE = (16, 512, 8)
 _TRANSPOSE_TILE = (32, 128, 4)
 _ACTIVATION_TILE = (64, 64, 4)
 _COLUMN_SUMS_TILE = {False: (64, 64, 4), True: (64, 64, 2)}  # by scale_from_amax
+_CUDA_TILE_ROWS = 64  # the CUDA kernel's rows per tile (csrc/fp8/cast_transpose.h)
 
 
 def _tile(columnwise: bool, dbias: bool, activation: bool, from_amax: bool):
@@ -188,6 +190,37 @@ def _sum_row_blocks(col_sums: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
+_CUDA_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _cuda_cast_transpose(x: torch.Tensor, h: Optional[torch.Tensor], columnwise: bool,
+                         fp8_dtype: torch.dtype, fp8_max: float):
+    """The CUDA cast-transpose kernel (csrc/fp8/cast_transpose.cu, in the flash extension)
+    where it serves the call, else None (the Triton kernel does). It serves 16-bit inputs cast
+    into the transposed orientation (with or without the row-major one), rows a multiple of 16
+    and columns of 8, unit column strides and 16-byte aligned rows, on the GPUs it was built
+    for. Triton converts the transposed tile as FP8 bytes through shared memory; the CUDA
+    kernel packs four rows' bytes per column into a word first.
+    TRANSFORMER_FA_FP8_CAST=triton keeps every cast on the Triton kernel (A/B runs, tests)."""
+    if not columnwise or os.environ.get("TRANSFORMER_FA_FP8_CAST", "") == "triton":
+        return None
+    if x.dtype not in _CUDA_DTYPES or not x.is_cuda or fp8_max != torch.finfo(fp8_dtype).max:
+        return None
+    rows, cols = x.shape
+    if rows % 16 or cols % 8 or cols // 128 >= 65535:
+        return None
+    for t in (x,) if h is None else (x, h):
+        if t.stride(1) != 1 or t.stride(0) % 8 or t.data_ptr() % 16:
+            return None
+    from ..attention.backends import flash  # the extension's loader (lazy: no import cycle)
+    ext = flash._extension() if flash.is_built() else None
+    kernel = getattr(ext, "fp8_cast_transpose", None)
+    if kernel is None:
+        return None
+    major, minor = torch.cuda.get_device_capability(x.device)
+    return kernel if 10 * major + minor in ext.FP8_CAST_ARCHS else None
+
+
 def cast(x: torch.Tensor, scale: Optional[torch.Tensor], fp8_dtype: torch.dtype,
          fp8_max: float, rowwise: bool = True, columnwise: bool = False,
          amax: Optional[torch.Tensor] = None, scale_from_amax: Optional[torch.Tensor] = None,
@@ -230,7 +263,13 @@ def cast(x: torch.Tensor, scale: Optional[torch.Tensor], fp8_dtype: torch.dtype,
         out_t = torch.empty((n_cols, n_rows), dtype=fp8_dtype, device=x.device)
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     activation = gelu or dgelu_input is not None
-    if rowwise and columnwise and (x.dtype == torch.float32 or dgelu_input is not None):
+    kernel = _cuda_cast_transpose(x, dgelu_input, columnwise, fp8_dtype, fp8_max)
+    if kernel is not None:
+        col_sums = (torch.empty((triton.cdiv(n_rows, _CUDA_TILE_ROWS), n_cols),
+                                dtype=torch.float32, device=x.device) if dbias else None)
+        kernel(x, dgelu_input, out, out_t, source, from_amax, fp8_max, scale_inv, amax,
+               col_sums, gelu)
+    elif rowwise and columnwise and (x.dtype == torch.float32 or dgelu_input is not None):
         # Both stores in one kernel gave wrong transposed bytes (NaNs among them) from float32
         # inputs and from the dgelu cast of 16-bit ones (Triton 3.6, sm90; the other 16-bit
         # casts are right): two passes there, the column sums in the second.
