@@ -116,7 +116,10 @@ def test_cuda_cast_serves_the_transposed_16bit_casts(dtype, gelu, dgelu, dbias, 
     _assert_same_floats(inv, t_inv)
     if gelu or dgelu:
         for a, b in ((out, t_out), (out_t, t_out_t)):
+            # (+0 and -0 are one value: where gelu'(h) is about 0 the two round a product
+            # of about 1e-9 to zeros of either sign)
             steps = (a.view(torch.uint8).int() - b.view(torch.uint8).int()).abs()
+            steps[a.float() == b.float()] = 0
             assert steps.max() <= 1 and (steps > 0).float().mean() < 0.01
         torch.testing.assert_close(amax, t_amax, rtol=1e-6, atol=0)
     else:
