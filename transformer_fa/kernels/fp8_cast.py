@@ -34,6 +34,7 @@ instead (tanh GELU's derivative in float32, kernels/bias_grad.py's form), and su
 float32 values into the column sums: the gradient cast of the GEMM before the GELU reads the
 GELU's output gradient and input, and dh in 16 bits is never written (TE's dgelu cast).
 """
+import functools
 import os
 from typing import Optional, Tuple
 
@@ -212,12 +213,19 @@ def _cuda_cast_transpose(x: torch.Tensor, h: Optional[torch.Tensor], columnwise:
     for t in (x,) if h is None else (x, h):
         if t.stride(1) != 1 or t.stride(0) % 8 or t.data_ptr() % 16:
             return None
+    return _cuda_cast_kernel(x.device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_cast_kernel(device_index: int):
+    """The extension's cast-transpose function if it was built for this GPU, else None (once
+    per device: the casts are on the eager FP8 step's host path)."""
     from ..attention.backends import flash  # the extension's loader (lazy: no import cycle)
     ext = flash._extension() if flash.is_built() else None
     kernel = getattr(ext, "fp8_cast_transpose", None)
     if kernel is None:
         return None
-    major, minor = torch.cuda.get_device_capability(x.device)
+    major, minor = torch.cuda.get_device_capability(device_index)
     return kernel if 10 * major + minor in ext.FP8_CAST_ARCHS else None
 
 
