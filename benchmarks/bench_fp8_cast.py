@@ -74,7 +74,8 @@ def time_call(key, tile, two_pass=False):
     as the launcher's two passes instead: the row-major output on the row tile, then the
     transposed one alone on ``tile`` (Triton transposes 16-bit data cheaply in a kernel that
     stores only the transpose, FP8 bytes slowly in one that stores both); with ``tile`` "cuda"
-    on the CUDA cast-transpose kernel (csrc/fp8/; None where it does not serve the call)."""
+    on the CUDA kernels (csrc/fp8/: cast-transpose, or amax for an amax pass; None where they
+    do not serve the call)."""
     shape, dtype, rowwise, columnwise, from_amax, scale_inv, amax, dbias, gelu, dgelu, fp8 = key
     dt = getattr(torch, dtype)
     x = torch.randn(shape, device="cuda", dtype=dt)
@@ -90,7 +91,14 @@ def time_call(key, tile, two_pass=False):
         fp8_cast._launch(x, out, out_t, scalar, from_amax, s_inv, amax_slot, 448.0, tile,
                          dbias=dbias, gelu=gelu, dgelu_input=h)
 
-    if tile == "cuda":
+    if tile == "cuda" and not (rowwise or columnwise or dbias):  # an amax pass
+        kernel = fp8_cast._cuda_fp8_kernel("fp8_amax", x, h)
+        if kernel is None:
+            return None
+
+        def run():  # noqa: F811 (the CUDA kernel instead)
+            kernel(x, h, amax_slot, gelu)
+    elif tile == "cuda":
         fp8_max = torch.finfo(f8).max
         kernel = fp8_cast._cuda_cast_transpose(x, h, columnwise, f8, fp8_max)
         if kernel is None:

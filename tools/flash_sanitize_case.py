@@ -46,10 +46,11 @@ parser.add_argument("--decode", action="store_true",
                          "contiguous and paged K/V (shuffled pages of 16 and 64), ragged cached "
                          "lengths, GQA, causal and windowed, 1, 3 and chosen splits")
 parser.add_argument("--fp8-cast", action="store_true",
-                    help="only the FP8 cast-transpose kernel (csrc/fp8/): bf16 and fp16, both "
-                         "FP8 formats, plain / GELU / dgelu casts with and without the row-major "
-                         "output and the column sums, delayed and current scaling, on shapes "
-                         "whose last tiles are ragged in both directions and on a strided view")
+                    help="only the FP8 cast-transpose and amax kernels (csrc/fp8/): bf16 and "
+                         "fp16, both FP8 formats, plain / GELU / dgelu casts with and without "
+                         "the row-major output and the column sums, delayed and current "
+                         "scaling, amax passes, on shapes whose last tiles are ragged in both "
+                         "directions and on a strided view")
 args = parser.parse_args()
 
 assert flash._extension() is not None, flash._ext_error
@@ -149,6 +150,8 @@ if args.fp8_cast:
                                     gelu=act == "gelu",
                                     dgelu_input=h if act == "dgelu" else None)
                                 calls += 1
+                    fp8_cast.fold_amax(x, torch.zeros(1, device="cuda"), gelu=act == "gelu",
+                                       dgelu_input=h if act == "dgelu" else None)
     torch.cuda.synchronize()
     print("sanitize case done: fp8 casts", calls, out[1].float().abs().sum().item())
     sys.exit(0)

@@ -92,20 +92,13 @@ __device__ __forceinline__ float scale_from_amax(float amax, float fp8_max) {
   return fabsf(s) == INFINITY ? FLT_MAX : s;
 }
 
-template <bool kBf16, bool kE5M2, Activation kAct, bool kDbias>
-__global__ void __launch_bounds__(kThreads) cast_transpose_kernel(const CastParams p) {
-  // column c's 64 bytes (rows of the tile) as 4 chunks, chunk k stored at k ^ swizzle(c)
-  __shared__ uint4 tile_t[kCastTileCols][kChunks];
-  __shared__ float partial_sums[kDbias ? kRowGroups : 1][kCastTileCols];
-  __shared__ int warp_amax[kThreads / 32];
-
-  const int t = threadIdx.x, cg = t % kColGroups, rg = t / kColGroups;
-  const int64_t row0 = int64_t(blockIdx.x) * kCastTileRows;
-  const int64_t col0 = int64_t(blockIdx.y) * kCastTileCols;
-  const int64_t col = col0 + cg * kVec;
+// The thread's 8 rows x 8 columns of y = x, gelu(x) or dgelu(x, h) in float32, from the tile
+// at (row0, col0): loads first, all in flight, then the math. Lanes past the tensor are 0
+// (gelu(0) = dgelu(0, h) = 0).
+template <bool kBf16, Activation kAct>
+__device__ __forceinline__ void load_y(const CastParams& p, int64_t row0, int64_t col, int rg,
+                                       float (&y)[kRowsPerThread][kVec]) {
   const bool col_in = col < p.cols;  // cols % 8 == 0: a vector is all in or all out
-
-  // loads first, all in flight, then the math
   uint4 raw[kRowsPerThread], raw_h[kAct == Activation::kDgelu ? kRowsPerThread : 1];
 #pragma unroll
   for (int i = 0; i < kRowsPerThread; ++i) {
@@ -120,7 +113,6 @@ __global__ void __launch_bounds__(kThreads) cast_transpose_kernel(const CastPara
                     : make_uint4(0, 0, 0, 0);
     }
   }
-  float y[kRowsPerThread][kVec];  // masked lanes are 0: gelu(0) = dgelu(0, h) = 0
 #pragma unroll
   for (int i = 0; i < kRowsPerThread; ++i) {
     unpack<kBf16>(raw[i], y[i]);
@@ -134,18 +126,54 @@ __global__ void __launch_bounds__(kThreads) cast_transpose_kernel(const CastPara
       for (int j = 0; j < kVec; ++j) y[i][j] = dgelu(y[i][j], h[j]);
     }
   }
+}
 
-  if (p.amax_bits != nullptr) {
-    // |y| as integer bits: for non-negative floats the integer order is the float order,
-    // NaN above inf (it propagates, as in torch.amax)
-    int m = 0;
+// max |y| of the CTA into *amax_bits: |y| as integer bits (for non-negative floats the
+// integer order is the float order, NaN above inf: it propagates, as in torch.amax), one
+// atomicMax per CTA. Every thread calls it; it ends with a barrier.
+__device__ __forceinline__ void fold_block_amax(const float (&y)[kRowsPerThread][kVec],
+                                                int* amax_bits) {
+  __shared__ int warp_amax[kThreads / 32];
+  int m = 0;
 #pragma unroll
-    for (int i = 0; i < kRowsPerThread; ++i)
+  for (int i = 0; i < kRowsPerThread; ++i)
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) m = max(m, __float_as_int(y[i][j]) & 0x7FFFFFFF);
-    m = __reduce_max_sync(0xFFFFFFFFu, m);
-    if (t % 32 == 0) warp_amax[t / 32] = m;
+    for (int j = 0; j < kVec; ++j) m = max(m, __float_as_int(y[i][j]) & 0x7FFFFFFF);
+  m = __reduce_max_sync(0xFFFFFFFFu, m);
+  if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {  // (m is warp 0's already)
+#pragma unroll
+    for (int w = 1; w < kThreads / 32; ++w) m = max(m, warp_amax[w]);
+    atomicMax(amax_bits, m);
   }
+}
+
+// The amax pass of current scaling (fold_amax): max |y| over the tensor, nothing written.
+template <bool kBf16, Activation kAct>
+__global__ void __launch_bounds__(kThreads) amax_kernel(const CastParams p) {
+  const int t = threadIdx.x, cg = t % kColGroups, rg = t / kColGroups;
+  float y[kRowsPerThread][kVec];
+  load_y<kBf16, kAct>(p, int64_t(blockIdx.x) * kCastTileRows,
+                      int64_t(blockIdx.y) * kCastTileCols + cg * kVec, rg, y);
+  fold_block_amax(y, p.amax_bits);
+}
+
+template <bool kBf16, bool kE5M2, Activation kAct, bool kDbias>
+__global__ void __launch_bounds__(kThreads) cast_transpose_kernel(const CastParams p) {
+  // column c's 64 bytes (rows of the tile) as 4 chunks, chunk k stored at k ^ swizzle(c)
+  __shared__ uint4 tile_t[kCastTileCols][kChunks];
+  __shared__ float partial_sums[kDbias ? kRowGroups : 1][kCastTileCols];
+
+  const int t = threadIdx.x, cg = t % kColGroups, rg = t / kColGroups;
+  const int64_t row0 = int64_t(blockIdx.x) * kCastTileRows;
+  const int64_t col0 = int64_t(blockIdx.y) * kCastTileCols;
+  const int64_t col = col0 + cg * kVec;
+  const bool col_in = col < p.cols;
+  float y[kRowsPerThread][kVec];
+  load_y<kBf16, kAct>(p, row0, col, rg, y);
+
+  if (p.amax_bits != nullptr) fold_block_amax(y, p.amax_bits);  // (uniform branch)
   if constexpr (kDbias) {
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
@@ -221,12 +249,6 @@ __global__ void __launch_bounds__(kThreads) cast_transpose_kernel(const CastPara
       p.col_sums[int64_t(blockIdx.x) * p.cols + c_out] = s;
     }
   }
-  if (p.amax_bits != nullptr && t == 0) {
-    int m = warp_amax[0];
-#pragma unroll
-    for (int w = 1; w < kThreads / 32; ++w) m = max(m, warp_amax[w]);
-    atomicMax(p.amax_bits, m);
-  }
 }
 
 template <bool kBf16, bool kE5M2, Activation kAct, bool kDbias>
@@ -253,7 +275,27 @@ void launch_activation(const CastParams& p, cudaStream_t stream) {
   }
 }
 
+template <bool kBf16>
+void launch_amax(const CastParams& p, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>((p.rows + kCastTileRows - 1) / kCastTileRows),
+                  static_cast<unsigned>((p.cols + kCastTileCols - 1) / kCastTileCols));
+  switch (p.activation) {
+    case Activation::kGelu:
+      amax_kernel<kBf16, Activation::kGelu><<<grid, kThreads, 0, stream>>>(p);
+      break;
+    case Activation::kDgelu:
+      amax_kernel<kBf16, Activation::kDgelu><<<grid, kThreads, 0, stream>>>(p);
+      break;
+    default:
+      amax_kernel<kBf16, Activation::kNone><<<grid, kThreads, 0, stream>>>(p);
+  }
+}
+
 }  // namespace
+
+void run_amax(const CastParams& p, cudaStream_t stream) {
+  p.bf16 ? launch_amax<true>(p, stream) : launch_amax<false>(p, stream);
+}
 
 void run_cast_transpose(const CastParams& p, cudaStream_t stream) {
   if (p.bf16) {

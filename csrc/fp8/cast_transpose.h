@@ -40,5 +40,9 @@ constexpr int kCastTileCols = 128;
 
 void run_cast_transpose(const CastParams& p, cudaStream_t stream);
 
+// The amax pass of current scaling: *amax_bits = max(*amax_bits, max|y| bits) over the tensor,
+// nothing else written (reads x, h, rows, cols, bf16, activation and amax_bits).
+void run_amax(const CastParams& p, cudaStream_t stream);
+
 }  // namespace fp8
 }  // namespace transformer_fa

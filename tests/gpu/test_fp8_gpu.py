@@ -90,7 +90,8 @@ def test_cuda_cast_serves_the_transposed_16bit_casts(dtype, gelu, dgelu, dbias, 
     output, and its results are the Triton kernel's: the FP8 bytes of plain casts bit for bit
     (the transpose the row-major cast's), of GELU / dgelu casts within one FP8 step at under
     1% of the elements (the two compute the activation with different float32 instructions),
-    the amax within 1e-6, the column sums within a rounding of x's dtype."""
+    the amax within 1e-6, the column sums within a rounding of x's dtype; the amax pass
+    (fold_amax) on the CUDA kernel too, equal to the cast's amax."""
     if not _cuda_cast_built():
         pytest.skip("the CUDA extension has no FP8 cast kernel for this GPU")
     from transformer_fa.kernels import fp8_cast
@@ -133,6 +134,15 @@ def test_cuda_cast_serves_the_transposed_16bit_casts(dtype, gelu, dgelu, dbias, 
             x.float(), h.float(), approximate="tanh")
         bound = 2 * torch.finfo(dtype).eps * y.sum(0).abs() + 1e-5 * y.abs().sum(0)
         assert sums.dtype == dtype and ((sums.float() - t_sums.float()).abs() <= bound).all()
+    # current scaling's amax pass: the CUDA kernel's (fp8_amax) against Triton's
+    assert fp8_cast._cuda_fp8_kernel("fp8_amax", x, h) is not None
+    amaxes = []
+    for setting in ("", "triton"):
+        monkeypatch.setenv("TRANSFORMER_FA_FP8_CAST", setting)
+        amaxes.append(torch.full((1,), 0.5, device="cuda"))
+        fp8_cast.fold_amax(x, amaxes[-1], gelu=gelu, dgelu_input=h)
+    torch.testing.assert_close(amaxes[0], amaxes[1], rtol=1e-6 if gelu or dgelu else 0, atol=0)
+    torch.testing.assert_close(amaxes[0], amax, rtol=0, atol=0)  # the cast's own amax
 
 
 def _fp8_input(shape, dtype, seed=0):

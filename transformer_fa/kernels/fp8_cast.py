@@ -197,15 +197,25 @@ _CUDA_DTYPES = (torch.bfloat16, torch.float16)
 def _cuda_cast_transpose(x: torch.Tensor, h: Optional[torch.Tensor], columnwise: bool,
                          fp8_dtype: torch.dtype, fp8_max: float):
     """The CUDA cast-transpose kernel (csrc/fp8/cast_transpose.cu, in the flash extension)
-    where it serves the call, else None (the Triton kernel does). It serves 16-bit inputs cast
-    into the transposed orientation (with or without the row-major one), rows a multiple of 16
-    and columns of 8, unit column strides and 16-byte aligned rows, on the GPUs it was built
-    for. Triton converts the transposed tile as FP8 bytes through shared memory; the CUDA
-    kernel packs four rows' bytes per column into a word first.
-    TRANSFORMER_FA_FP8_CAST=triton keeps every cast on the Triton kernel (A/B runs, tests)."""
-    if not columnwise or os.environ.get("TRANSFORMER_FA_FP8_CAST", "") == "triton":
+    where it serves the call, else None (the Triton kernel does): a cast into the transposed
+    orientation (with or without the row-major one) with the FP8 format's own largest value,
+    of an input _cuda_fp8_kernel takes. Triton converts the transposed tile as FP8 bytes
+    through shared memory; the CUDA kernel packs four rows' bytes per column into a word
+    first."""
+    if not columnwise or fp8_max != torch.finfo(fp8_dtype).max:
         return None
-    if x.dtype not in _CUDA_DTYPES or not x.is_cuda or fp8_max != torch.finfo(fp8_dtype).max:
+    return _cuda_fp8_kernel("fp8_cast_transpose", x, h)
+
+
+def _cuda_fp8_kernel(name: str, x: torch.Tensor, h: Optional[torch.Tensor]):
+    """The extension's FP8 kernel ``name`` (fp8_cast_transpose, fp8_amax) for this input, or
+    None: it serves 16-bit x (and dgelu's h) with rows a multiple of 16 and columns of 8, unit
+    column strides and 16-byte aligned rows, on the GPUs it was built for.
+    TRANSFORMER_FA_FP8_CAST=triton keeps every cast and amax pass on the Triton kernel (A/B
+    runs, tests)."""
+    if os.environ.get("TRANSFORMER_FA_FP8_CAST", "") == "triton":
+        return None
+    if x.dtype not in _CUDA_DTYPES or not x.is_cuda:
         return None
     rows, cols = x.shape
     if rows % 16 or cols % 8 or cols // 128 >= 65535:
@@ -213,20 +223,21 @@ def _cuda_cast_transpose(x: torch.Tensor, h: Optional[torch.Tensor], columnwise:
     for t in (x,) if h is None else (x, h):
         if t.stride(1) != 1 or t.stride(0) % 8 or t.data_ptr() % 16:
             return None
-    return _cuda_cast_kernel(x.device.index)
+    return _cuda_fp8_kernels(x.device.index).get(name)
 
 
 @functools.lru_cache(maxsize=None)
-def _cuda_cast_kernel(device_index: int):
-    """The extension's cast-transpose function if it was built for this GPU, else None (once
-    per device: the casts are on the eager FP8 step's host path)."""
+def _cuda_fp8_kernels(device_index: int) -> dict:
+    """{name: function} of the extension's FP8 kernels if it was built for this GPU, else {}
+    (once per device: the casts are on the eager FP8 step's host path)."""
     from ..attention.backends import flash  # the extension's loader (lazy: no import cycle)
     ext = flash._extension() if flash.is_built() else None
-    kernel = getattr(ext, "fp8_cast_transpose", None)
-    if kernel is None:
-        return None
+    if ext is None or not hasattr(ext, "fp8_cast_transpose"):
+        return {}
     major, minor = torch.cuda.get_device_capability(device_index)
-    return kernel if 10 * major + minor in ext.FP8_CAST_ARCHS else None
+    if 10 * major + minor not in ext.FP8_CAST_ARCHS:
+        return {}
+    return {"fp8_cast_transpose": ext.fp8_cast_transpose, "fp8_amax": ext.fp8_amax}
 
 
 def cast(x: torch.Tensor, scale: Optional[torch.Tensor], fp8_dtype: torch.dtype,
@@ -312,5 +323,9 @@ def fold_amax(x: torch.Tensor, amax: torch.Tensor, gelu: bool = False,
     the one read pass of current scaling (and of calibration)."""
     _check_scalar(x, amax, "amax")
     _check_dgelu_input(x, gelu, dgelu_input)
+    kernel = _cuda_fp8_kernel("fp8_amax", x, dgelu_input)
+    if kernel is not None:  # the CUDA kernel where it serves the input (as the casts')
+        kernel(x, dgelu_input, amax, gelu)
+        return
     _launch(x, None, None, None, False, None, amax, 0.0, _ROW_TILE, gelu=gelu,
             dgelu_input=dgelu_input)
