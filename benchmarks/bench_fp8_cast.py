@@ -13,6 +13,7 @@ Writes benchmarks/results/<gpu>-<date>-fp8-cast.json and .md.
 import argparse
 import datetime
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -48,6 +49,8 @@ def record_calls():
                            tile, dbias=dbias, gelu=gelu, dgelu_input=dgelu_input)
 
     fp8_cast._launch = recording
+    triton_only = os.environ.get("TRANSFORMER_FA_FP8_CAST")
+    os.environ["TRANSFORMER_FA_FP8_CAST"] = "triton"  # every call through _launch, recorded
     try:
         for recipe in (tfa.common.recipe.DelayedScaling, tfa.common.recipe.Float8CurrentScaling):
             block = tfa_layer(2048, 16, 8192, torch.bfloat16, "cuda")
@@ -59,6 +62,10 @@ def record_calls():
             torch.cuda.synchronize()
     finally:
         fp8_cast._launch = real_launch
+        if triton_only is None:
+            del os.environ["TRANSFORMER_FA_FP8_CAST"]
+        else:
+            os.environ["TRANSFORMER_FA_FP8_CAST"] = triton_only
     return calls
 
 
@@ -66,7 +73,9 @@ def time_call(key, tile, two_pass=False):
     """(ms, GB/s) of the call at ``tile``; with ``two_pass`` (a call with both orientations)
     as the launcher's two passes instead: the row-major output on the row tile, then the
     transposed one alone on ``tile`` (Triton transposes 16-bit data cheaply in a kernel that
-    stores only the transpose, FP8 bytes slowly in one that stores both)."""
+    stores only the transpose, FP8 bytes slowly in one that stores both); with ``tile`` "cuda"
+    on the CUDA kernels (csrc/fp8/: cast-transpose, or amax for an amax pass; None where they
+    do not serve the call)."""
     shape, dtype, rowwise, columnwise, from_amax, scale_inv, amax, dbias, gelu, dgelu, fp8 = key
     dt = getattr(torch, dtype)
     x = torch.randn(shape, device="cuda", dtype=dt)
@@ -81,6 +90,24 @@ def time_call(key, tile, two_pass=False):
     def run():
         fp8_cast._launch(x, out, out_t, scalar, from_amax, s_inv, amax_slot, 448.0, tile,
                          dbias=dbias, gelu=gelu, dgelu_input=h)
+
+    if tile == "cuda" and not (rowwise or columnwise or dbias):  # an amax pass
+        kernel = fp8_cast._cuda_fp8_kernel("fp8_amax", x, h)
+        if kernel is None:
+            return None
+
+        def run():  # noqa: F811 (the CUDA kernel instead)
+            kernel(x, h, amax_slot, gelu)
+    elif tile == "cuda":
+        fp8_max = torch.finfo(f8).max
+        kernel = fp8_cast._cuda_cast_transpose(x, h, columnwise, f8, fp8_max)
+        if kernel is None:
+            return None
+        sums = (torch.empty((-(-shape[0] // fp8_cast._CUDA_TILE_ROWS), shape[1]),
+                            device="cuda") if dbias else None)
+
+        def run():  # noqa: F811 (the CUDA kernel instead)
+            kernel(x, h, out, out_t, scalar, from_amax, fp8_max, s_inv, amax_slot, sums, gelu)
 
     def run_two_passes():
         fp8_cast._launch(x, out, None, scalar, from_amax, s_inv, amax_slot, 448.0,
@@ -115,9 +142,12 @@ def main(argv=None):
         if key[2] and key[3]:  # both orientations: also as two passes
             for tile in SQUARE_TILES[:4]:
                 results[f"two passes {tile}"] = time_call(key, tile, two_pass=True)
+        cuda = time_call(key, "cuda")
+        if cuda is not None:
+            results["cuda"] = cuda
         timed = {t: r for t, r in results.items() if r[0] is not None}
         best = min(timed, key=lambda t: timed[t][0])
-        chosen = str(info["tile"])
+        chosen = "cuda" if cuda is not None else str(info["tile"])
         rows.append(dict(call=key, count=info["count"], chosen=chosen,
                          chosen_us=round(timed[chosen][0] * 1e3, 1) if chosen in timed else None,
                          best=best, best_us=round(timed[best][0] * 1e3, 1),
@@ -133,7 +163,9 @@ def main(argv=None):
     lines = [f"## FP8 cast kernel tiles ({gpu}, {data['date']}, torch {torch.__version__})", "",
              "Each distinct cast call of one FP8 TransformerLayer step (both recipes), timed "
              "alone with L2 flushed (\"two passes\": the row-major output, then the transposed one "
-             "alone on that tile). Key: shape, dtype, rowwise, columnwise, scale from amax, "
+             "alone on that tile; \"cuda\": the CUDA cast-transpose kernel, which the launcher "
+             "takes where it serves the call). Key: shape, dtype, rowwise, columnwise, scale "
+             "from amax, "
              "writes scale_inv, records amax, dbias, gelu, dgelu, FP8 dtype.", "",
              "| call | calls in 4 steps | chosen tile | µs | best tile | µs | GB/s |",
              "|---|---:|---|---:|---|---:|---:|"]

@@ -16,6 +16,9 @@
 #include "flash/flash.h"
 #include "flash/sm90/bwd_support.h"
 #include "flash/sm90/fwd_support.h"
+#ifdef TRANSFORMER_FA_FP8_CAST
+#include "fp8/cast_transpose.h"
+#endif
 
 namespace tf = transformer_fa::flash;
 
@@ -576,6 +579,104 @@ std::vector<std::string> bwd_family_of(int64_t arch, bool bf16, int64_t d, int64
   return {arch_run == tf::Arch::kSm90 ? "sm90" : "sm80", why_not_sm90};
 }
 
+#ifdef TRANSFORMER_FA_FP8_CAST
+namespace fp8 = transformer_fa::fp8;
+
+// transformer_fa/kernels/fp8_cast.py calls these where the kernels serve the call (it checks
+// first and raises ValueErrors); these checks only guard the kernels' assumptions.
+
+bool fp8_f32_scalar(const at::Tensor& t, const at::Tensor& x) {
+  return t.is_cuda() && t.scalar_type() == at::kFloat && t.numel() == 1 &&
+         t.device() == x.device();
+}
+
+// The input side of CastParams: x (and dgelu's h), the activation.
+fp8::CastParams fp8_input_params(const char* fn, const at::Tensor& x,
+                                 const c10::optional<at::Tensor>& h, bool gelu) {
+  const auto aligned = [](const at::Tensor& t) {
+    return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  };
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && (x.scalar_type() == at::kBFloat16 ||
+              x.scalar_type() == at::kHalf), fn, ": x must be a 2-D bfloat16 or float16 CUDA "
+              "tensor");
+  TORCH_CHECK(x.size(0) % 16 == 0 && x.size(1) % 8 == 0 &&
+              x.size(1) / fp8::kCastTileCols < 65535,
+              fn, ": rows must be a multiple of 16 and cols of 8, got ", dims(x.sizes()));
+  TORCH_CHECK(x.stride(1) == 1 && x.stride(0) % 8 == 0 && aligned(x),
+              fn, ": x needs a unit column stride and 16-byte aligned rows");
+  if (h) {
+    TORCH_CHECK(h->sizes() == x.sizes() && h->scalar_type() == x.scalar_type() &&
+                h->device() == x.device() && h->stride(1) == 1 && h->stride(0) % 8 == 0 &&
+                aligned(*h) && !gelu, fn, ": h must be like x (and not with gelu)");
+  }
+  fp8::CastParams p{};
+  p.x = x.data_ptr();
+  p.x_row_stride = x.stride(0);
+  p.h = h ? h->data_ptr() : nullptr;
+  p.h_row_stride = h ? h->stride(0) : 0;
+  p.rows = x.size(0);
+  p.cols = x.size(1);
+  p.bf16 = x.scalar_type() == at::kBFloat16;
+  p.activation = gelu ? fp8::Activation::kGelu
+                      : h ? fp8::Activation::kDgelu : fp8::Activation::kNone;
+  return p;
+}
+
+void fp8_cast_transpose(const at::Tensor& x, const c10::optional<at::Tensor>& h,
+                        const c10::optional<at::Tensor>& out, const at::Tensor& out_t,
+                        const at::Tensor& scale, bool scale_from_amax, double fp8_max,
+                        const c10::optional<at::Tensor>& scale_inv,
+                        const c10::optional<at::Tensor>& amax,
+                        const c10::optional<at::Tensor>& col_sums, bool gelu) {
+  c10::cuda::CUDAGuard guard(x.device());
+  fp8::CastParams p = fp8_input_params("fp8_cast_transpose", x, h, gelu);
+  const int64_t rows = p.rows, cols = p.cols;
+  const bool e5m2 = out_t.scalar_type() == at::kFloat8_e5m2;
+  TORCH_CHECK(e5m2 || out_t.scalar_type() == at::kFloat8_e4m3fn,
+              "fp8_cast_transpose: out_t must be float8_e4m3fn or float8_e5m2");
+  TORCH_CHECK(fp8_max == (e5m2 ? 57344.0 : 448.0),
+              "fp8_cast_transpose: fp8_max must be the format's largest value");
+  TORCH_CHECK(out_t.is_contiguous() && out_t.size(0) == cols && out_t.size(1) == rows &&
+              out_t.device() == x.device(),
+              "fp8_cast_transpose: out_t must be a contiguous [cols, rows] tensor");
+  if (out) {
+    TORCH_CHECK(out->is_contiguous() && out->sizes() == x.sizes() &&
+                out->scalar_type() == out_t.scalar_type() && out->device() == x.device(),
+                "fp8_cast_transpose: out must be contiguous, x's shape, out_t's dtype");
+  }
+  TORCH_CHECK(fp8_f32_scalar(scale, x), "fp8_cast_transpose: scale must be one float32 on "
+              "x's device");
+  TORCH_CHECK(!scale_inv || fp8_f32_scalar(*scale_inv, x), "fp8_cast_transpose: bad scale_inv");
+  TORCH_CHECK(!amax || fp8_f32_scalar(*amax, x), "fp8_cast_transpose: bad amax");
+  const int64_t row_tiles = (rows + fp8::kCastTileRows - 1) / fp8::kCastTileRows;
+  TORCH_CHECK(!col_sums || (col_sums->is_cuda() && col_sums->scalar_type() == at::kFloat &&
+              col_sums->numel() == row_tiles * cols && col_sums->is_contiguous() && !gelu),
+              "fp8_cast_transpose: col_sums must be a contiguous float32 [", num(row_tiles),
+              ", ", num(cols), "] (and not with gelu)");
+  p.out = out ? out->data_ptr() : nullptr;
+  p.out_t = out_t.data_ptr();
+  p.scale = scale.data_ptr<float>();
+  p.scale_from_amax = scale_from_amax;
+  p.fp8_max = static_cast<float>(fp8_max);
+  p.scale_inv = scale_inv ? scale_inv->data_ptr<float>() : nullptr;
+  p.amax_bits = amax ? static_cast<int*>(amax->data_ptr()) : nullptr;
+  p.col_sums = col_sums ? col_sums->data_ptr<float>() : nullptr;
+  p.e5m2 = e5m2;
+  fp8::run_cast_transpose(p, c10::cuda::getCurrentCUDAStream().stream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void fp8_amax(const at::Tensor& x, const c10::optional<at::Tensor>& h, const at::Tensor& amax,
+              bool gelu) {
+  c10::cuda::CUDAGuard guard(x.device());
+  fp8::CastParams p = fp8_input_params("fp8_amax", x, h, gelu);
+  TORCH_CHECK(fp8_f32_scalar(amax, x), "fp8_amax: amax must be one float32 on x's device");
+  p.amax_bits = static_cast<int*>(amax.data_ptr());
+  fp8::run_amax(p, c10::cuda::getCurrentCUDAStream().stream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+#endif
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "transformer_fa flash attention kernels (forward and backward; families: flash/)";
   m.def("fwd", &fwd, "Flash attention forward", py::arg("q"), py::arg("k"), py::arg("v"),
@@ -614,4 +715,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   std::vector<int> dims(std::begin(tf::kKernelHeadDims), std::end(tf::kKernelHeadDims));
   m.attr("HEAD_DIMS") = py::cast(dims);
   m.attr("INSTANTIATIONS") = tf::built_instantiations();
+#ifdef TRANSFORMER_FA_FP8_CAST
+  m.def("fp8_cast_transpose", &fp8_cast_transpose,
+        "FP8 cast of a 16-bit 2-D tensor into both orientations (csrc/fp8/)", py::arg("x"),
+        py::arg("h"), py::arg("out"), py::arg("out_t"), py::arg("scale"),
+        py::arg("scale_from_amax"), py::arg("fp8_max"), py::arg("scale_inv"), py::arg("amax"),
+        py::arg("col_sums"), py::arg("gelu"));
+  m.def("fp8_amax", &fp8_amax, "max(amax, max|x|) of a 16-bit 2-D tensor (with GELU or its "
+        "backward applied) in place (csrc/fp8/)", py::arg("x"), py::arg("h"), py::arg("amax"),
+        py::arg("gelu"));
+  m.attr("FP8_CAST_ARCHS") = std::vector<int>{TRANSFORMER_FA_FP8_CAST_ARCHS};
+#endif
 }

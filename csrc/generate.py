@@ -213,6 +213,25 @@ def build_targets(archs: str):
     return tuple(a.strip() for a in archs.split(";") if a.strip())
 
 
+# The FP8 cast kernel (csrc/fp8/, not a flash family): FP8 conversions need sm_89+, so it
+# builds for the targets of TRANSFORMER_FA_CUDA_ARCHS from 89 on; the binding registers it
+# (and says for which GPUs) under these macros.
+FP8_CAST_FILE = "fp8/cast_transpose.cu"
+
+
+def fp8_cast_archs(archs: str):
+    """The targets of `archs` the FP8 cast kernel builds for (sm_89 and later)."""
+    return tuple(a for a in build_targets(archs) if int(a.rstrip("af")) >= 89)
+
+
+def fp8_cast_macros(archs: str):
+    targets = fp8_cast_archs(archs)
+    if not targets:
+        return []
+    numbers = ",".join(str(int(a.rstrip("af"))) for a in targets)
+    return ["-DTRANSFORMER_FA_FP8_CAST", f"-DTRANSFORMER_FA_FP8_CAST_ARCHS={numbers}"]
+
+
 def family_archs(family: str, archs: str):
     """The targets of the ';' list `archs` (TRANSFORMER_FA_CUDA_ARCHS) that the family's files
     build for."""
@@ -260,6 +279,9 @@ def selected(names: str, archs: str = DEFAULT_ARCHS, cutlass: bool = True):
             if FAMILIES[family].has(direction, d):
                 path = f"flash/instantiations/{kernel_file_name(direction, family, dtype, d)}"
                 files[path] = targets
+    if fp8_cast_archs(archs):
+        files[FP8_CAST_FILE] = fp8_cast_archs(archs)
+        macros += fp8_cast_macros(archs)
     return dict(sorted(files.items())), macros
 
 
@@ -289,6 +311,7 @@ def compile_check_jobs(archs: str = DEFAULT_ARCHS):
             dtype, d = insts[(5 * k) % len(insts)]
             jobs.append((f"flash/instantiations/{kernel_file_name(direction, family, dtype, d)}",
                          target))
+    jobs += [(FP8_CAST_FILE, target) for target in fp8_cast_archs(archs)]
     return jobs
 
 

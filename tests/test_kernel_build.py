@@ -12,6 +12,21 @@ generate = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(generate)
 
 
+FP8_CAST_MACROS = ["-DTRANSFORMER_FA_FP8_CAST", "-DTRANSFORMER_FA_FP8_CAST_ARCHS=90"]
+
+
+def test_the_fp8_cast_kernel_builds_for_sm89_and_later():
+    """csrc/fp8/cast_transpose.cu (FP8 conversions: sm_89+) builds for those targets only,
+    whatever flash kernels are picked, and the binding learns which GPUs it serves."""
+    files, macros = generate.selected("bf16_hdim128", "80")
+    assert generate.FP8_CAST_FILE not in files and not any("FP8" in m for m in macros)
+    files, macros = generate.selected("bf16_hdim128", "80;89;90a;100a")
+    assert files[generate.FP8_CAST_FILE] == ("89", "90a", "100a")
+    assert macros[-2:] == ["-DTRANSFORMER_FA_FP8_CAST",
+                           "-DTRANSFORMER_FA_FP8_CAST_ARCHS=89,90,100"]
+    assert (generate.FP8_CAST_FILE, "90a") in generate.compile_check_jobs()
+
+
 def test_default_builds_every_instantiation_for_its_targets():
     files, macros = generate.selected("")
     sm80 = {f: t for f, t in files.items() if f.endswith("_sm80.cu")}
@@ -25,28 +40,30 @@ def test_default_builds_every_instantiation_for_its_targets():
                 for t in ("bf16", "fp16") for d in (64, 128, 256)]
     assert sorted(sm90) == sorted(sm90_fwd + sm90_bwd)
     assert set(sm90.values()) == {("90a",)}
-    assert len(files) == len(sm80) + len(sm90)
-    assert len(macros) == len(sm80) // 3 + len(sm90_fwd)
+    assert files[generate.FP8_CAST_FILE] == ("90a",)  # FP8 conversions need sm_89+
+    assert len(files) == len(sm80) + len(sm90) + 1
+    assert macros[-2:] == FP8_CAST_MACROS
+    assert len(macros) == len(sm80) // 3 + len(sm90_fwd) + 2
     assert all((CSRC / f).is_file() for f in files)
     dispatch = (CSRC / "flash" / "dispatch.h").read_text()
-    assert all(f"#ifdef {m[2:]}" in dispatch for m in macros)
+    assert all(f"#ifdef {m[2:]}" in dispatch for m in macros[:-2])
 
 
 def test_a_subset_builds_both_directions_of_each_named_kernel():
     files, macros = generate.selected(" bf16_hdim128, sm80_fp16_hdim64 ")
     assert macros == ["-DTFA_FLASH_SM80_FP16_HDIM64", "-DTFA_FLASH_SM80_BF16_HDIM128",
-                      "-DTFA_FLASH_SM90_BF16_HDIM128"]
+                      "-DTFA_FLASH_SM90_BF16_HDIM128"] + FP8_CAST_MACROS
     assert list(files) == sorted([f"flash/instantiations/{d}_{k}_sm80.cu"
                                   for d in ("fwd", "bwd", "decode")
                                   for k in ("bf16_hdim128", "fp16_hdim64")]
                                  + [f"flash/instantiations/{d}_bf16_hdim128_sm90.cu"
-                                    for d in ("fwd", "bwd")])
+                                    for d in ("fwd", "bwd")] + [generate.FP8_CAST_FILE])
 
 
 def test_without_cutlass_the_sm90_family_is_left_out():
     files, macros = generate.selected("bf16_hdim128", cutlass=False)
-    assert macros == ["-DTFA_FLASH_SM80_BF16_HDIM128"]
-    assert all(f.endswith("_sm80.cu") for f in files)
+    assert macros == ["-DTFA_FLASH_SM80_BF16_HDIM128"] + FP8_CAST_MACROS
+    assert all(f.endswith("_sm80.cu") for f in files if f != generate.FP8_CAST_FILE)
     with pytest.raises(ValueError, match="sm90_bf16_hdim128, whose family needs the CUTLASS"):
         generate.selected("sm90_bf16_hdim128", cutlass=False)
 
@@ -62,15 +79,17 @@ def test_a_family_builds_only_for_its_targets():
                      "flash/instantiations/decode_bf16_hdim128_sm80.cu": ("80", "90a"),
                      "flash/instantiations/fwd_bf16_hdim128_sm80.cu": ("80", "90a"),
                      "flash/instantiations/fwd_bf16_hdim128_sm90.cu": ("90a",),
-                     "flash/instantiations/bwd_bf16_hdim128_sm90.cu": ("90a",)}
-    assert macros == ["-DTFA_FLASH_SM80_BF16_HDIM128", "-DTFA_FLASH_SM90_BF16_HDIM128"]
+                     "flash/instantiations/bwd_bf16_hdim128_sm90.cu": ("90a",),
+                     generate.FP8_CAST_FILE: ("90a",)}
+    assert macros == ["-DTFA_FLASH_SM80_BF16_HDIM128", "-DTFA_FLASH_SM90_BF16_HDIM128"] \
+        + FP8_CAST_MACROS
     groups = generate.compile_groups(files)
     assert {t: generate.gencode_flags(t) for t in groups} == {
         ("80", "90a"): ["-gencode=arch=compute_80,code=sm_80",
                         "-gencode=arch=compute_90a,code=sm_90a"],
         ("90a",): ["-gencode=arch=compute_90a,code=sm_90a"]}
     assert groups[("90a",)] == [f"flash/instantiations/{d}_bf16_hdim128_sm90.cu"
-                                for d in ("bwd", "fwd")]
+                                for d in ("bwd", "fwd")] + [generate.FP8_CAST_FILE]
     # Without sm_90a among the targets, the family is left out (no macro: no dispatch case).
     files, macros = generate.selected("bf16_hdim128", "80")
     assert set(files.values()) == {("80",)} and macros == ["-DTFA_FLASH_SM80_BF16_HDIM128"]

@@ -10,6 +10,7 @@ See tests/gpu/README.md for the commands.
     python tools/flash_sanitize_case.py --sm90
     python tools/flash_sanitize_case.py --sm90-backward
     python tools/flash_sanitize_case.py --decode
+    python tools/flash_sanitize_case.py --fp8-cast
 """
 import argparse
 import math
@@ -44,6 +45,12 @@ parser.add_argument("--decode", action="store_true",
                     help="only the split-KV decode kernel: thd and padded bshd queries against "
                          "contiguous and paged K/V (shuffled pages of 16 and 64), ragged cached "
                          "lengths, GQA, causal and windowed, 1, 3 and chosen splits")
+parser.add_argument("--fp8-cast", action="store_true",
+                    help="only the FP8 cast-transpose and amax kernels (csrc/fp8/): bf16 and "
+                         "fp16, both FP8 formats, plain / GELU / dgelu casts with and without "
+                         "the row-major output and the column sums, delayed and current "
+                         "scaling, amax passes, on shapes whose last tiles are ragged in both "
+                         "directions and on a strided view")
 args = parser.parse_args()
 
 assert flash._extension() is not None, flash._ext_error
@@ -119,6 +126,34 @@ if args.sm90_backward:
                             call._replace(deterministic=deterministic))
     torch.cuda.synchronize()
     print("sanitize case done (sm90 backward)", dq.float().abs().sum().item())
+    sys.exit(0)
+if args.fp8_cast:
+    from transformer_fa.kernels import fp8_cast
+    assert hasattr(flash._extension(), "fp8_cast_transpose"), "built without the FP8 cast"
+    calls = 0
+    for dtype in (torch.bfloat16, torch.float16):
+        for rows, cols in ((1040, 264), (16, 8)):
+            base = torch.randn(rows, cols + 16, device="cuda", dtype=dtype)
+            for x in (base[:, :cols].contiguous(), base[:, 16:]):  # and a strided view
+                h = torch.randn_like(x)
+                for fp8_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                    for act, dbias in (("none", False), ("none", True), ("gelu", False),
+                                       ("dgelu", False), ("dgelu", True)):
+                        for rowwise in (True, False):
+                            for from_amax in (False, True):
+                                scalar = torch.full((), 2.0, device="cuda")
+                                out = fp8_cast.cast(
+                                    x, None if from_amax else scalar, fp8_dtype,
+                                    torch.finfo(fp8_dtype).max, rowwise=rowwise,
+                                    columnwise=True, amax=torch.zeros(1, device="cuda"),
+                                    scale_from_amax=scalar if from_amax else None, dbias=dbias,
+                                    gelu=act == "gelu",
+                                    dgelu_input=h if act == "dgelu" else None)
+                                calls += 1
+                    fp8_cast.fold_amax(x, torch.zeros(1, device="cuda"), gelu=act == "gelu",
+                                       dgelu_input=h if act == "dgelu" else None)
+    torch.cuda.synchronize()
+    print("sanitize case done: fp8 casts", calls, out[1].float().abs().sum().item())
     sys.exit(0)
 if args.decode:
     # 3 sequences: 1, 3 and 2 new tokens over 1, 300 and 77 cached keys (tails not multiples of

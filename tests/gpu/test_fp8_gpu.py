@@ -47,14 +47,103 @@ needs_cast_kernels = pytest.mark.skipif(
 FP8_MAX = {Format.E4M3: 448.0, Format.E5M2: 57344.0}
 
 
+def _cuda_cast_built():
+    from transformer_fa.attention.backends import flash
+    ext = flash._extension() if flash.is_built() else None
+    if ext is None or not hasattr(ext, "fp8_cast_transpose"):
+        return False
+    major, minor = torch.cuda.get_device_capability()
+    return 10 * major + minor in ext.FP8_CAST_ARCHS
+
+
+@pytest.fixture(params=["cuda", "triton"])
+def cast_impl(request, monkeypatch):
+    """Each cast test twice: with the CUDA cast-transpose kernel (csrc/fp8/) serving the calls
+    it serves (16-bit, transposed output, rows % 16, cols % 8; skipped where the extension
+    lacks it), and with every call on the Triton kernel."""
+    if request.param == "triton":
+        monkeypatch.setenv("TRANSFORMER_FA_FP8_CAST", "triton")
+    elif not _cuda_cast_built():
+        pytest.skip("the CUDA extension has no FP8 cast kernel for this GPU")
+    else:
+        monkeypatch.delenv("TRANSFORMER_FA_FP8_CAST", raising=False)
+    return request.param
+
+
 @pytest.fixture
-def cast_calls(monkeypatch):
-    """The cast kernel's calls, so that a test sees the kernel path ran."""
+def cast_calls(monkeypatch, cast_impl):
+    """The cast kernel's calls, so that a test sees the kernel path ran (in each of
+    cast_impl's settings)."""
     from transformer_fa.kernels import fp8_cast
     calls = []
     real = fp8_cast.cast
     monkeypatch.setattr(fp8_cast, "cast", lambda *a, **k: calls.append(1) or real(*a, **k))
     return calls
+
+
+@needs_cast_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("gelu, dgelu, dbias", [(False, False, False), (True, False, False),
+                                                (False, True, True), (False, False, True)])
+def test_cuda_cast_serves_the_transposed_16bit_casts(dtype, gelu, dgelu, dbias, monkeypatch):
+    """Where the CUDA kernel is built, it (not Triton) runs the 16-bit casts with a transposed
+    output, and its results are the Triton kernel's: the FP8 bytes of plain casts bit for bit
+    (the transpose the row-major cast's), of GELU / dgelu casts within one FP8 step at under
+    1% of the elements (the two compute the activation with different float32 instructions),
+    the amax within 1e-6, the column sums within a rounding of x's dtype; the amax pass
+    (fold_amax) on the CUDA kernel too, equal to the cast's amax."""
+    if not _cuda_cast_built():
+        pytest.skip("the CUDA extension has no FP8 cast kernel for this GPU")
+    from transformer_fa.kernels import fp8_cast
+    served = []
+    real = fp8_cast._cuda_cast_transpose
+    monkeypatch.setattr(fp8_cast, "_cuda_cast_transpose",
+                        lambda *a: served.append(real(*a)) or served[-1])
+    x = _fp8_input((1040, 264), dtype)  # ragged last tiles in both directions
+    x = torch.nan_to_num(x.float(), nan=1.0, posinf=2e3, neginf=-7.0).to(dtype) / 64
+    h = torch.randn_like(x) * 3 if dgelu else None
+    fp8_dtype = torch.float8_e5m2 if dbias else torch.float8_e4m3fn
+    fp8_max = torch.finfo(fp8_dtype).max
+    results = []
+    for setting in ("", "triton"):
+        monkeypatch.setenv("TRANSFORMER_FA_FP8_CAST", setting)
+        amax = torch.zeros(1, device="cuda")
+        scale = torch.tensor(3.0, device="cuda")
+        results.append((*fp8_cast.cast(x, scale, fp8_dtype, fp8_max, rowwise=True,
+                                       columnwise=True, amax=amax, dbias=dbias, gelu=gelu,
+                                       dgelu_input=h), amax))
+    assert served[0] is not None and served[1] is None
+    (out, out_t, inv, sums, amax), (t_out, t_out_t, t_inv, t_sums, t_amax) = results
+    _assert_same_floats(inv, t_inv)
+    if gelu or dgelu:
+        for a, b in ((out, t_out), (out_t, t_out_t)):
+            # (+0 and -0 are one value: where gelu'(h) is about 0 the two round a product
+            # of about 1e-9 to zeros of either sign)
+            steps = (a.view(torch.uint8).int() - b.view(torch.uint8).int()).abs()
+            steps[a.float() == b.float()] = 0
+            assert steps.max() <= 1 and (steps > 0).float().mean() < 0.01
+        torch.testing.assert_close(amax, t_amax, rtol=1e-6, atol=0)
+    else:
+        _assert_same_fp8(out, t_out)
+        _assert_same_fp8(out_t, t_out_t)
+        _assert_same_floats(amax, t_amax)
+        _assert_same_fp8(out_t, out.t().contiguous())
+    if dbias:
+        # both sum the float32 values in their own order and round once to x's dtype
+        y = x.float() if h is None else torch.ops.aten.gelu_backward(
+            x.float(), h.float(), approximate="tanh")
+        bound = 2 * torch.finfo(dtype).eps * y.sum(0).abs() + 1e-5 * y.abs().sum(0)
+        assert sums.dtype == dtype and ((sums.float() - t_sums.float()).abs() <= bound).all()
+    # current scaling's amax pass: the CUDA kernel's (fp8_amax) against Triton's
+    monkeypatch.setenv("TRANSFORMER_FA_FP8_CAST", "")
+    assert fp8_cast._cuda_fp8_kernel("fp8_amax", x, h) is not None
+    amaxes = []
+    for setting in ("", "triton"):
+        monkeypatch.setenv("TRANSFORMER_FA_FP8_CAST", setting)
+        amaxes.append(torch.full((1,), 0.5, device="cuda"))
+        fp8_cast.fold_amax(x, amaxes[-1], gelu=gelu, dgelu_input=h)
+    torch.testing.assert_close(amaxes[0], amaxes[1], rtol=1e-6 if gelu or dgelu else 0, atol=0)
+    torch.testing.assert_close(amaxes[0], amax, rtol=0, atol=0)  # the cast's own amax
 
 
 def _fp8_input(shape, dtype, seed=0):
@@ -172,7 +261,8 @@ def test_cast_kernel_column_sums(dtype, shape, recipe, finite, monkeypatch, cast
 @pytest.mark.parametrize("recipe, casts", [(DelayedScaling(), 1), (Float8CurrentScaling(), 2)],
                          ids=["delayed", "current"])
 @pytest.mark.parametrize("frozen", [False, True], ids=["all-grads", "bias-grad-only"])
-def test_fp8_linear_backward_sums_the_bias_in_the_cast(recipe, casts, frozen, monkeypatch):
+def test_fp8_linear_backward_sums_the_bias_in_the_cast(recipe, casts, frozen, monkeypatch,
+                                                       cast_impl):
     """The backward of an FP8 Linear with a bias launches no torch sum: the output gradient's
     cast gives the bias gradient (the cast and its second pass; current scaling: the amax
     pass too). With the weight frozen and an input without grad, the cast gives it alone."""
@@ -198,7 +288,7 @@ def test_fp8_linear_backward_sums_the_bias_in_the_cast(recipe, casts, frozen, mo
     torch_sum = set(_gpu_kernels(lambda: flat_dy.sum(0)))  # the kernel the old backward ran
     assert torch_sum and not torch_sum.intersection(backward), backward
     assert sum(_SUM_PASS in name for name in backward) == 1, backward
-    assert sum("_cast_kernel" in name for name in backward) == casts, backward
+    assert sum(_is_cast_launch(name) for name in backward) == casts, backward
     assert_bias_grad_close(lin.bias.grad, dy)
     assert (x.grad is None) == frozen and (lin.weight.grad is None) == frozen
 
@@ -261,6 +351,12 @@ def test_delayed_inverse_scale_over_float32s_range(columnwise, monkeypatch, cast
     assert len(cast_calls) == len(scales)
 
 
+def _is_cast_launch(name):
+    """A launch of an FP8 cast or amax pass: Triton's _cast_kernel, or csrc/fp8's kernels
+    (transformer_fa::fp8::cast_transpose_kernel, amax_kernel)."""
+    return "_cast_kernel" in name or "transformer_fa::fp8::" in name
+
+
 def _gpu_kernels(fn):
     """The names of the GPU kernels fn() launches (run it once before: compiles)."""
     torch.cuda.synchronize()
@@ -276,11 +372,11 @@ _SUM_PASS = "_sum_row_blocks_kernel"  # the column sums' second pass (fp8_cast.p
 
 @needs_cast_kernels
 @pytest.mark.parametrize("dbias", [False, True], ids=["cast", "cast-dbias"])
-@pytest.mark.parametrize("recipe, launches", [(DelayedScaling(), ["_cast_kernel"]),
+@pytest.mark.parametrize("recipe, launches", [(DelayedScaling(), ["cast"]),
                                               (Float8CurrentScaling(),
-                                               ["fill", "_cast_kernel", "_cast_kernel"])],
+                                               ["fill", "cast", "cast"])],
                          ids=["delayed", "current"])
-def test_quantize_kernel_launches(recipe, launches, dbias, monkeypatch):
+def test_quantize_kernel_launches(recipe, launches, dbias, monkeypatch, cast_impl):
     """GPU kernels per quantization (bfloat16, with the transpose): delayed scaling the cast
     alone (it writes the inverse scale); current scaling the amax's zero fill, the amax pass
     and the cast (which computes the scale from the amax); the column sums add their second
@@ -296,7 +392,7 @@ def test_quantize_kernel_launches(recipe, launches, dbias, monkeypatch):
     quantize()  # compiles the kernels
     on_gpu = _gpu_kernels(quantize)
     # the amax's zero fill: torch's FillFunctor kernel
-    kinds = ["_cast_kernel" if "_cast_kernel" in name else _SUM_PASS if _SUM_PASS in name
+    kinds = ["cast" if _is_cast_launch(name) else _SUM_PASS if _SUM_PASS in name
              else "fill" if "fill" in name.lower() else name for name in on_gpu]
     assert sorted(kinds) == sorted(launches + [_SUM_PASS] * dbias), on_gpu
 
@@ -787,7 +883,7 @@ def _profiled_names(fn):
 @pytest.mark.skipif(not te.is_fp8_available(), reason="needs CUDA with FP8")
 @pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()],
                          ids=["delayed", "current"])
-def test_fp8_mlp_runs_no_gelu(recipe, monkeypatch):
+def test_fp8_mlp_runs_no_gelu(recipe, monkeypatch, cast_impl):
     """LayerNormMLP (gelu) in FP8: no aten::gelu in the forward (FC2's input cast applies it)
     and no aten::gelu_backward in the backward (FC1's gradient cast applies it); outside FP8
     the forward runs the GELU kernel (kernels/bias_grad.gelu), which writes gelu(h) in 16 bits."""
@@ -804,10 +900,10 @@ def test_fp8_mlp_runs_no_gelu(recipe, monkeypatch):
     outputs = []
     forward_names = _profiled_names(lambda: outputs.append(forward()))
     assert "aten::gelu" not in forward_names
-    assert any("_cast_kernel" in name for name in forward_names)
+    assert any(_is_cast_launch(name) for name in forward_names)
     backward_names = _profiled_names(lambda: outputs[0].float().sum().backward())
     assert "aten::gelu_backward" not in backward_names
-    assert any("_cast_kernel" in name for name in backward_names)
+    assert any(_is_cast_launch(name) for name in backward_names)
     assert any("_gelu_kernel" in name for name in _profiled_names(lambda: mlp(x)))
 
 

@@ -34,6 +34,8 @@ instead (tanh GELU's derivative in float32, kernels/bias_grad.py's form), and su
 float32 values into the column sums: the gradient cast of the GEMM before the GELU reads the
 GELU's output gradient and input, and dh in 16 bits is never written (TE's dgelu cast).
 """
+import functools
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -130,6 +132,7 @@ _ROW_TILE = (16, 512, 8)
 _TRANSPOSE_TILE = (32, 128, 4)
 _ACTIVATION_TILE = (64, 64, 4)
 _COLUMN_SUMS_TILE = {False: (64, 64, 4), True: (64, 64, 2)}  # by scale_from_amax
+_CUDA_TILE_ROWS = 64  # the CUDA kernel's rows per tile (csrc/fp8/cast_transpose.h)
 
 
 def _tile(columnwise: bool, dbias: bool, activation: bool, from_amax: bool):
@@ -188,6 +191,55 @@ def _sum_row_blocks(col_sums: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
+_CUDA_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _cuda_cast_transpose(x: torch.Tensor, h: Optional[torch.Tensor], columnwise: bool,
+                         fp8_dtype: torch.dtype, fp8_max: float):
+    """The CUDA cast-transpose kernel (csrc/fp8/cast_transpose.cu, in the flash extension)
+    where it serves the call, else None (the Triton kernel does): a cast into the transposed
+    orientation (with or without the row-major one) with the FP8 format's own largest value,
+    of an input _cuda_fp8_kernel takes. Triton converts the transposed tile as FP8 bytes
+    through shared memory; the CUDA kernel packs four rows' bytes per column into a word
+    first."""
+    if not columnwise or fp8_max != torch.finfo(fp8_dtype).max:
+        return None
+    return _cuda_fp8_kernel("fp8_cast_transpose", x, h)
+
+
+def _cuda_fp8_kernel(name: str, x: torch.Tensor, h: Optional[torch.Tensor]):
+    """The extension's FP8 kernel ``name`` (fp8_cast_transpose, fp8_amax) for this input, or
+    None: it serves 16-bit x (and dgelu's h) with rows a multiple of 16 and columns of 8, unit
+    column strides and 16-byte aligned rows, on the GPUs it was built for.
+    TRANSFORMER_FA_FP8_CAST=triton keeps every cast and amax pass on the Triton kernel (A/B
+    runs, tests)."""
+    if os.environ.get("TRANSFORMER_FA_FP8_CAST", "") == "triton":
+        return None
+    if x.dtype not in _CUDA_DTYPES or not x.is_cuda:
+        return None
+    rows, cols = x.shape
+    if rows % 16 or cols % 8 or cols // 128 >= 65535:
+        return None
+    for t in (x,) if h is None else (x, h):
+        if t.stride(1) != 1 or t.stride(0) % 8 or t.data_ptr() % 16:
+            return None
+    return _cuda_fp8_kernels(x.device.index).get(name)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_fp8_kernels(device_index: int) -> dict:
+    """{name: function} of the extension's FP8 kernels if it was built for this GPU, else {}
+    (once per device: the casts are on the eager FP8 step's host path)."""
+    from ..attention.backends import flash  # the extension's loader (lazy: no import cycle)
+    ext = flash._extension() if flash.is_built() else None
+    if ext is None or not hasattr(ext, "fp8_cast_transpose"):
+        return {}
+    major, minor = torch.cuda.get_device_capability(device_index)
+    if 10 * major + minor not in ext.FP8_CAST_ARCHS:
+        return {}
+    return {"fp8_cast_transpose": ext.fp8_cast_transpose, "fp8_amax": ext.fp8_amax}
+
+
 def cast(x: torch.Tensor, scale: Optional[torch.Tensor], fp8_dtype: torch.dtype,
          fp8_max: float, rowwise: bool = True, columnwise: bool = False,
          amax: Optional[torch.Tensor] = None, scale_from_amax: Optional[torch.Tensor] = None,
@@ -230,7 +282,13 @@ def cast(x: torch.Tensor, scale: Optional[torch.Tensor], fp8_dtype: torch.dtype,
         out_t = torch.empty((n_cols, n_rows), dtype=fp8_dtype, device=x.device)
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     activation = gelu or dgelu_input is not None
-    if rowwise and columnwise and (x.dtype == torch.float32 or dgelu_input is not None):
+    kernel = _cuda_cast_transpose(x, dgelu_input, columnwise, fp8_dtype, fp8_max)
+    if kernel is not None:
+        col_sums = (torch.empty((triton.cdiv(n_rows, _CUDA_TILE_ROWS), n_cols),
+                                dtype=torch.float32, device=x.device) if dbias else None)
+        kernel(x, dgelu_input, out, out_t, source, from_amax, fp8_max, scale_inv, amax,
+               col_sums, gelu)
+    elif rowwise and columnwise and (x.dtype == torch.float32 or dgelu_input is not None):
         # Both stores in one kernel gave wrong transposed bytes (NaNs among them) from float32
         # inputs and from the dgelu cast of 16-bit ones (Triton 3.6, sm90; the other 16-bit
         # casts are right): two passes there, the column sums in the second.
@@ -265,5 +323,9 @@ def fold_amax(x: torch.Tensor, amax: torch.Tensor, gelu: bool = False,
     the one read pass of current scaling (and of calibration)."""
     _check_scalar(x, amax, "amax")
     _check_dgelu_input(x, gelu, dgelu_input)
+    kernel = _cuda_fp8_kernel("fp8_amax", x, dgelu_input)
+    if kernel is not None:  # the CUDA kernel where it serves the input (as the casts')
+        kernel(x, dgelu_input, amax, gelu)
+        return
     _launch(x, None, None, None, False, None, amax, 0.0, _ROW_TILE, gelu=gelu,
             dgelu_input=dgelu_input)
