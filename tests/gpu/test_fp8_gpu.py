@@ -135,6 +135,7 @@ def test_cuda_cast_serves_the_transposed_16bit_casts(dtype, gelu, dgelu, dbias, 
         bound = 2 * torch.finfo(dtype).eps * y.sum(0).abs() + 1e-5 * y.abs().sum(0)
         assert sums.dtype == dtype and ((sums.float() - t_sums.float()).abs() <= bound).all()
     # current scaling's amax pass: the CUDA kernel's (fp8_amax) against Triton's
+    monkeypatch.setenv("TRANSFORMER_FA_FP8_CAST", "")
     assert fp8_cast._cuda_fp8_kernel("fp8_amax", x, h) is not None
     amaxes = []
     for setting in ("", "triton"):
@@ -260,7 +261,8 @@ def test_cast_kernel_column_sums(dtype, shape, recipe, finite, monkeypatch, cast
 @pytest.mark.parametrize("recipe, casts", [(DelayedScaling(), 1), (Float8CurrentScaling(), 2)],
                          ids=["delayed", "current"])
 @pytest.mark.parametrize("frozen", [False, True], ids=["all-grads", "bias-grad-only"])
-def test_fp8_linear_backward_sums_the_bias_in_the_cast(recipe, casts, frozen, monkeypatch):
+def test_fp8_linear_backward_sums_the_bias_in_the_cast(recipe, casts, frozen, monkeypatch,
+                                                       cast_impl):
     """The backward of an FP8 Linear with a bias launches no torch sum: the output gradient's
     cast gives the bias gradient (the cast and its second pass; current scaling: the amax
     pass too). With the weight frozen and an input without grad, the cast gives it alone."""
@@ -286,7 +288,7 @@ def test_fp8_linear_backward_sums_the_bias_in_the_cast(recipe, casts, frozen, mo
     torch_sum = set(_gpu_kernels(lambda: flat_dy.sum(0)))  # the kernel the old backward ran
     assert torch_sum and not torch_sum.intersection(backward), backward
     assert sum(_SUM_PASS in name for name in backward) == 1, backward
-    assert sum("_cast_kernel" in name for name in backward) == casts, backward
+    assert sum(_is_cast_launch(name) for name in backward) == casts, backward
     assert_bias_grad_close(lin.bias.grad, dy)
     assert (x.grad is None) == frozen and (lin.weight.grad is None) == frozen
 
@@ -349,6 +351,12 @@ def test_delayed_inverse_scale_over_float32s_range(columnwise, monkeypatch, cast
     assert len(cast_calls) == len(scales)
 
 
+def _is_cast_launch(name):
+    """A launch of an FP8 cast or amax pass: Triton's _cast_kernel, or csrc/fp8's kernels
+    (transformer_fa::fp8::cast_transpose_kernel, amax_kernel)."""
+    return "_cast_kernel" in name or "transformer_fa::fp8::" in name
+
+
 def _gpu_kernels(fn):
     """The names of the GPU kernels fn() launches (run it once before: compiles)."""
     torch.cuda.synchronize()
@@ -364,11 +372,11 @@ _SUM_PASS = "_sum_row_blocks_kernel"  # the column sums' second pass (fp8_cast.p
 
 @needs_cast_kernels
 @pytest.mark.parametrize("dbias", [False, True], ids=["cast", "cast-dbias"])
-@pytest.mark.parametrize("recipe, launches", [(DelayedScaling(), ["_cast_kernel"]),
+@pytest.mark.parametrize("recipe, launches", [(DelayedScaling(), ["cast"]),
                                               (Float8CurrentScaling(),
-                                               ["fill", "_cast_kernel", "_cast_kernel"])],
+                                               ["fill", "cast", "cast"])],
                          ids=["delayed", "current"])
-def test_quantize_kernel_launches(recipe, launches, dbias, monkeypatch):
+def test_quantize_kernel_launches(recipe, launches, dbias, monkeypatch, cast_impl):
     """GPU kernels per quantization (bfloat16, with the transpose): delayed scaling the cast
     alone (it writes the inverse scale); current scaling the amax's zero fill, the amax pass
     and the cast (which computes the scale from the amax); the column sums add their second
@@ -384,7 +392,7 @@ def test_quantize_kernel_launches(recipe, launches, dbias, monkeypatch):
     quantize()  # compiles the kernels
     on_gpu = _gpu_kernels(quantize)
     # the amax's zero fill: torch's FillFunctor kernel
-    kinds = ["_cast_kernel" if "_cast_kernel" in name else _SUM_PASS if _SUM_PASS in name
+    kinds = ["cast" if _is_cast_launch(name) else _SUM_PASS if _SUM_PASS in name
              else "fill" if "fill" in name.lower() else name for name in on_gpu]
     assert sorted(kinds) == sorted(launches + [_SUM_PASS] * dbias), on_gpu
 
@@ -875,7 +883,7 @@ def _profiled_names(fn):
 @pytest.mark.skipif(not te.is_fp8_available(), reason="needs CUDA with FP8")
 @pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()],
                          ids=["delayed", "current"])
-def test_fp8_mlp_runs_no_gelu(recipe, monkeypatch):
+def test_fp8_mlp_runs_no_gelu(recipe, monkeypatch, cast_impl):
     """LayerNormMLP (gelu) in FP8: no aten::gelu in the forward (FC2's input cast applies it)
     and no aten::gelu_backward in the backward (FC1's gradient cast applies it); outside FP8
     the forward runs the GELU kernel (kernels/bias_grad.gelu), which writes gelu(h) in 16 bits."""
@@ -892,10 +900,10 @@ def test_fp8_mlp_runs_no_gelu(recipe, monkeypatch):
     outputs = []
     forward_names = _profiled_names(lambda: outputs.append(forward()))
     assert "aten::gelu" not in forward_names
-    assert any("_cast_kernel" in name for name in forward_names)
+    assert any(_is_cast_launch(name) for name in forward_names)
     backward_names = _profiled_names(lambda: outputs[0].float().sum().backward())
     assert "aten::gelu_backward" not in backward_names
-    assert any("_cast_kernel" in name for name in backward_names)
+    assert any(_is_cast_launch(name) for name in backward_names)
     assert any("_gelu_kernel" in name for name in _profiled_names(lambda: mlp(x)))
 
 
