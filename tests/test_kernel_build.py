@@ -105,3 +105,15 @@ def test_dispatch_lists_the_user_names_of_the_every_gpu_family():
     header = generate.dispatch_header()
     assert "arch == Arch::kSm90 && bf16 && hd == 128" in header
     assert header.count('built.push_back("bf16_hdim128")') == 1
+
+
+def test_the_fp8_cast_launcher_sizes_the_column_sums_as_the_kernel():
+    """kernels/fp8_cast.py allocates the CUDA kernel's column-sum workspace at a row per
+    kCastTileRows rows (the binding refuses any other size): the two constants agree."""
+    pytest.importorskip("triton")
+    import re
+
+    from transformer_fa.kernels import fp8_cast
+    header = (CSRC / "fp8" / "cast_transpose.h").read_text()
+    rows = int(re.search(r"constexpr int kCastTileRows = (\d+);", header).group(1))
+    assert fp8_cast._CUDA_TILE_ROWS == rows

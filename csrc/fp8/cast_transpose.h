@@ -2,8 +2,8 @@
 // cast_transpose): y = x, gelu(x) or dgelu(x, h), then fp8(y * scale) row-major (optional) and
 // transposed, with y's amax and column sums on the way. The Triton kernel
 // (transformer_fa/kernels/fp8_cast.py) does the same; Triton converts the transposed tile as
-// FP8 bytes through shared memory, this kernel packs four rows' bytes into a 32-bit word per
-// column before the exchange. No torch types here: the binding fills CastParams.
+// FP8 bytes through shared memory, this kernel packs eight rows' bytes of a column into one
+// 8-byte word before the exchange. No torch types here: the binding fills CastParams.
 #pragma once
 
 #include <cuda_runtime.h>

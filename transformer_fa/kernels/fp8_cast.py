@@ -132,7 +132,7 @@ _ROW_TILE = (16, 512, 8)
 _TRANSPOSE_TILE = (32, 128, 4)
 _ACTIVATION_TILE = (64, 64, 4)
 _COLUMN_SUMS_TILE = {False: (64, 64, 4), True: (64, 64, 2)}  # by scale_from_amax
-_CUDA_TILE_ROWS = 64  # the CUDA kernel's rows per tile (csrc/fp8/cast_transpose.h)
+_CUDA_TILE_ROWS = 64  # the CUDA kernel's kCastTileRows (checked: tests/test_kernel_build.py)
 
 
 def _tile(columnwise: bool, dbias: bool, activation: bool, from_amax: bool):
@@ -200,8 +200,8 @@ def _cuda_cast_transpose(x: torch.Tensor, h: Optional[torch.Tensor], columnwise:
     where it serves the call, else None (the Triton kernel does): a cast into the transposed
     orientation (with or without the row-major one) with the FP8 format's own largest value,
     of an input _cuda_fp8_kernel takes. Triton converts the transposed tile as FP8 bytes
-    through shared memory; the CUDA kernel packs four rows' bytes per column into a word
-    first."""
+    through shared memory; the CUDA kernel packs eight rows' bytes of a column into one
+    8-byte word first."""
     if not columnwise or fp8_max != torch.finfo(fp8_dtype).max:
         return None
     return _cuda_fp8_kernel("fp8_cast_transpose", x, h)
