@@ -1,4 +1,9 @@
-"""The FP8 casts of the FP8 GEMMs (transformer_fa/fp8.py) in Triton.
+"""The FP8 casts of the FP8 GEMMs (transformer_fa/fp8.py) in Triton, and where the flash
+extension has them for the GPU, on CUDA kernels (csrc/fp8/): ``cast`` hands a 16-bit cast
+with a transposed output to the CUDA cast-transpose kernel and ``fold_amax`` a 16-bit amax
+pass to its amax kernel (rows a multiple of 16, columns of 8; the same results, tested
+against each other in tests/gpu/test_fp8_gpu.py); the rest below is the Triton kernel's.
+``TRANSFORMER_FA_FP8_CAST=triton`` keeps everything on Triton.
 
 One kernel reads a 2D tensor once, tile by tile, and writes ``fp8(clamp(x * scale))`` in the
 orientations the GEMMs ask for: row-major and/or transposed (``torch._scaled_mm`` wants its
