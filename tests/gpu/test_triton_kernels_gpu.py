@@ -267,8 +267,7 @@ def test_transformer_layer_backward_launches_no_bias_sums(monkeypatch):
     """With the kernels, a TransformerLayer backward sums no bias gradient with aten::sum and
     runs no gelu_backward: its 4 bias gradients (qkv, proj, fc1 with GELU's backward, fc2)
     are the column-sum kernel's. Without them (so the check can fail): the 4 sums and the
-    GELU backward. (2048 tokens: not the row count of the norm kernel's partial sums, which
-    aten::sum adds up with the kernels on.)"""
+    GELU backward. (2048 tokens: no aten::sum of another shape can pass for a bias sum.)"""
     torch.manual_seed(0)
     s, b, hidden, ffn = 1024, 2, 1024, 4096
     layer = te.TransformerLayer(hidden, ffn, 16, hidden_dropout=0.0, attention_dropout=0.0,

@@ -6,14 +6,16 @@ each, normalize its rows and save each row's mean (LayerNorm) and rstd for the b
 which then needs no second pass over the statistics. The backward's programs each take a
 contiguous chunk of rows, a tile at a time, write dx and keep their share of dgamma/dbeta in
 float32 registers; each program writes its partial sums to its own row of a buffer that is
-summed at the end in a fixed order (no atomics: the same bits every run for a given shape
-and GPU).
+summed at the end in a fixed order by bias_grad's second pass (no atomics: the same bits
+every run for a given shape and GPU).
 """
 import functools
 
 import torch
 import triton
 import triton.language as tl
+
+from .bias_grad import sum_partial_rows
 
 
 @triton.jit
@@ -196,7 +198,11 @@ class FusedNorm(torch.autograd.Function):
             IS_RMS=ctx.is_rms, HAS_BIAS=ctx.has_bias, ZERO_CENTERED=ctx.zero_centered,
             BLOCK_M=block_m, BLOCK_N=block_n, STAGES=_backward_stages(x2d, dy2d),
             num_warps=num_warps, maxnreg=_BWD_MAX_REGISTERS)
-        sums = partial.sum(0)
+        # one fixed-order pass adds the programs' partial sums up and rounds once to the
+        # parameters' dtype (float32 first where gamma's and beta's dtypes differ)
+        same = ctx.bias_dtype in (None, weight.dtype)
+        sums = sum_partial_rows(partial, torch.empty(partial.shape[1], device=x2d.device,
+                                                     dtype=weight.dtype if same else torch.float32))
         dw = sums[:n_cols].to(weight.dtype)
         db = sums[n_cols:].to(ctx.bias_dtype) if ctx.has_bias else None
         return dx.view(ctx.x_shape), dw, db, None, None, None
