@@ -175,6 +175,31 @@ def test_backward_reaches_every_parameter():
             assert p.grad is not None and p.grad.abs().sum() > 0, (kwargs, name)
 
 
+@pytest.mark.parametrize("kwargs, training, fused", [
+    ({}, True, True),
+    (dict(hidden_dropout=0.1), True, False),  # the dropout sits between the add and the norm
+    (dict(hidden_dropout=0.1), False, True),
+    (dict(drop_path_rate=0.1), True, False),
+    (dict(parallel_attention_mlp=True), True, False),
+    (dict(apply_residual_connection_post_layernorm=True), True, False),
+    (dict(output_layernorm=True, normalization="RMSNorm"), True, True),
+])
+def test_residual_add_goes_into_the_mlp_norm_where_nothing_sits_between(kwargs, training, fused,
+                                                                       monkeypatch):
+    """The residual add before the MLP runs inside the MLP's norm (one kernel on GPUs:
+    LayerNormMLP.add_residual_then_forward) unless dropout or stochastic depth act on the
+    attention output first, or the layer's residuals are wired otherwise; the layer computes
+    the same function either way (test_layer_matches_formula)."""
+    from transformer_fa.module.linear import LayerNormMLP
+    calls = []
+    real = LayerNormMLP.add_residual_then_forward
+    monkeypatch.setattr(LayerNormMLP, "add_residual_then_forward",
+                        lambda self, *a: calls.append(1) or real(self, *a))
+    layer = make_layer(**kwargs).train(training)
+    layer(torch.randn(4, 2, H))
+    assert len(calls) == int(fused)
+
+
 def test_dropout_only_in_training():
     torch.manual_seed(0)
     layer = ref.randomize(make_layer(hidden_dropout=0.3, attention_dropout=0.3))

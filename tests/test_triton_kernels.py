@@ -234,6 +234,90 @@ def test_norm_writes_every_element_and_the_same_bits_twice(normalization, monkey
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
+def _add_norm_runs(normalization, with_bias, dtype, hidden, use_y=True, use_h=True):
+    """[(y, h, gradients of x, residual and the norm parameters)] of fused_add_norm, then of
+    x + residual followed by fused_norm, with the gradients taken through the outputs used."""
+    rows = _tiled_rows(hidden)
+    (x, weight, bias), dy = _norm_inputs(normalization, hidden, dtype, True, shape=(rows,),
+                                         with_bias=with_bias)
+    g = torch.Generator().manual_seed(1)
+    residual = torch.randn(rows, hidden, generator=g).to(dtype).requires_grad_()
+    dh = torch.randn(rows, hidden, generator=g).to(dtype)
+
+    def fused(x, r, w, b):
+        return norm_kernels.fused_add_norm(x, r, normalization, w, b, 1e-5, True)
+
+    def separate(x, r, w, b):
+        h = r + x
+        return norm_kernels.fused_norm(h, normalization, w, b, 1e-5, True), h
+
+    wrt = [x, residual] + ([weight] + ([bias] if with_bias else []) if use_y else [])
+    runs = []
+    for fn in (fused, separate):
+        y, h = fn(x, residual, weight, bias)
+        outputs, grads = zip(*[(t, g) for t, g, used in ((y, dy, use_y), (h, dh, use_h)) if used])
+        runs.append((y, h, *torch.autograd.grad(outputs, wrt, grads)))
+    return runs
+
+
+@interpreter_only
+@pytest.mark.parametrize("normalization, with_bias", [("LayerNorm", True), ("RMSNorm", False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden", [80, 1000])
+def test_add_norm_is_the_add_then_the_norm(normalization, with_bias, dtype, hidden,
+                                          bf16_rounds_to_nearest):
+    """fused_add_norm against x + residual followed by fused_norm: the sum and the normalized
+    sum bit for bit, dgamma / dbeta bit for bit (the same partial sums), and both addends'
+    gradient (the norm's input gradient plus the sum's own, rounded once, not twice) one
+    tensor, within the dtype's rounding of the separate path's; ragged tiles and masked
+    columns (80: 4-row tiles, 1000: one row). (The sum is rounded in the kernel: bf16 rounds
+    to nearest there as on a GPU.)"""
+    (y, h, dx, dr, *dp), (y_ref, h_ref, dx_ref, dr_ref, *dp_ref) = _add_norm_runs(
+        normalization, with_bias, dtype, hidden)
+    assert torch.equal(y, y_ref) and torch.equal(h, h_ref)
+    assert dx is dr and torch.equal(dx_ref, dr_ref)
+    torch.testing.assert_close(dx, dx_ref, **_tol(dtype))
+    assert len(dp) == (2 if with_bias else 1)
+    for a, b in zip(dp, dp_ref, strict=True):
+        assert torch.equal(a, b)
+
+
+@interpreter_only
+@pytest.mark.parametrize("use_y, use_h", [(True, False), (False, True)])
+def test_add_norm_with_one_output_used(use_y, use_h):
+    """Only the normalized sum used (the backward without the sum's gradient) or only the
+    sum (no norm backward at all): the addends' gradients as the separate path's."""
+    (_, _, dx, dr, *_), (_, _, dx_ref, dr_ref, *_) = _add_norm_runs(
+        "LayerNorm", True, torch.float32, 80, use_y=use_y, use_h=use_h)
+    torch.testing.assert_close(dx, dx_ref, **_tol(torch.float32))
+    torch.testing.assert_close(dr, dr_ref, **_tol(torch.float32))
+
+
+@interpreter_only
+def test_transformer_layer_adds_the_residual_in_the_mlp_norm(kernels_on_cpu, monkeypatch):
+    """A TransformerLayer's residual add before its MLP runs inside the MLP's norm
+    (FusedAddNorm) when the kernels serve, and the layer's output and gradients agree with
+    the PyTorch path."""
+    torch.manual_seed(0)
+    layer = te.TransformerLayer(48, 64, 4, hidden_dropout=0.0, attention_dropout=0.0,
+                                device="cpu")
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    x = torch.randn(5, 2, 48, requires_grad=True)
+    params = [x, *layer.parameters()]
+    dy = torch.randn(5, 2, 48)
+    calls = []
+    original = norm_kernels.FusedAddNorm.apply
+    monkeypatch.setattr(norm_kernels.FusedAddNorm, "apply",
+                        lambda *a: calls.append(1) or original(*a))
+    fused = _run(lambda *p: layer(x), params, dy)
+    assert len(calls) == 1
+    monkeypatch.undo()  # also restores kernels_enabled: the PyTorch path
+    reference = _run(lambda *p: layer(x), params, dy)
+    _assert_close(fused, reference, torch.float32)
+
+
 @interpreter_only
 @pytest.mark.parametrize("module_name", ["LayerNorm", "RMSNorm", "LayerNormLinear",
                                          "LayerNormMLP"])

@@ -341,8 +341,17 @@ class TransformerLayer(FollowsParamsDtype, torch.nn.Module):
             max_seqlen_kv=max_seqlen_q,
             pad_between_seqs=pad_between_seqs,
         )
+        # The residual add before the MLP fused into its norm: the sum and the normalized sum
+        # in one pass, and in the backward the residual's gradient added inside the norm's
+        # (an encoder layer without hidden dropout or stochastic depth at this point)
+        add_in_mlp_norm = (not self.parallel_attention_mlp and self.layer_type == "encoder"
+                           and not self.apply_residual_connection_post_layernorm
+                           and self.drop_path is None
+                           and not (self.training and self.hidden_dropout > 0.0))
         if self.parallel_attention_mlp:
             attention_out = self_attention_outputs
+        elif add_in_mlp_norm:
+            pass
         elif self.apply_residual_connection_post_layernorm and not self.output_layernorm:
             attention_out, residual = self_attention_outputs
             hidden_states = self._bias_dropout_add(attention_out, None, residual, self.drop_path)
@@ -378,7 +387,11 @@ class TransformerLayer(FollowsParamsDtype, torch.nn.Module):
                 inter_out, residual = inter_outputs, hidden_states
             hidden_states = self._bias_dropout_add(inter_out, None, residual)
 
-        mlp_outputs = self.layernorm_mlp(hidden_states)
+        if add_in_mlp_norm:
+            mlp_outputs, hidden_states = self.layernorm_mlp.add_residual_then_forward(
+                self_attention_outputs, hidden_states)
+        else:
+            mlp_outputs = self.layernorm_mlp(hidden_states)
         if self.parallel_attention_mlp:
             # attention output rides in the "bias" slot: x + dropout(attn + mlp)
             output = self._bias_dropout_add(

@@ -267,8 +267,7 @@ def test_transformer_layer_backward_launches_no_bias_sums(monkeypatch):
     """With the kernels, a TransformerLayer backward sums no bias gradient with aten::sum and
     runs no gelu_backward: its 4 bias gradients (qkv, proj, fc1 with GELU's backward, fc2)
     are the column-sum kernel's. Without them (so the check can fail): the 4 sums and the
-    GELU backward. (2048 tokens: not the row count of the norm kernel's partial sums, which
-    aten::sum adds up with the kernels on.)"""
+    GELU backward. (2048 tokens: no aten::sum of another shape can pass for a bias sum.)"""
     torch.manual_seed(0)
     s, b, hidden, ffn = 1024, 2, 1024, 4096
     layer = te.TransformerLayer(hidden, ffn, 16, hidden_dropout=0.0, attention_dropout=0.0,
@@ -312,12 +311,14 @@ def test_transformer_layer_with_kernels_matches_pytorch_path(config, functions_c
     params = [x, *layer.parameters()]
     calls = []
     from transformer_fa.kernels import norm as norm_kernels
-    original = norm_kernels.FusedNorm.apply
-    monkeypatch.setattr(norm_kernels.FusedNorm, "apply",
-                        lambda *a: calls.append(1) or original(*a))
+    for function in (norm_kernels.FusedNorm, norm_kernels.FusedAddNorm):
+        original = function.apply
+        monkeypatch.setattr(function, "apply", lambda *a, name=function.__name__,
+                            original=original: calls.append(name) or original(*a))
     fused, reference = fused_and_reference(lambda *p: layer(x, rotary_pos_emb=freqs), params,
                                            dy, monkeypatch)
-    assert len(calls) >= 2, "the layer's norms did not take the kernel"
+    # (the MLP's norm with the residual add before it: FusedAddNorm)
+    assert calls == ["FusedNorm", "FusedAddNorm"], "the layer's norms did not take the kernels"
     gelu = config.get("activation", "gelu") == "gelu"
     assert functions_called == ["linear", "linear"] + (["gelu"] if gelu else ["linear"]) \
         + ["linear"]

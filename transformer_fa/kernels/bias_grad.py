@@ -176,11 +176,20 @@ def _column_sums(g: torch.Tensor, h: Optional[torch.Tensor], out_dtype: torch.dt
         g.stride(0), 0 if h is None else h.stride(0), rows_per_chunk,
         DGELU=h is not None, BLOCK_R=block_r, BLOCK_C=_BLOCK_C, num_warps=_NUM_WARPS)
     if chunks > 1:
-        _sum_partials_kernel[(triton.cdiv(n_cols, _FINAL_BLOCK_C),)](
-            partial, out, chunks, n_cols, BLOCK_P=min(_FINAL_BLOCK_P,
-                                                      triton.next_power_of_2(chunks)),
-            BLOCK_C=_FINAL_BLOCK_C, num_warps=4)
+        sum_partial_rows(partial, out)
     return dh, out
+
+
+def sum_partial_rows(partial: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = the sums of the contiguous float32 [rows, cols] ``partial``'s rows, added in
+    float32 in a fixed order and rounded once to out's dtype (the second pass of the column
+    sums here and of the norm backward's dgamma / dbeta)."""
+    n_partials, n_cols = partial.shape
+    _sum_partials_kernel[(triton.cdiv(n_cols, _FINAL_BLOCK_C),)](
+        partial, out, n_partials, n_cols,
+        BLOCK_P=min(_FINAL_BLOCK_P, triton.next_power_of_2(n_partials)),
+        BLOCK_C=_FINAL_BLOCK_C, num_warps=4)
+    return out
 
 
 # 8192 elements a program with 8 warps: 32 a thread, 16 KiB of 2-byte input in flight per

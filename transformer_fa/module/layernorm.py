@@ -7,7 +7,7 @@ applied is ``1 + gamma``, which keeps weight decay from pulling the scale to 0.
 On CUDA with triton installed, a fused kernel (transformer_fa.kernels.norm) computes the same
 thing in one pass forward and one backward; this PyTorch code is the path everywhere else.
 """
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +67,27 @@ def apply_norm(
     else:
         out = F.rms_norm(xf, shape, gamma, eps)
     return out.to(x.dtype)
+
+
+def apply_add_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    normalization: str,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    eps: float,
+    zero_centered_gamma: bool,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(apply_norm(x + residual), x + residual): on the norm kernel's path one pass, whose
+    backward also adds the sum's gradient from its other uses (a layer's residual stream)."""
+    if (residual.shape == x.shape and kernels.use_fused_norm(x, weight, bias)
+            and kernels.use_fused_norm(residual, weight, bias) and residual.dtype == x.dtype
+            and kernels.prefer_fused_norm(x.shape[-1])):
+        from ..kernels.norm import fused_add_norm
+
+        return fused_add_norm(x, residual, normalization, weight, bias, eps, zero_centered_gamma)
+    total = residual + x
+    return apply_norm(total, normalization, weight, bias, eps, zero_centered_gamma), total
 
 
 def make_norm_params(

@@ -23,7 +23,7 @@ from ._common import (
     resolve_dtype,
 )
 from .activations import get_activation
-from .layernorm import apply_norm, make_norm_params
+from .layernorm import apply_add_norm, apply_norm, make_norm_params
 
 
 def parallel_linear(inp, weight, bias, return_bias=False, row_group=None,
@@ -522,15 +522,22 @@ class LayerNormMLP(_FP8State, _TensorParallel, FollowsParamsDtype, torch.nn.Modu
             return distributed.checkpoint(self._forward, inp, use_reentrant=False)
         return self._forward(inp)
 
-    def _forward(self, inp: torch.Tensor):
-        ln_out = apply_norm(
-            inp,
-            self.normalization,
-            self.layer_norm_weight,
-            self.layer_norm_bias,
-            self.eps,
-            self.zero_centered_gamma,
-        )
+    def add_residual_then_forward(self, inp: torch.Tensor, residual: torch.Tensor):
+        """(forward(inp + residual), inp + residual): TransformerLayer's residual add before
+        this MLP, fused into its norm (apply_add_norm)."""
+        check_hidden_states(inp, self.hidden_size, self.params_dtype, "inp")
+        self._check_fp8_shapes(inp, *self.fc1_weight.shape[:1], *self.fc2_weight.shape)
+        if self.checkpoint and torch.is_grad_enabled():
+            return distributed.checkpoint(self._forward, inp, residual, use_reentrant=False)
+        return self._forward(inp, residual)
+
+    def _forward(self, inp: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        norm_args = (self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps,
+                     self.zero_centered_gamma)
+        if residual is None:
+            ln_out = apply_norm(inp, *norm_args)
+        else:
+            ln_out, inp = apply_add_norm(inp, residual, *norm_args)
         gathered = ln_out
         if self.set_parallel_mode:
             gathered = parallel.column_parallel_input(ln_out, self.tp_group,
@@ -550,7 +557,8 @@ class LayerNormMLP(_FP8State, _TensorParallel, FollowsParamsDtype, torch.nn.Modu
                                         self.fp8_meta, gemm=1)
         if self.return_layernorm_output_gathered:
             ln_out = gathered
-        return pack_outputs(out, bias, ln_out, self.return_bias, self.return_layernorm_output)
+        outputs = pack_outputs(out, bias, ln_out, self.return_bias, self.return_layernorm_output)
+        return outputs if residual is None else (outputs, inp)
 
     def _fuses_fp8_gelu(self) -> bool:
         """Inside an FP8 autocast FC1, GELU and FC2 run as one FP8 Function with the GELU in
