@@ -40,6 +40,10 @@ FLASH = report.OURS[0]  # our flash kernels' backend name
 DECODE_PAGE_SIZES = (16, 64)  # the decode part's paged rows (ours only: the peers have none)
 NO_BACKEND = "No dot product attention backend is available for the provided inputs"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# torch.optim.AdamW's implementations; the layer part gives both models the same one:
+# "foreach" (torch's default on CUDA, the issue's measure) or "fused" (one kernel per group of
+# tensors, as TE's FusedAdam: a TE user's choice)
+LAYER_OPTIMIZERS = {"foreach": dict(foreach=True), "fused": dict(fused=True)}
 RECORD_KEYS = ("backend", "dtype", "d", "causal", "s", "b", "h", "fwd_tflops", "bwd_tflops",
                "fwd_ms", "bwd_ms", "peak_mem_gb")
 
@@ -58,6 +62,7 @@ class Preset:
     warmup_ms: int
     rep_ms: int
     budget_s: int  # rows not started by then are recorded as skipped
+    layer_optimizer: str = "foreach"  # the layer part's AdamW for both models (LAYER_OPTIMIZERS)
 
 
 K = 1024
@@ -421,7 +426,9 @@ class Bench:
                         recipe, True) for name, recipe in recipes.items()]
         for model_name, block, recipe, graphed in blocks:
             rec = dict(model=model_name, dtype=str(dtype).split(".")[-1], layers=layers, b=b,
-                       s=s, hidden=hidden, heads=heads, ffn=ffn, step_ms=None, step_ms_each=None,
+                       s=s, hidden=hidden, heads=heads, ffn=ffn,
+                       optimizer=f"AdamW ({self.p.layer_optimizer})", step_ms=None,
+                       step_ms_each=None,
                        tokens_per_s=None, peak_mem_gb=None, attn_backend=None, reason=None)
             try:
                 if time.monotonic() > self.deadline:
@@ -432,7 +439,9 @@ class Bench:
                              and not graphed else contextlib.nullcontext())
                 model = torch.nn.Sequential(*[block(hidden, heads, ffn, dtype, self.device)
                                               for _ in range(layers)])
-                opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-4,
+                                        **(LAYER_OPTIMIZERS[self.p.layer_optimizer]
+                                           if self.device == "cuda" else {}))
                 x = self.randn(b, s, hidden, dtype=dtype)
                 if graphed:  # the FP8 autocast is inside the graphs
                     model = tfa.make_graphed_callables(model, (x,), fp8_enabled=True,
@@ -572,6 +581,9 @@ def main(argv=None):
     ap.add_argument("--tag", default="", help="suffix of the result files' name")
     ap.add_argument("--head-dims", help="comma list: the grid's head dims (default: the "
                     "preset's)")
+    ap.add_argument("--layer-optimizer", choices=tuple(LAYER_OPTIMIZERS), default="foreach",
+                    help="the layer part's AdamW implementation, the same for both models "
+                    "(default foreach)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="passes over the grid; each row records the median over the passes")
     args = ap.parse_args(argv)
@@ -585,6 +597,7 @@ def main(argv=None):
     preset = PRESETS["quick" if args.quick else "tiny" if args.tiny else "full"]
     if args.budget_s:
         preset = dataclasses.replace(preset, budget_s=args.budget_s)
+    preset = dataclasses.replace(preset, layer_optimizer=args.layer_optimizer)
     if args.head_dims:
         preset = dataclasses.replace(preset, head_dims=tuple(int(d) for d in
                                                              args.head_dims.split(",")))

@@ -171,7 +171,8 @@ def layer_section(layer):
     return section(
         f"TransformerLayer training step: {x['layers']} layers, hidden {x['hidden']}, "
         f"{x['heads']} heads, ffn {x['ffn']}, b={x['b']}, s={x['s']}, {x['dtype']}",
-        "Forward + backward + AdamW step; the same pre-LayerNorm GPT block in plain PyTorch "
+        f"Forward + backward + {x.get('optimizer', 'AdamW')} step (the same optimizer for "
+        "both models); the same pre-LayerNorm GPT block in plain PyTorch "
         "(F.scaled_dot_product_attention, causal) is the reference. Step ms: the mean of the "
         "timed steps (wall time); slowest step: the longest step's span on the GPU timeline.",
         table(["model", "attention", "step ms", "slowest step ms", "tokens/s", "vs torch",

@@ -1204,9 +1204,9 @@ def test_dgelu_column_sum_as_accurate_as_torch(dtype, shape, bf16_rounds_to_near
 def test_column_sum_over_many_chunks(bf16_rounds_to_nearest, monkeypatch):
     """More partial rows than the final pass reads at once (94 chunks of one 32-row block:
     three steps, the last ragged), as on a GPU with many SMs."""
-    monkeypatch.setattr(bias_grad, "_target_programs", lambda device: 100)
+    monkeypatch.setattr(bias_grad, "_target_programs", lambda device, programs_per_sm: 100)
     g = _sum_input((3000, 7), torch.bfloat16)
-    assert bias_grad._row_chunks(3000, 7, 32, g.device) == (1, 32, 94)
+    assert bias_grad._row_chunks(3000, 7, 32, g.device, bias_grad.TILES) == (1, 32, 94)
     assert_as_accurate_as_torch(bias_grad.column_sum(g), g.sum(0), g.double().sum(0))
     dh, db = bias_grad.dgelu_column_sum(g, g)
     assert_as_accurate_as_torch(db, _gelu_backward(g, g).sum(0),

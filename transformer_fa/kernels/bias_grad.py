@@ -20,7 +20,7 @@ backward): one streaming pass with the same float32 formula.
 """
 import functools
 import math
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -83,16 +83,18 @@ def _gelu_kernel(X, Y, n, BLOCK: tl.constexpr):
 @triton.jit
 def _partial_column_sums_kernel(G, H, DH, PARTIAL, n_rows, n_cols, stride_g, stride_h,
                                 rows_per_program, DGELU: tl.constexpr,
-                                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                                STAGES: tl.constexpr):
     """PARTIAL[chunk, cols] = the sum over the chunk's rows of G (DGELU: of dgelu(G, H),
-    also written to DH)."""
+    also written to DH). STAGES > 1: the next row blocks' loads are in flight (cp.async)
+    while one is summed."""
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < n_cols
     chunk = tl.program_id(1).to(tl.int64)  # 64-bit offsets: rows * cols may pass 2**31
     first = chunk * rows_per_program
     end = tl.minimum(first + rows_per_program, n_rows)
     acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
-    for start in range(first, end, BLOCK_R):
+    for start in tl.range(first, end, BLOCK_R, num_stages=STAGES):
         rows = start + tl.arange(0, BLOCK_R)
         mask = (rows < end)[:, None] & col_mask[None, :]
         g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask,
@@ -122,19 +124,32 @@ def _sum_partials_kernel(PARTIAL, OUT, n_partials, n_cols, BLOCK_P: tl.constexpr
     tl.store(OUT + cols, tl.sum(acc, axis=0).to(OUT.dtype.element_ty), mask=col_mask)
 
 
-# Tiles of 16 KiB of 2-byte input (64 rows x 128 columns, 8 warps), the same bytes of
-# float32; the partial-sum pass reads at most 32 partial rows a step; about 4 programs per SM
-# (two fit at once, and a few waves keep the SMs busy to the end). Chosen by a sweep of
-# column widths 128/256, rows 32/64, 4/8 warps and 2/4/8 programs per SM (kernel time, bf16,
-# H100, 2026-11-25): from 32 x 256 tiles, column sums of 8192 x 2048 18.2 -> 13.0 us, of
-# 8192 x 6144 44.8 -> 42.1 us, dgelu with the sums of 8192 x 8192 190.7 -> 141.7 us (2.1 ->
-# 2.8 TB/s).
-_BLOCK_C = 128
-_BLOCK_R = {2: 64, 4: 32}
-_NUM_WARPS = 8
+class ColumnSumTiles(NamedTuple):
+    """Launch settings of _partial_column_sums_kernel: rows a block by the input's element
+    size (2: bf16/fp16, 4: float32), columns a program, warps, pipeline stages of its row
+    loop (2-byte inputs; float32 ones load plainly, as the norm backward's: their buffers
+    could pass the shared memory of sm86/sm89 GPUs), and programs per SM (the row chunks
+    follow from it)."""
+    block_r: dict
+    block_c: int
+    num_warps: int
+    stages: int
+    programs_per_sm: int
+
+
+# Blocks of 16 KiB of 2-byte input (64 rows x 128 columns), the same bytes of float32, 4
+# warps, the row loop pipelined 3 deep (the next two blocks' loads in flight), 2 programs per
+# SM; the partial-sum pass reads at most 32 partial rows a step. From the sweep of
+# benchmarks/bench_column_sums.py (rows 32/64, 4/8 warps, 1-3 stages, 2/4/8 programs per SM;
+# bf16, 8192 rows, L2 flushed, H200, 2026-12-01: NVIDIA-H200-2026-12-01-column-sums): against
+# the former 64 x 128 blocks, 8 warps, no pipelining, 4 programs per SM, column sums of
+# 8192 x 6144 54.2 -> 39.0 us (torch's sum 45.2), of 8192 x 2048 24.6 -> 20.4 us, dgelu with
+# the sums of 8192 x 8192 146.8 -> 111.5 us (2.7 -> 3.6 TB/s; torch's gelu_backward and sum
+# 152.0). The best setting of dgelu alone (32 rows) was 106.7 us; one setting serves both.
+TILES = ColumnSumTiles(block_r={2: 64, 4: 32}, block_c=128, num_warps=4, stages=3,
+                       programs_per_sm=2)
 _FINAL_BLOCK_C = 128
 _FINAL_BLOCK_P = 32
-_PROGRAMS_PER_SM = 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -142,39 +157,44 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _target_programs(device: torch.device) -> int:
+def _target_programs(device: torch.device, programs_per_sm: int) -> int:
     if device.type == "cuda":
-        return _PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None
-                                            else torch.cuda.current_device())
+        return programs_per_sm * _sm_count(device.index if device.index is not None
+                                           else torch.cuda.current_device())
     return 8  # the Triton interpreter on CPU (tests): a few chunks, several rows each
 
 
-def _row_chunks(n_rows: int, n_cols: int, block_r: int, device: torch.device
-                ) -> Tuple[int, int, int]:
+def _row_chunks(n_rows: int, n_cols: int, block_r: int, device: torch.device,
+                tiles: ColumnSumTiles) -> Tuple[int, int, int]:
     """(column tiles, rows per chunk (a multiple of block_r), chunks): about
     _target_programs programs in all, each over whole row blocks."""
-    col_tiles = triton.cdiv(n_cols, _BLOCK_C)
-    chunks = max(1, min(_target_programs(device) // col_tiles, triton.cdiv(n_rows, block_r)))
+    col_tiles = triton.cdiv(n_cols, tiles.block_c)
+    chunks = max(1, min(_target_programs(device, tiles.programs_per_sm) // col_tiles,
+                        triton.cdiv(n_rows, block_r)))
     rows_per_chunk = triton.cdiv(triton.cdiv(n_rows, chunks), block_r) * block_r
     return col_tiles, rows_per_chunk, triton.cdiv(n_rows, rows_per_chunk)
 
 
-def _column_sums(g: torch.Tensor, h: Optional[torch.Tensor], out_dtype: torch.dtype
-                 ) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
-    """(dgelu(g, h) or None, the column sums of g or of dgelu(g, h)) of 2D g (and h)."""
+def _column_sums(g: torch.Tensor, h: Optional[torch.Tensor], out_dtype: torch.dtype,
+                 tiles: ColumnSumTiles = None) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+    """(dgelu(g, h) or None, the column sums of g or of dgelu(g, h)) of 2D g (and h);
+    tiles: the launch settings (default TILES)."""
+    tiles = TILES if tiles is None else tiles
     n_rows, n_cols = g.shape
     dh = None if h is None else torch.empty((n_rows, n_cols), dtype=h.dtype, device=g.device)
     if n_rows == 0 or n_cols == 0:
         return dh, torch.zeros(n_cols, dtype=out_dtype, device=g.device)
-    block_r = _BLOCK_R[max(g.element_size(), 1 if h is None else h.element_size())]
-    col_tiles, rows_per_chunk, chunks = _row_chunks(n_rows, n_cols, block_r, g.device)
+    element_size = max(g.element_size(), 1 if h is None else h.element_size())
+    block_r = tiles.block_r[element_size]
+    col_tiles, rows_per_chunk, chunks = _row_chunks(n_rows, n_cols, block_r, g.device, tiles)
     out = torch.empty(n_cols, dtype=out_dtype, device=g.device)
     partial = out if chunks == 1 else torch.empty(chunks, n_cols, dtype=torch.float32,
                                                   device=g.device)
     _partial_column_sums_kernel[(col_tiles, chunks)](
         g, g if h is None else h, g if dh is None else dh, partial, n_rows, n_cols,
         g.stride(0), 0 if h is None else h.stride(0), rows_per_chunk,
-        DGELU=h is not None, BLOCK_R=block_r, BLOCK_C=_BLOCK_C, num_warps=_NUM_WARPS)
+        DGELU=h is not None, BLOCK_R=block_r, BLOCK_C=tiles.block_c, STAGES=tiles.stages if element_size <= 2 else 1,
+        num_warps=tiles.num_warps)
     if chunks > 1:
         sum_partial_rows(partial, out)
     return dh, out
