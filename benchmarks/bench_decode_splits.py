@@ -33,7 +33,11 @@ def main(argv=None):
                     "many tokens in a shuffled order (0: contiguous)")
     ap.add_argument("--batches", help="comma list (default: the full preset's)")
     ap.add_argument("--seqlens", help="comma list (default: the full preset's)")
+    ap.add_argument("--splits", default=",".join(map(str, SPLITS)),
+                    help="comma list of forced split counts (empty: the chosen one only)")
+    ap.add_argument("--tag", default="", help="suffix of the result files' name")
     args = ap.parse_args(argv)
+    splits = tuple(int(x) for x in args.splits.split(",") if x.strip())
     if not torch.cuda.is_available():
         sys.exit("bench_decode_splits.py needs a CUDA GPU")
     import transformer_fa as tfa
@@ -68,21 +72,21 @@ def main(argv=None):
                 row["cudnn"] = tb_per_s(peer_fn(q, k, v, False))
             row["chosen"] = tb_per_s(lambda: tfa.flash_attn_with_kvcache(
                 q, *caches, cache_seqlens=lens, block_table=table))
-            for s in SPLITS:
+            for s in splits:
                 if s * 16 * 4 <= sk:  # at least one chunk a warp
                     row[s] = tb_per_s(lambda: tfa.flash_attn_with_kvcache(
                         q, *caches, cache_seqlens=lens, block_table=table, num_splits=s))
             rows.append(row)
-            best = max((s for s in SPLITS if s in row), key=lambda s: row[s])
-            print(f"b={b} sk={sk}: cudnn {row['cudnn']}, chosen {row['chosen']}, best "
-                  f"{row[best]} at {best} splits; " +
-                  " ".join(f"{s}:{row[s]}" for s in SPLITS if s in row), flush=True)
+            print(f"b={b} sk={sk}: cudnn {row['cudnn']}, chosen {row['chosen']} "
+                  f"({row['chosen'] / row['cudnn']:.3f}x); " +
+                  " ".join(f"{s}:{row[s]}" for s in splits if s in row), flush=True)
             q = k = v = caches = None
             torch.cuda.empty_cache()
 
     name = torch.cuda.get_device_name().replace(" ", "-")
     date = datetime.date.today().isoformat()
-    tag = f"-paged{args.page_size}" if args.page_size else ""
+    tag = (f"-paged{args.page_size}" if args.page_size else "") + \
+        (f"-{args.tag}" if args.tag else "")
     base = Path(args.out_dir) / f"{name}-{date}-decode-splits{tag}"
     base.parent.mkdir(parents=True, exist_ok=True)
     data = dict(gpu=torch.cuda.get_device_name(), date=date, torch=torch.__version__,
@@ -92,11 +96,12 @@ def main(argv=None):
     lines = [f"## Decode split counts: {data['gpu']}, {date}", "",
              f"torch {torch.__version__}; one query token, {hq} / {hkv} heads, d{d}, bf16, "
              f"{layout} cache; K+V TB/s (median, L2 flushed).", "",
-             "| b | sk | torch cuDNN | chosen | " + " | ".join(f"{s} splits" for s in SPLITS)
-             + " |", "|---" * (4 + len(SPLITS)) + "|"]
+             "| " + " | ".join(["b", "sk", "torch cuDNN", "chosen"] +
+                               [f"{s} splits" for s in splits]) + " |",
+             "|---" * (4 + len(splits)) + "|"]
     for r in rows:
-        lines.append(f"| {r['b']} | {r['sk']} | {r['cudnn']} | {r['chosen']} | " +
-                     " | ".join(str(r.get(s, "")) for s in SPLITS) + " |")
+        cells = [r["b"], r["sk"], r["cudnn"], r["chosen"]] + [r.get(s, "") for s in splits]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     base.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
