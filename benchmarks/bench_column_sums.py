@@ -65,7 +65,8 @@ def main(argv=None):
                 bias_grad._column_sums(g, h, g.dtype, tiles)
             ms = timing.median_ms(run)
             rec = dict(kind=kind, cols=cols, tiles=tiles._asdict(),
-                       default=tiles == bias_grad.TILES, us=round(ms * 1e3, 1), tb_per_s=round(moved / ms / 1e9, 2))
+                       default=tiles == bias_grad.TILES, us=round(ms * 1e3, 1),
+                       tb_per_s=round(moved / ms / 1e9, 2))
             rows.append(rec)
             print(f"  {rec['us']:7.1f} us {rec['tb_per_s']:5.2f} TB/s  "
                   f"r{tiles.block_r[2]} w{tiles.num_warps} st{tiles.stages} "

@@ -176,7 +176,8 @@ def _row_chunks(n_rows: int, n_cols: int, block_r: int, device: torch.device,
 
 
 def _column_sums(g: torch.Tensor, h: Optional[torch.Tensor], out_dtype: torch.dtype,
-                 tiles: ColumnSumTiles = None) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+                 tiles: Optional[ColumnSumTiles] = None
+                 ) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
     """(dgelu(g, h) or None, the column sums of g or of dgelu(g, h)) of 2D g (and h);
     tiles: the launch settings (default TILES)."""
     tiles = TILES if tiles is None else tiles
@@ -193,8 +194,8 @@ def _column_sums(g: torch.Tensor, h: Optional[torch.Tensor], out_dtype: torch.dt
     _partial_column_sums_kernel[(col_tiles, chunks)](
         g, g if h is None else h, g if dh is None else dh, partial, n_rows, n_cols,
         g.stride(0), 0 if h is None else h.stride(0), rows_per_chunk,
-        DGELU=h is not None, BLOCK_R=block_r, BLOCK_C=tiles.block_c, STAGES=tiles.stages if element_size <= 2 else 1,
-        num_warps=tiles.num_warps)
+        DGELU=h is not None, BLOCK_R=block_r, BLOCK_C=tiles.block_c,
+        STAGES=tiles.stages if element_size <= 2 else 1, num_warps=tiles.num_warps)
     if chunks > 1:
         sum_partial_rows(partial, out)
     return dh, out
