@@ -41,8 +41,8 @@ DECODE_PAGE_SIZES = (16, 64)  # the decode part's paged rows (ours only: the pee
 NO_BACKEND = "No dot product attention backend is available for the provided inputs"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # torch.optim.AdamW's implementations; the layer part gives both models the same one:
-# "foreach" (torch's default on CUDA, the measure) or "fused" (one kernel per group of
-# tensors, as TE's FusedAdam: a TE user's choice)
+# "foreach" (torch's default on CUDA, which every earlier run of the part used) or "fused" (one
+# kernel per group of tensors, as TE's FusedAdam)
 LAYER_OPTIMIZERS = {"foreach": dict(foreach=True), "fused": dict(fused=True)}
 RECORD_KEYS = ("backend", "dtype", "d", "causal", "s", "b", "h", "fwd_tflops", "bwd_tflops",
                "fwd_ms", "bwd_ms", "peak_mem_gb")
