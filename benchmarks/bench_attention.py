@@ -168,6 +168,17 @@ def peer_fn(q, k, v, causal):
     return fn
 
 
+def shuffled_page_pools(k, v, page_size):
+    """k, v [b, sk, h, d] viewed as page pools [b * sk / page_size, page_size, h, d], and a
+    block table (int32 [b, pages]) that gives each sequence its pages in a shuffled order."""
+    b, sk = k.shape[:2]
+    pools = [t.view(b * sk // page_size, page_size, *t.shape[2:]) for t in (k, v)]
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randperm(b * sk // page_size, generator=gen).view(b, -1).to(
+        device=k.device, dtype=torch.int32)
+    return pools, table
+
+
 def attention_fn(name, q, k, v, causal, mask_type=None, **ours_kwargs):
     if name in OURS:
         return ours_fn(name, q, k, v, mask_type or ("causal" if causal else "no_mask"),
@@ -372,10 +383,7 @@ class Bench:
         name = f"{FLASH} (paged {page_size})"
         if sk % page_size:
             return dict(backend=name, ms=None, reason=f"sk not a multiple of {page_size}")
-        pools = [t.view(b * sk // page_size, page_size, *t.shape[2:]) for t in (k, v)]
-        gen = torch.Generator().manual_seed(0)
-        table = torch.randperm(b * sk // page_size, generator=gen).view(b, -1).to(
-            device=q.device, dtype=torch.int32)
+        pools, table = shuffled_page_pools(k, v, page_size)
         lens = torch.full((b,), sk, dtype=torch.int32, device=q.device)
         tfa = import_tfa()
         res = self.measure(FLASH, lambda: lambda: tfa.flash_attn_with_kvcache(

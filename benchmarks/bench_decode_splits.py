@@ -21,7 +21,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import timing  # noqa: E402
-from benchmarks.bench_attention import PRESETS, peer_fn  # noqa: E402
+from benchmarks.bench_attention import PRESETS, peer_fn, shuffled_page_pools  # noqa: E402
 
 SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -56,12 +56,8 @@ def main(argv=None):
             q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
             k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16)
                     for _ in range(2))
-            table = None
-            caches = (k, v)
-            if args.page_size:
-                caches = [t.view(b * sk // args.page_size, args.page_size, hkv, d) for t in (k, v)]
-                table = torch.randperm(b * sk // args.page_size).view(b, -1).to(
-                    device="cuda", dtype=torch.int32)
+            caches, table = ((k, v), None) if not args.page_size else \
+                shuffled_page_pools(k, v, args.page_size)
             lens = torch.full((b,), sk, dtype=torch.int32, device="cuda")
             row = dict(b=b, sk=sk, page_size=args.page_size)
 
