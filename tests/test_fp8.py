@@ -8,7 +8,8 @@ import torch
 
 import transformer_fa as te
 from transformer_fa import fp8
-from transformer_fa.common.recipe import DelayedScaling, Float8CurrentScaling, Format
+from transformer_fa.common.recipe import (DelayedScaling, Float8CurrentScaling, Format, MMParams,
+                                          QParams)
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 
@@ -125,24 +126,72 @@ def test_current_scaling_forward_is_the_scaled_e4m3_gemm():
     torch.testing.assert_close(out, ref + lin.bias, atol=1e-5, rtol=1e-5)
 
 
+def _scaled_mm_spy(monkeypatch, record):
+    """record(a, b, split_accumulation, bias) of each FP8 GEMM, in order (a list)."""
+    calls = []
+    real = fp8._scaled_mm
+
+    def spy(a, b, scale_a, scale_b, out_dtype, split_accumulation, bias=None):
+        calls.append(record(a, b, split_accumulation, bias))
+        return real(a, b, scale_a, scale_b, out_dtype, split_accumulation, bias)
+
+    monkeypatch.setattr(fp8, "_scaled_mm", spy)
+    return calls
+
+
+def _scaled_mm_calls(monkeypatch):
+    """(a's dtype, b's dtype, split_accumulation, bias) of each FP8 GEMM."""
+    return _scaled_mm_spy(monkeypatch, lambda a, b, split, bias: (a.dtype, b.dtype, split, bias))
+
+
 @pytest.mark.parametrize("fmt, grad_dtype", [(Format.HYBRID, torch.float8_e5m2),
                                              (Format.E4M3, torch.float8_e4m3fn)])
 def test_gradient_format_follows_the_recipe(monkeypatch, fmt, grad_dtype):
-    seen = []
-    real = fp8._scaled_mm
-
-    def spy(a, b, scale_a, scale_b, out_dtype, bias=None):
-        seen.append((a.dtype, b.dtype))
-        return real(a, b, scale_a, scale_b, out_dtype, bias)
-
-    monkeypatch.setattr(fp8, "_scaled_mm", spy)
+    calls = _scaled_mm_calls(monkeypatch)
     lin = _linear()
     x = torch.randn(16, 32, requires_grad=True)
     with te.fp8_autocast(fp8_recipe=DelayedScaling(fp8_format=fmt)):
         out = lin(x)
     out.sum().backward()
     e4m3 = torch.float8_e4m3fn
-    assert seen == [(e4m3, e4m3), (grad_dtype, e4m3), (grad_dtype, e4m3)]
+    assert [c[:2] for c in calls] == [(e4m3, e4m3), (grad_dtype, e4m3), (grad_dtype, e4m3)]
+
+
+@pytest.mark.parametrize("recipe, expected", [
+    (DelayedScaling(), [False, True, True]),  # TE's modules: fast accumulation forward only
+    (Float8CurrentScaling(), [False, True, True]),  # its fp8_gemm_* defaults say the same
+    (Float8CurrentScaling(fp8_gemm_fprop=MMParams(use_split_accumulator=True)),
+     [True, True, True]),
+    (Float8CurrentScaling(fp8_gemm_dgrad=MMParams(False), fp8_gemm_wgrad=MMParams(False)),
+     [False, False, False]),
+], ids=["delayed", "current", "current-split-fprop", "current-fast-backward"])
+def test_gemm_accumulation_follows_the_recipe(monkeypatch, recipe, expected):
+    """The forward, dgrad and wgrad GEMMs (in that order) split their accumulation as the
+    recipe's MMParams say (TE's fp8_gemm_fprop / _dgrad / _wgrad; delayed scaling has no such
+    fields and takes TE's module constants)."""
+    calls = _scaled_mm_calls(monkeypatch)
+    lin = _linear()
+    x = torch.randn(16, 32, requires_grad=True)
+    with te.autocast(recipe=recipe):
+        out = lin(x)
+    out.sum().backward()
+    assert [c[2] for c in calls] == expected
+
+
+def test_current_scaling_quantization_params_are_tes():
+    recipe = Float8CurrentScaling()
+    assert recipe.fp8_quant_fwd_inp == recipe.fp8_quant_fwd_weight == \
+        recipe.fp8_quant_bwd_grad == QParams(power_2_scale=False, amax_epsilon=0.0)
+    assert recipe.fp8_gemm_fprop == MMParams(use_split_accumulator=False)
+    assert recipe.fp8_gemm_dgrad == recipe.fp8_gemm_wgrad == MMParams()
+    for field, value in (("fp8_quant_fwd_inp", QParams(power_2_scale=True)),
+                         ("fp8_quant_bwd_grad", QParams(amax_epsilon=1e-6))):
+        with pytest.raises(ValueError, match=rf"Float8CurrentScaling\({field}=.*not supported"):
+            Float8CurrentScaling(**{field: value})
+    with pytest.raises(TypeError, match="fp8_gemm_wgrad must be a recipe.MMParams"):
+        Float8CurrentScaling(fp8_gemm_wgrad=True)
+    with pytest.raises(TypeError, match="fp8_quant_fwd_weight must be a recipe.QParams"):
+        Float8CurrentScaling(fp8_quant_fwd_weight=None)
 
 
 def test_weight_is_cast_once_per_version(monkeypatch):
@@ -401,15 +450,7 @@ def test_a_cached_weight_cast_gains_its_transpose_once_needed():
 
 def _gemm_biases(monkeypatch):
     """The bias each FP8 GEMM got in its epilogue (None: none)."""
-    biases = []
-    real = fp8._scaled_mm
-
-    def spy(a, b, scale_a, scale_b, out_dtype, bias=None):
-        biases.append(bias)
-        return real(a, b, scale_a, scale_b, out_dtype, bias)
-
-    monkeypatch.setattr(fp8, "_scaled_mm", spy)
-    return biases
+    return _scaled_mm_spy(monkeypatch, lambda a, b, split, bias: bias)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -293,11 +293,70 @@ def test_add_norm_with_one_output_used(use_y, use_h):
     torch.testing.assert_close(dr, dr_ref, **_tol(torch.float32))
 
 
+def _pass_input_runs(normalization, dtype, hidden, use_y=True, use_x=True):
+    """[(y, x passed on, gradients of x and the norm parameters)] of fused_norm with
+    pass_input, then of fused_norm with x itself used again, the gradients taken through the
+    outputs used (dh: the other use's gradient)."""
+    rows = _tiled_rows(hidden)
+    (x, weight, bias), dy = _norm_inputs(normalization, hidden, dtype, False, shape=(rows,))
+    dh = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(2)).to(dtype)
+
+    def passing(x, w, b):
+        return norm_kernels.fused_norm(x, normalization, w, b, 1e-5, False, pass_input=True)
+
+    def separate(x, w, b):
+        return norm_kernels.fused_norm(x, normalization, w, b, 1e-5, False), x
+
+    with_bias = bias is not None
+    wrt = [x] + ([weight] + ([bias] if with_bias else []) if use_y else [])
+    runs = []
+    for fn in (passing, separate):
+        y, passed = fn(x, weight, bias)
+        outputs, grads = zip(*[(t, g) for t, g, used in ((y, dy, use_y), (passed, dh, use_x))
+                               if used])
+        runs.append((y, passed, *torch.autograd.grad(outputs, wrt, grads)))
+    return runs
+
+
+@interpreter_only
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden", [80, 1000])
+def test_norm_passing_its_input_adds_the_other_gradient(normalization, dtype, hidden):
+    """fused_norm(pass_input=True) against fused_norm with its input used again: the output
+    bit for bit, the input handed back unchanged (the same memory), dgamma / dbeta bit for
+    bit, and the input's gradient (the norm's plus the other use's, added in the kernel and
+    rounded once) within the dtype's rounding of autograd's separate add."""
+    (y, passed, dx, *dp), (y_ref, x, dx_ref, *dp_ref) = _pass_input_runs(normalization, dtype,
+                                                                        hidden)
+    assert torch.equal(y, y_ref)
+    assert passed.data_ptr() == x.data_ptr() and torch.equal(passed, x)
+    torch.testing.assert_close(dx, dx_ref, **_tol(dtype))
+    for a, b in zip(dp, dp_ref, strict=True):
+        assert torch.equal(a, b)
+
+
+@interpreter_only
+@pytest.mark.parametrize("use_y, use_x", [(True, False), (False, True)])
+def test_norm_passing_its_input_with_one_output_used(use_y, use_x):
+    """Only the normalized input used (no other gradient) or only the passed input (no norm
+    backward at all): the input's gradient as with the input used directly; and an input
+    that needs no gradient is passed on as one that needs none."""
+    (_, _, dx, *_), (_, _, dx_ref, *_) = _pass_input_runs("LayerNorm", torch.float32, 80,
+                                                          use_y=use_y, use_x=use_x)
+    torch.testing.assert_close(dx, dx_ref, **_tol(torch.float32))
+    (x, weight, bias), _ = _norm_inputs("LayerNorm", 80, torch.float32, False, shape=(4,))
+    y, passed = norm_kernels.fused_norm(x.detach(), "LayerNorm", weight, bias, 1e-5, False,
+                                        pass_input=True)
+    assert y.requires_grad and not passed.requires_grad
+
+
 @interpreter_only
 def test_transformer_layer_adds_the_residual_in_the_mlp_norm(kernels_on_cpu, monkeypatch):
     """A TransformerLayer's residual add before its MLP runs inside the MLP's norm
-    (FusedAddNorm) when the kernels serve, and the layer's output and gradients agree with
-    the PyTorch path."""
+    (FusedAddNorm) and the residual's gradient is added inside the attention's norm
+    (FusedNormPassingInput) when the kernels serve, and the layer's output and gradients
+    agree with the PyTorch path."""
     torch.manual_seed(0)
     layer = te.TransformerLayer(48, 64, 4, hidden_dropout=0.0, attention_dropout=0.0,
                                 device="cpu")
@@ -308,11 +367,14 @@ def test_transformer_layer_adds_the_residual_in_the_mlp_norm(kernels_on_cpu, mon
     params = [x, *layer.parameters()]
     dy = torch.randn(5, 2, 48)
     calls = []
-    original = norm_kernels.FusedAddNorm.apply
-    monkeypatch.setattr(norm_kernels.FusedAddNorm, "apply",
-                        lambda *a: calls.append(1) or original(*a))
+    for function in (norm_kernels.FusedNormPassingInput, norm_kernels.FusedAddNorm):
+        original = function.apply
+        monkeypatch.setattr(function, "apply", lambda *a, name=function.__name__,
+                            original=original: calls.append(name) or original(*a))
     fused = _run(lambda *p: layer(x), params, dy)
-    assert len(calls) == 1
+    # (the attention's norm hands the layer input on as the residual: its gradient is added
+    # in that norm's backward)
+    assert calls == ["FusedNormPassingInput", "FusedAddNorm"]
     monkeypatch.undo()  # also restores kernels_enabled: the PyTorch path
     reference = _run(lambda *p: layer(x), params, dy)
     _assert_close(fused, reference, torch.float32)

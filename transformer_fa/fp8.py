@@ -29,7 +29,8 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
 import torch
 
 from . import kernels
-from .common.recipe import DelayedScaling, Float8CurrentScaling, Format, Recipe
+from .common.recipe import (DelayedScaling, Float8CurrentScaling, Format, Recipe,
+                            split_accumulator)
 
 _FP8_DTYPES = {Format.E4M3: torch.float8_e4m3fn, Format.E5M2: torch.float8_e5m2}
 _FP32_MAX = torch.finfo(torch.float32).max
@@ -520,9 +521,10 @@ def check_fp8_gemm_shape(inp: torch.Tensor, features: Tuple[int, ...], owner: st
                              f"outside fp8_autocast")
 
 
-def _scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None):
+def _scaled_mm(a, b, scale_a, scale_b, out_dtype, split_accumulation: bool, bias=None):
+    """split_accumulation False: cuBLASLt's fast accumulation (recipe.MMParams)."""
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias,
-                            out_dtype=out_dtype)
+                            out_dtype=out_dtype, use_fast_accum=not split_accumulation)
 
 
 # torch._scaled_mm adds a bias in the GEMM's epilogue (in float32, one rounding) where the bias
@@ -547,7 +549,8 @@ def _gemm_forward(inp, weight, bias, forward_state: "_ForwardState", gemm: int,
                                         2 * gemm, columnwise=need_wgrad, gelu=gelu)
     w_fp8, w_t, w_scale_inv = _weight_fp8(forward_state, weight, gemm, recipe, fp8_max,
                                           transpose=need_dgrad)
-    out = _scaled_mm(x_fp8, w_fp8.t(), x_scale_inv, w_scale_inv, inp.dtype, bias)
+    out = _scaled_mm(x_fp8, w_fp8.t(), x_scale_inv, w_scale_inv, inp.dtype,
+                     split_accumulator(recipe)[0], bias)
     return out, (x_t, x_scale_inv, w_t, w_scale_inv)
 
 
@@ -570,10 +573,12 @@ def _gemm_backward(grad_out, saved, meta: "FP8Meta", gemm: int, recipe: Recipe, 
     g_fp8, g_t, g_scale_inv = quantized[:3]
     grad_inp = grad_weight = None
     grad_bias = quantized[3] if need_bgrad else None
+    _, dgrad_split, wgrad_split = split_accumulator(recipe)
     if need_dgrad:  # g @ W: W column-major is W^T row-major
-        grad_inp = _scaled_mm(g_fp8, w_t.t(), g_scale_inv, w_scale_inv, inp_dtype)
+        grad_inp = _scaled_mm(g_fp8, w_t.t(), g_scale_inv, w_scale_inv, inp_dtype, dgrad_split)
     if need_wgrad:  # g^T @ x: x column-major is x^T row-major
-        grad_weight = _scaled_mm(g_t, x_t.t(), g_scale_inv, x_scale_inv, weight_dtype)
+        grad_weight = _scaled_mm(g_t, x_t.t(), g_scale_inv, x_scale_inv, weight_dtype,
+                                 wgrad_split)
     if isinstance(recipe, DelayedScaling):
         _update_at_end_of_backward(meta)
     return grad_inp, grad_weight, grad_bias

@@ -321,7 +321,9 @@ class TransformerLayer(FollowsParamsDtype, torch.nn.Module):
             # As TE: under autocast the layer runs in the autocast dtype.
             hidden_states = hidden_states.to(torch.get_autocast_dtype(device_type))
 
-        self_attention_outputs = self.self_attention(
+        # hidden_states comes back out of the attention's input norm (MultiheadAttention's
+        # _pass_input): its residual's gradient is then added inside that norm's backward
+        self_attention_outputs, hidden_states = self.self_attention(
             hidden_states,
             attention_mask=attention_mask,
             attn_mask_type=self_attn_mask_type,
@@ -340,6 +342,7 @@ class TransformerLayer(FollowsParamsDtype, torch.nn.Module):
             max_seqlen_q=max_seqlen_q,
             max_seqlen_kv=max_seqlen_q,
             pad_between_seqs=pad_between_seqs,
+            _pass_input=True,
         )
         # The residual add before the MLP fused into its norm: the sum and the normalized sum
         # in one pass, and in the backward the residual's gradient added inside the norm's

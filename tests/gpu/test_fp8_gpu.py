@@ -940,3 +940,34 @@ def test_fp8_mlp_fused_gelu_trains_like_the_unfused_path(params_dtype, rtol, rec
     results = with_and_without_fp8_gelu_fusion(run)
     for a, b in zip(*results):
         assert (a.float() - b.float()).norm() <= rtol * b.float().norm()
+
+
+def _current_e4m3_dequantized(t):
+    """What current scaling's E4M3 cast keeps of t (scale 448 / amax), as float64."""
+    scale = 448.0 / t.float().abs().max()
+    return ((t.float() * scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).double()
+            / scale.double())
+
+
+@pytest.mark.parametrize("k", [256, 8192])
+def test_fast_accumulation_of_the_forward_gemm(k):
+    """The forward GEMM's fast accumulation (Float8CurrentScaling's default fp8_gemm_fprop,
+    TE's; delayed scaling's too): against a float64 GEMM of the same FP8 operands, its error
+    within twice the split accumulation's or the bf16 output's rounding (2^-8, norm-wise), at
+    a short and a long reduction."""
+    from transformer_fa.common.recipe import MMParams
+
+    torch.manual_seed(k)
+    lin = te.Linear(k, 512, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(256, k, device="cuda", dtype=torch.bfloat16)
+    errors = []
+    for split in (True, False):
+        recipe = Float8CurrentScaling(fp8_gemm_fprop=MMParams(use_split_accumulator=split))
+        with torch.no_grad(), te.autocast(recipe=recipe):
+            out = lin(x)
+        # the same FP8 operands (current scaling's E4M3 casts), dequantized, in float64
+        xq, wq = (_current_e4m3_dequantized(t.detach()) for t in (x, lin.weight))
+        exact = xq @ wq.T
+        errors.append(((out.double() - exact).norm() / exact.norm()).item())
+    err_split, err_fast = errors
+    assert err_fast <= max(2 * err_split, 2.0 ** -8), errors

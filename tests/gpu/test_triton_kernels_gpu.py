@@ -334,14 +334,16 @@ def test_transformer_layer_with_kernels_matches_pytorch_path(config, functions_c
     params = [x, *layer.parameters()]
     calls = []
     from transformer_fa.kernels import norm as norm_kernels
-    for function in (norm_kernels.FusedNorm, norm_kernels.FusedAddNorm):
+    for function in (norm_kernels.FusedNormPassingInput, norm_kernels.FusedAddNorm):
         original = function.apply
         monkeypatch.setattr(function, "apply", lambda *a, name=function.__name__,
                             original=original: calls.append(name) or original(*a))
     fused, reference = fused_and_reference(lambda *p: layer(x, rotary_pos_emb=freqs), params,
                                            dy, monkeypatch)
-    # (the MLP's norm with the residual add before it: FusedAddNorm)
-    assert calls == ["FusedNorm", "FusedAddNorm"], "the layer's norms did not take the kernels"
+    # (the attention's norm handing the input on as the residual, whose gradient its backward
+    # adds: FusedNormPassingInput; the MLP's norm with the residual add before it: FusedAddNorm)
+    assert calls == ["FusedNormPassingInput", "FusedAddNorm"], \
+        "the layer's norms did not take the kernels"
     gelu = config.get("activation", "gelu") == "gelu"
     assert functions_called == ["linear", "linear"] + (["gelu"] if gelu else ["linear"]) \
         + ["linear"]

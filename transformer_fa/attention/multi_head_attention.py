@@ -299,16 +299,21 @@ class MultiheadAttention(FollowsParamsDtype, torch.nn.Module):
             **row,
         )
 
-    def _project_qkv(self, hidden_states, encoder_output):
-        """(q, k, v, layernorm output or None); q [..., np, hn], k and v [..., ng, hn]."""
+    def _project_qkv(self, hidden_states, encoder_output, pass_input: bool):
+        """(q, k, v, layernorm output or None, hidden_states); q [..., np, hn], k and v
+        [..., ng, hn]; with ``pass_input`` and an input norm, hidden_states as that norm
+        handed it back out (forward's ``_pass_input``)."""
         # this rank's heads and groups
         hn, ng = self.hidden_size_per_attention_head, self.num_gqa_groups_per_partition
         heads = self.num_attention_heads_per_partition
         ln_out = None
 
         def run(proj, x):
-            nonlocal ln_out
-            out = proj(x)
+            nonlocal ln_out, hidden_states
+            if pass_input and isinstance(proj, LayerNormLinear):
+                out, hidden_states = proj(x, _pass_input=True)
+            else:
+                out = proj(x)
             if isinstance(out, tuple):  # (output, layernorm output)
                 out, ln_out = out
             return out
@@ -320,7 +325,7 @@ class MultiheadAttention(FollowsParamsDtype, torch.nn.Module):
             mixed = run(proj, hidden_states)
             parts = (heads // ng, 1, 1)
             q, k, v = split_grouped_heads(mixed, parts, ng, hn, self.qkv_weight_interleaved)
-            return q, k, v, ln_out
+            return q, k, v, ln_out, hidden_states
 
         if encoder_output is None:
             raise ValueError("encoder_output is required with attention_type='cross'")
@@ -330,7 +335,7 @@ class MultiheadAttention(FollowsParamsDtype, torch.nn.Module):
         proj = self.layernorm_query if self.input_layernorm else self.query_layer
         q = run(proj, hidden_states)
         q = q.view(*q.shape[:-1], heads, hn)
-        return q, k, v, ln_out
+        return q, k, v, ln_out, hidden_states
 
     def set_tensor_parallel_group(self, tp_group) -> None:
         """TE's: the tensor-parallel group of the projections."""
@@ -367,12 +372,17 @@ class MultiheadAttention(FollowsParamsDtype, torch.nn.Module):
         max_seqlen_kv: Optional[int] = None,
         fast_zero_fill: bool = True,
         pad_between_seqs: Optional[bool] = None,
+        *,
+        _pass_input: bool = False,
     ):
         """hidden_states: ``[s, b, hidden]`` (sbhd), ``[b, s, hidden]`` (bshd) or ``[t, hidden]``.
 
         ``is_first_microbatch`` and ``fast_zero_fill`` are accepted for TE compatibility and
         have no effect. ``cu_seqlens_*_padded`` place thd sequences with gaps between them
-        (TE's).
+        (TE's). ``_pass_input`` (not TE's; TransformerLayer's residual): return
+        ``(outputs, hidden_states)`` with hidden_states handed back out of the input norm
+        (LayerNormLinear's), so that the residual's gradient is added
+        inside the norm's backward.
         """
         check_unsupported_forward_args(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
                                        cu_seqlens_kv_padded, False)
@@ -395,7 +405,8 @@ class MultiheadAttention(FollowsParamsDtype, torch.nn.Module):
             if cu_seqlens_kv_padded is None:
                 cu_seqlens_kv_padded = cu_seqlens_q_padded
 
-        q, k, v, ln_out = self._project_qkv(hidden_states, encoder_output)
+        q, k, v, ln_out, hidden_states = self._project_qkv(hidden_states, encoder_output,
+                                                           _pass_input)
 
         if self.q_norm is not None and self.qk_norm_before_rope:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -451,10 +462,11 @@ class MultiheadAttention(FollowsParamsDtype, torch.nn.Module):
 
         out = self.proj(context)
         out, out_bias = out if self.return_bias else (out, None)
-        return pack_outputs(
+        outputs = pack_outputs(
             out,
             out_bias,
             ln_out,
             self.return_bias,
             self.input_layernorm and self.return_layernorm_output,
         )
+        return (outputs, hidden_states) if _pass_input else outputs

@@ -23,6 +23,24 @@ class Recipe:
     """Base class of the recipes (TE's)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class MMParams:
+    """An FP8 GEMM's options (TE's). use_split_accumulator: the tensor cores' partial sums are
+    promoted to float32 at intervals (cuBLASLt's CUBLASLT_MATMUL_DESC_FAST_ACCUM off); False
+    is the fast accumulation, quicker and less precise (TE's choice for the forward GEMMs)."""
+
+    use_split_accumulator: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class QParams:
+    """A current-scaling quantization's options (TE's): power_2_scale (scales rounded down to
+    powers of 2) and amax_epsilon (a floor under the amax). Only the defaults are served."""
+
+    power_2_scale: bool = False
+    amax_epsilon: float = 0.0
+
+
 def _check_format(fp8_format: Format) -> None:
     if not isinstance(fp8_format, Format):
         raise TypeError(f"fp8_format must be a recipe.Format, got {fp8_format!r}")
@@ -47,13 +65,45 @@ class DelayedScaling(Recipe):
         _check_format(self.fp8_format)
 
 
+# The GEMMs' accumulation where a recipe does not say (DelayedScaling): TE's modules' constants
+# (fast accumulation in the forward GEMM, split accumulation in the dgrad and wgrad GEMMs)
+FPROP_DGRAD_WGRAD_SPLIT_ACCUMULATOR = (False, True, True)
+
+
 @dataclasses.dataclass
 class Float8CurrentScaling(Recipe):
-    """TE's per-tensor current scaling recipe."""
+    """TE's per-tensor current scaling recipe. fp8_gemm_fprop / _dgrad / _wgrad: the GEMMs'
+    accumulation (TE's defaults: fast in the forward GEMM, split in the backward ones);
+    fp8_quant_*: the quantizations' QParams (the defaults only: power-of-2 scales and an amax
+    floor are refused by name)."""
 
     fp8_format: Format = Format.HYBRID
+    fp8_quant_fwd_inp: QParams = QParams()
+    fp8_quant_fwd_weight: QParams = QParams()
+    fp8_quant_bwd_grad: QParams = QParams()
+    fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=False)
+    fp8_gemm_dgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
     fp8_dpa: bool = False
     fp8_mha: bool = False
 
     def __post_init__(self) -> None:
         _check_format(self.fp8_format)
+        for name in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"):
+            value = getattr(self, name)
+            if not isinstance(value, QParams):
+                raise TypeError(f"{name} must be a recipe.QParams, got {value!r}")
+            if value != QParams():
+                raise ValueError(f"Float8CurrentScaling({name}={value!r}): power-of-2 scales "
+                                 "and amax_epsilon are not supported yet (only QParams())")
+        for name in ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"):
+            if not isinstance(getattr(self, name), MMParams):
+                raise TypeError(f"{name} must be a recipe.MMParams, got {getattr(self, name)!r}")
+
+
+def split_accumulator(recipe: Recipe) -> tuple:
+    """(forward, dgrad, wgrad) GEMMs' use_split_accumulator under this recipe."""
+    if isinstance(recipe, Float8CurrentScaling):
+        return tuple(getattr(recipe, f"fp8_gemm_{gemm}").use_split_accumulator
+                     for gemm in ("fprop", "dgrad", "wgrad"))
+    return FPROP_DGRAD_WGRAD_SPLIT_ACCUMULATOR

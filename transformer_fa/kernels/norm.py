@@ -241,6 +241,28 @@ class FusedNorm(torch.autograd.Function):
         return *_backward(ctx, dy, None), None, None, None
 
 
+class FusedNormPassingInput(torch.autograd.Function):
+    """(norm(x) * gamma (+ beta), x): the norm with its input handed back out, for a caller
+    that uses x again (a layer's residual stream). The gradient of that second output is
+    added into the norm's input gradient inside the backward kernel, instead of autograd
+    adding the two gradients of x in a separate pass."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, is_rms, zero_centered):
+        ctx.set_materialize_grads(False)
+        y, _ = _forward(ctx, x, None, weight, bias, eps, is_rms, zero_centered)
+        passed = x.view(x.shape)
+        if not x.requires_grad:  # (the parameters' grads make every output require grad)
+            ctx.mark_non_differentiable(passed)
+        return y.view(x.shape), passed
+
+    @staticmethod
+    def backward(ctx, dy, dx_other):
+        if dy is None:  # only the passed input was used
+            return dx_other, None, None, None, None, None
+        return *_backward(ctx, dy, dx_other), None, None, None
+
+
 class FusedAddNorm(torch.autograd.Function):
     """(norm(x + residual), x + residual): a residual add and the norm after it in one pass
     over the rows (the sum rounded to x's dtype first, as the separate add rounds it). The
@@ -261,10 +283,11 @@ class FusedAddNorm(torch.autograd.Function):
         return dx, dx, dw, db, None, None, None
 
 
-def fused_norm(x, normalization, weight, bias, eps, zero_centered_gamma):
+def fused_norm(x, normalization, weight, bias, eps, zero_centered_gamma, pass_input=False):
     """The Triton path of ``module.layernorm.apply_norm`` (same arguments and result)."""
-    return FusedNorm.apply(x, weight, bias, float(eps), normalization == "RMSNorm",
-                           bool(zero_centered_gamma))
+    function = FusedNormPassingInput if pass_input else FusedNorm
+    return function.apply(x, weight, bias, float(eps), normalization == "RMSNorm",
+                          bool(zero_centered_gamma))
 
 
 def fused_add_norm(x, residual, normalization, weight, bias, eps, zero_centered_gamma):

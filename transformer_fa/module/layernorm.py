@@ -46,12 +46,18 @@ def apply_norm(
     bias: Optional[torch.Tensor],
     eps: float,
     zero_centered_gamma: bool,
-) -> torch.Tensor:
-    """Normalize the last dimension of ``x``; ``bias`` is None for RMSNorm."""
+    pass_input: bool = False,
+):
+    """Normalize the last dimension of ``x``; ``bias`` is None for RMSNorm. With
+    ``pass_input``: (the normalized x, x) for a caller that uses x again; on the norm kernel's
+    path x comes back out of the norm's autograd function, whose backward then adds the
+    gradient of those other uses into the norm's own (one pass instead of two)."""
     if kernels.use_fused_norm(x, weight, bias) and kernels.prefer_fused_norm(x.shape[-1]):
         from ..kernels.norm import fused_norm
 
-        return fused_norm(x, normalization, weight, bias, eps, zero_centered_gamma)
+        return fused_norm(x, normalization, weight, bias, eps, zero_centered_gamma, pass_input)
+    if pass_input:
+        return apply_norm(x, normalization, weight, bias, eps, zero_centered_gamma), x
     if _native_layer_norm_computes_in_float32(x, normalization, weight, bias,
                                               zero_centered_gamma):
         return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)

@@ -408,24 +408,26 @@ class LayerNormLinear(Linear):
         self.zero_centered_gamma = zero_centered_gamma
         self.return_layernorm_output = return_layernorm_output
 
-    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, **_):
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, *,
+                _pass_input: bool = False, **_):
         """With sequence_parallel the norm runs on this rank's part of the sequence and its
         output is gathered for the GEMM; the layernorm output returned is this rank's part
-        unless return_layernorm_output_gathered (TE's)."""
+        unless return_layernorm_output_gathered (TE's). ``_pass_input`` (not TE's):
+        ``(outputs, inp)`` for a caller that uses inp again (TransformerLayer's residual), inp
+        handed back out of the norm, whose backward then adds that use's gradient into its
+        own (apply_norm's ``pass_input``)."""
         self._check_input(inp)
-        ln_out = apply_norm(
-            inp,
-            self.normalization,
-            self.layer_norm_weight,
-            self.layer_norm_bias,
-            self.eps,
-            self.zero_centered_gamma,
-        )
+        ln_out = apply_norm(inp, self.normalization, self.layer_norm_weight,
+                            self.layer_norm_bias, self.eps, self.zero_centered_gamma,
+                            _pass_input)
+        if _pass_input:
+            ln_out, inp = ln_out
         gathered = self._parallel_input(ln_out)
         out, bias = self._gemm(gathered)
         if self.return_layernorm_output_gathered:
             ln_out = gathered
-        return pack_outputs(out, bias, ln_out, self.return_bias, self.return_layernorm_output)
+        outputs = pack_outputs(out, bias, ln_out, self.return_bias, self.return_layernorm_output)
+        return (outputs, inp) if _pass_input else outputs
 
 
 class LayerNormMLP(_FP8State, _TensorParallel, FollowsParamsDtype, torch.nn.Module):
