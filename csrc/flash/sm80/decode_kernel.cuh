@@ -171,6 +171,20 @@ __global__ void __launch_bounds__(Tr::kNThreads) decode_kernel(const DecodeParam
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
   const float sl2 = p.scale_softmax_log2;
   const uint32_t sQ_u32 = smem_u32(sQ);
+  // Q's A fragments: up to d128 held in registers for the whole loop (32 registers; above, the
+  // loop's registers would spill), else read from shared memory in each chunk's QK^T.
+  constexpr bool kQInRegs = D <= 128;
+  uint32_t q_frag[kQInRegs ? KF : 1][4];
+  if constexpr (kQInRegs) {
+#pragma unroll
+    for (int kk = 0; kk < KF; ++kk) {
+      ldmatrix_x4(q_frag[kk], sQ_u32 + 2 * swz<D>(lane % 16, kk * 16 + (lane / 16) * 8));
+    }
+  }
+  // Rows 8-15 of the tile (each thread's second row) hold no (token, head) pair when the
+  // sequence's rows here are 8 or fewer (one token of a GQA group up to 8): their softmax is
+  // skipped (their O rows come out of the MMAs unused; rows are independent there).
+  const bool upper_rows_live = live_rows > 8;
 
   for (int i = 0; i < mine; ++i) {
     cp_async_wait<S - 2>();  // chunk i has landed (this lane's part)
@@ -188,7 +202,12 @@ __global__ void __launch_bounds__(Tr::kNThreads) decode_kernel(const DecodeParam
 #pragma unroll
     for (int kk = 0; kk < KF; ++kk) {
       uint32_t a[4], b[4];
-      ldmatrix_x4(a, sQ_u32 + 2 * swz<D>(lane % 16, kk * 16 + (lane / 16) * 8));
+      if constexpr (kQInRegs) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) a[e] = q_frag[kk][e];
+      } else {
+        ldmatrix_x4(a, sQ_u32 + 2 * swz<D>(lane % 16, kk * 16 + (lane / 16) * 8));
+      }
       ldmatrix_x4(b, sK_u32 + 2 * swz<D>((lane & 7) + ((lane >> 4) << 3),
                                          kk * 16 + ((lane >> 3) & 1) * 8));
       mma_16816<T>(s[0], a, b[0], b[1]);
@@ -210,15 +229,19 @@ __global__ void __launch_bounds__(Tr::kNThreads) decode_kernel(const DecodeParam
         }
     }
 
-    // Online softmax (rows g and g + 8). A row with no key so far keeps max -inf.
+    // Online softmax (rows g and g + 8). A row with no key so far keeps max -inf. O is
+    // rescaled only where some row of the warp saw its max grow (corr is exactly 1 where it
+    // did not: the same result; after the first chunks most chunks skip the multiplies).
+    float corr[2] = {1.f, 1.f};
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
+      if (r == 1 && !upper_rows_live) break;  // (uniform over the CTA)
       float mx = row_max[r];
 #pragma unroll
       for (int nf = 0; nf < 2; ++nf) mx = fmaxf(mx, fmaxf(s[nf][2 * r], s[nf][2 * r + 1]));
       mx = quad_max(mx);
       const float mx_scaled = mx == -INFINITY ? 0.f : mx * sl2;
-      const float corr = exp2f(row_max[r] * sl2 - mx_scaled);
+      corr[r] = exp2f(row_max[r] * sl2 - mx_scaled);
       row_max[r] = mx;
       float sum = 0.f;
 #pragma unroll
@@ -229,11 +252,15 @@ __global__ void __launch_bounds__(Tr::kNThreads) decode_kernel(const DecodeParam
           s[nf][2 * r + e] = pe;
           sum += pe;
         }
-      row_sum[r] = row_sum[r] * corr + sum;
+      row_sum[r] = row_sum[r] * corr[r] + sum;
+    }
+    if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
 #pragma unroll
       for (int nf = 0; nf < NF_O; ++nf) {
-        acc_o[nf][2 * r] *= corr;
-        acc_o[nf][2 * r + 1] *= corr;
+        acc_o[nf][0] *= corr[0];
+        acc_o[nf][1] *= corr[0];
+        acc_o[nf][2] *= corr[1];
+        acc_o[nf][3] *= corr[1];
       }
     }
 
