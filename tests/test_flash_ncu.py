@@ -16,8 +16,12 @@ def test_case_syntax():
     assert flash_ncu.parse_case("bwd:128:c:4096") == dict(direction="bwd", d=128, causal=True,
                                                            s=4096, who="sm90")
     assert flash_ncu.parse_case("fwd:256:nc:1024:cudnn")["who"] == "cudnn"
+    assert flash_ncu.parse_case("decode:8:32768") == dict(direction="decode", b=8, sk=32768,
+                                                          who="ours")
+    assert flash_ncu.parse_case("decode:32:4096:cudnn")["who"] == "cudnn"
     for bad in ("fwd:128:c", "up:128:c:4096", "fwd:100:c:4096", "fwd:128:x:4096",
-                "fwd:128:c:3000", "fwd:128:c:4096:cublas", "fwd:x:c:4096", "fwd:128:c:4k"):
+                "fwd:128:c:3000", "fwd:128:c:4096:cublas", "fwd:x:c:4096", "fwd:128:c:4k",
+                "decode:8", "decode:0:4096", "decode:8:4k", "decode:8:4096:fa2"):
         with pytest.raises(argparse.ArgumentTypeError, match="case"):
             flash_ncu.parse_case(bad)
 

@@ -3,10 +3,13 @@ family) or torch's cuDNN / FA2 SDPA on the same shape, for the "why is this row 
 that a benchmark cannot answer. For the GPU machine:
 
     python tools/flash_ncu.py fwd:256:nc:4096 bwd:128:c:4096 fwd:256:nc:4096:cudnn [--out DIR]
+    python tools/flash_ncu.py decode:8:32768 decode:8:32768:cudnn
 
 A case is direction:head_dim:mask:seqlen[:who]: direction fwd or bwd; mask nc (no mask) or c
 (causal); who sm90 (default), sm80, cudnn or fa2. The shape is the benchmark grid's (bf16,
-batch * seqlen = 16k, hidden 2048). Each case runs in a child process under ncu, which
+batch * seqlen = 16k, hidden 2048). A decode case is decode:batch:cache_len[:who], who ours
+(default: flash_attn_with_kvcache, the split-KV decode kernel and its merge) or cudnn: one query
+token, 32 query / 8 KV heads, d128, bf16, a contiguous cache (the benchmark's decode rows). Each case runs in a child process under ncu, which
 profiles every kernel of one call after a warm-up call (the backward's dsum and conversion
 kernels too), between cudaProfilerStart and Stop: process-wide, since torch's backward
 launches from autograd's own thread, outside the caller's NVTX range (where ncu found no
@@ -45,7 +48,20 @@ STALL = re.compile(r"smsp__average_warps?(?:_latency)?_issue_stalled_(\w+?)_per_
 TENSOR = re.compile(r"pipe_tensor")
 
 
+def parse_decode_case(text):
+    parts = text.split(":")
+    if len(parts) not in (3, 4) or not all(x.isdigit() and int(x) > 0 for x in parts[1:3]):
+        raise argparse.ArgumentTypeError(
+            f"case {text!r}: expected decode:batch:cache_len[:who], e.g. decode:8:32768")
+    who = parts[3] if len(parts) == 4 else "ours"
+    if who not in ("ours", "cudnn"):
+        raise argparse.ArgumentTypeError(f"case {text!r}: a decode case's who is ours or cudnn")
+    return dict(direction="decode", b=int(parts[1]), sk=int(parts[2]), who=who)
+
+
 def parse_case(text):
+    if text.startswith("decode:"):
+        return parse_decode_case(text)
     parts = text.split(":")
     if len(parts) not in (4, 5) or parts[0] not in ("fwd", "bwd") or parts[2] not in ("nc", "c"):
         raise argparse.ArgumentTypeError(
@@ -65,6 +81,15 @@ def run_case(case):
     which ncu profiles."""
     import torch
 
+    if case["direction"] == "decode":
+        call = decode_call(case)
+        call()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+        call()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+        return
     d, s, causal, who = case["d"], case["s"], case["causal"], case["who"]
     b, h = 16384 // s, 2048 // d
     q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
@@ -105,6 +130,31 @@ def run_case(case):
     call()
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
+
+
+def decode_call(case):
+    """One decode step of a decode case: ours through flash_attn_with_kvcache, or torch's
+    cuDNN SDPA on [b, h, s, d] views of the same bshd tensors (GQA)."""
+    import torch
+
+    b, sk = case["b"], case["sk"]
+    q = torch.randn(b, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, sk, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    if case["who"] == "ours":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        import transformer_fa as tfa
+
+        lens = torch.full((b,), sk, dtype=torch.int32, device="cuda")
+        return lambda: tfa.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens)
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+
+    def call():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+    return call
 
 
 def profile(text, metrics):
@@ -165,7 +215,9 @@ def main():
         ap.error("give at least one case, e.g. fwd:256:nc:4096")
     for text, case in cases:
         raw, error = profile(text, args.metrics)
-        print(f"== {text} (b={16384 // case['s']}, h={2048 // case['d']})", flush=True)
+        shape = (f"b={case['b']}, 32 / 8 heads, d128" if case["direction"] == "decode"
+                 else f"b={16384 // case['s']}, h={2048 // case['d']}")
+        print(f"== {text} ({shape})", flush=True)
         if raw is None:
             print("ncu failed:\n" + error)
             continue
