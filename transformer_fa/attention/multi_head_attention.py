@@ -381,8 +381,8 @@ class MultiheadAttention(FollowsParamsDtype, torch.nn.Module):
         have no effect. ``cu_seqlens_*_padded`` place thd sequences with gaps between them
         (TE's). ``_pass_input`` (not TE's; TransformerLayer's residual): return
         ``(outputs, hidden_states)`` with hidden_states handed back out of the input norm
-        (LayerNormLinear's), so that the residual's gradient is added
-        inside the norm's backward.
+        (LayerNormLinear's), so that the residual's gradient is added inside the norm's
+        backward.
         """
         check_unsupported_forward_args(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
                                        cu_seqlens_kv_padded, False)
