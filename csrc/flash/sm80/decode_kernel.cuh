@@ -120,46 +120,65 @@ __global__ void __launch_bounds__(Tr::kNThreads) decode_kernel(const DecodeParam
   }
 
   // K and V of one chunk into a stage of this warp; rows past the keys are zero-filled (P is
-  // 0 there, and 0 * garbage could be NaN).
+  // 0 there, and 0 * garbage could be NaN). kLanesPerRow lanes share a row (kColsPerLane
+  // 16-byte columns each, interleaved so that a warp's loads stay coalesced) and a pass covers
+  // kRowsPerPass rows; a lane's addresses are its chunk's first row plus offsets fixed for
+  // the loop, so a load costs a 64-bit add (the per-row index arithmetic was most of the
+  // loop's instructions).
+  constexpr int kColChunks = D / 8;
+  constexpr int kLanesPerRow = kColChunks % 32 == 0 ? 32 : kColChunks % 16 == 0 ? 16 : 8;
+  constexpr int kColsPerLane = kColChunks / kLanesPerRow;
+  constexpr int kRowsPerPass = 32 / kLanesPerRow;
+  static_assert(CH % kRowsPerPass == 0, "whole passes per chunk");
+  const int lane_row = lane / kLanesPerRow, lane_col = (lane % kLanesPerRow) * 8;
+  const bool paged = p.block_table != nullptr;
+  // Head kvh's rows: of key 0 of this sequence (contiguous cache), or of page 0's row 0.
+  const T* const k_head = reinterpret_cast<const T*>(p.k) + int64_t(kvh) * p.k_head_stride +
+                          (paged ? 0 : si.k_off(p.k_batch_stride, p.k_row_stride)) +
+                          int64_t(lane_row) * p.k_row_stride + lane_col;
+  const T* const v_head = reinterpret_cast<const T*>(p.v) + int64_t(kvh) * p.v_head_stride +
+                          (paged ? 0 : si.k_off(p.v_batch_stride, p.v_row_stride)) +
+                          int64_t(lane_row) * p.v_row_stride + lane_col;
+  const int64_t k_pass = int64_t(kRowsPerPass) * p.k_row_stride;
+  const int64_t v_pass = int64_t(kRowsPerPass) * p.v_row_stride;
+  const int* const pages =
+      paged ? p.block_table + int64_t(bidb) * p.block_table_batch_stride : nullptr;
   T* const sWarp = sStages + warp * Tr::kWarpElems;
-  auto load_chunk = [&](int i) {
-    const int j0 = range.first + (c_begin + warp + i * NW) * CH;
+  auto chunk_key = [&](int i) { return range.first + (c_begin + warp + i * NW) * CH; };
+  // The page of chunk i (paged caches): read an iteration before its loads need it, so that
+  // the block table's latency is not in the loop's critical path.
+  auto page_of = [&](int i) { return i < mine ? pages[chunk_key(i) / p.page_size] : 0; };
+  auto load_chunk = [&](int i, int page) {
+    const int j0 = chunk_key(i);
     T* sK = sWarp + (i % S) * 2 * Tr::kChunkElems;
     T* sV = sK + Tr::kChunkElems;
-    const T* k_rows;
-    const T* v_rows;
-    if (p.block_table != nullptr) {
-      const int page = p.block_table[int64_t(bidb) * p.block_table_batch_stride + j0 / p.page_size];
-      const int in_page = j0 % p.page_size;
-      k_rows = reinterpret_cast<const T*>(p.k) + int64_t(page) * p.k_batch_stride +
-               int64_t(in_page) * p.k_row_stride;
-      v_rows = reinterpret_cast<const T*>(p.v) + int64_t(page) * p.v_batch_stride +
-               int64_t(in_page) * p.v_row_stride;
-    } else {
-      const SeqInfo at = si.in_loop_k();
-      k_rows = reinterpret_cast<const T*>(p.k) + at.k_off(p.k_batch_stride, p.k_row_stride) +
-               int64_t(j0) * p.k_row_stride;
-      v_rows = reinterpret_cast<const T*>(p.v) + at.k_off(p.v_batch_stride, p.v_row_stride) +
-               int64_t(j0) * p.v_row_stride;
-    }
-    k_rows += int64_t(kvh) * p.k_head_stride;
-    v_rows += int64_t(kvh) * p.v_head_stride;
+    const int row0 = paged ? j0 % p.page_size : j0;  // the chunk's first row in its rows
+    const T* k_rows = k_head + (paged ? int64_t(page) * p.k_batch_stride : 0) +
+                      int64_t(row0) * p.k_row_stride;
+    const T* v_rows = v_head + (paged ? int64_t(page) * p.v_batch_stride : 0) +
+                      int64_t(row0) * p.v_row_stride;
+    const int rows_left = band.len_k - j0 - lane_row;  // this lane's rows that hold keys
 #pragma unroll
-    for (int c = lane; c < CH * (D / 8); c += 32) {
-      const int r = c / (D / 8), col = (c % (D / 8)) * 8;
-      const bool ok = j0 + r < band.len_k && col < p.d;
-      cp_async_16(smem_u32(sK + swz<D>(r, col)), ok ? k_rows + r * p.k_row_stride + col : k_rows,
-                  ok);
-      cp_async_16(smem_u32(sV + swz<D>(r, col)), ok ? v_rows + r * p.v_row_stride + col : v_rows,
-                  ok);
+    for (int pass = 0; pass < CH / kRowsPerPass; ++pass) {
+      const int r = lane_row + pass * kRowsPerPass;
+#pragma unroll
+      for (int c = 0; c < kColsPerLane; ++c) {
+        const int col = c * kLanesPerRow * 8;  // from lane_col
+        const bool ok = pass * kRowsPerPass < rows_left && lane_col + col < p.d;
+        cp_async_16(smem_u32(sK + swz<D>(r, lane_col + col)), k_rows + col, ok);
+        cp_async_16(smem_u32(sV + swz<D>(r, lane_col + col)), v_rows + col, ok);
+      }
+      k_rows += k_pass;
+      v_rows += v_pass;
     }
   };
 
 #pragma unroll
   for (int i = 0; i < S - 1; ++i) {
-    if (i < mine) load_chunk(i);
+    if (i < mine) load_chunk(i, paged ? page_of(i) : 0);
     cp_async_commit();  // empty groups keep the count that cp_async_wait relies on
   }
+  int next_page = paged ? page_of(S - 1) : 0;  // chunk S - 1's, loaded in iteration 0
   cp_async_wait<S - 1>();  // this thread's Q chunks have landed
   __syncthreads();         // and every thread's
 
@@ -189,10 +208,11 @@ __global__ void __launch_bounds__(Tr::kNThreads) decode_kernel(const DecodeParam
   for (int i = 0; i < mine; ++i) {
     cp_async_wait<S - 2>();  // chunk i has landed (this lane's part)
     __syncwarp();            // every lane's part, and every lane is done with chunk i - 1
-    if (i + S - 1 < mine) load_chunk(i + S - 1);  // into chunk i - 1's stage
+    if (i + S - 1 < mine) load_chunk(i + S - 1, next_page);  // into chunk i - 1's stage
     cp_async_commit();
+    if (paged) next_page = page_of(i + S);
 
-    const int j0 = range.first + (c_begin + warp + i * NW) * CH;
+    const int j0 = chunk_key(i);
     const T* sK = sWarp + (i % S) * 2 * Tr::kChunkElems;
     const T* sV = sK + Tr::kChunkElems;
     const uint32_t sK_u32 = smem_u32(sK), sV_u32 = smem_u32(sV);
