@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import datetime
 import json
 import os
@@ -38,6 +39,10 @@ OURS = dict(zip(report.OURS, ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSE
 BACKENDS = report.BACKENDS
 FLASH = report.OURS[0]  # our flash kernels' backend name
 DECODE_PAGE_SIZES = (16, 64)  # the decode part's paged rows (ours only: the peers have none)
+# Warm-up of each decode measurement: after the b = 32 128k row (seconds of the unfused
+# backend's GEMMs) the next row's first backend read ~11% slow with the preset's 10 ms and at
+# full speed after ~100 ms of calls (H200, 2026-12-01: b = 128 4k, whichever backend came first).
+DECODE_WARMUP_MS = 100
 NO_BACKEND = "No dot product attention backend is available for the provided inputs"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # torch.optim.AdamW's implementations; the layer part gives both models the same one:
@@ -201,17 +206,24 @@ class Bench:
     def randn(self, *shape, dtype, grad=False):
         return torch.randn(*shape, dtype=dtype, device=self.device, requires_grad=grad)
 
-    def time_ms(self, fn, grad_to_none=None):
-        """Median time of fn in ms (timing.median_ms)."""
-        return timing.median_ms(fn, self.p.warmup_ms, self.p.rep_ms, grad_to_none, self.device)
+    def time_ms(self, fn, grad_to_none=None, warmup_ms=None):
+        """Median time of fn in ms (timing.median_ms); warmup_ms: the preset's by default."""
+        return timing.median_ms(fn, warmup_ms or self.p.warmup_ms, self.p.rep_ms, grad_to_none,
+                                self.device)
 
     def sync(self):
         if self.device == "cuda":
             torch.cuda.synchronize()
 
     def free(self):
+        """Releases what the last measurement held, before the next one starts: tensors in
+        reference cycles (modules, closures) wait for the garbage collector otherwise, and one
+        that freed a previous row's gigabytes of K/V in the middle of the next row's timing
+        slowed that backend by ~10% (decode part, H200)."""
+        gc.collect()
         if self.device == "cuda":
             torch.cuda.empty_cache()
+            torch.cuda.synchronize()
 
     def check_memory(self, name, score_elems):
         """Skip the unfused backend when its score matrices would not fit (~24 B per element
@@ -223,7 +235,7 @@ class Bench:
             raise Unavailable(f"skipped: needs about {need / 1e9:.0f} GB for the score "
                               f"matrices, {free / 1e9:.0f} GB free")
 
-    def measure(self, name, make_fn, inputs, backward=True):
+    def measure(self, name, make_fn, inputs, backward=True, warmup_ms=None):
         """fwd_ms, bwd_ms, peak_mem_gb and reason for one backend on one set of inputs."""
         res = {"fwd_ms": None, "bwd_ms": None, "peak_mem_gb": None, "reason": None}
         if time.monotonic() > self.deadline:
@@ -244,7 +256,7 @@ class Bench:
                 if self.device == "cuda":
                     self.sync()
                     res["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 3)
-                res["fwd_ms"] = self.time_ms(fn)
+                res["fwd_ms"] = self.time_ms(fn, warmup_ms=warmup_ms)
                 if backward:
                     out = fn()
                     dout = torch.randn_like(out)
@@ -345,6 +357,13 @@ class Bench:
     def decode(self):
         """One query token against a long KV cache; reported as K+V bytes read per second."""
         hq, hkv, d, batches, seqlens = self.p.decode
+        # Each backend measured once, untimed, first: the part's first row otherwise pays the
+        # process's first decode calls (b = 1 4k read at 0.3-0.5x of its later speed).
+        q = self.randn(1, 1, hq, d, dtype=torch.bfloat16)
+        k, v = (self.randn(1, seqlens[0], hkv, d, dtype=torch.bfloat16) for _ in range(2))
+        for name in self.chosen(BACKENDS):
+            self.measure(name, lambda: attention_fn(name, q, k, v, False), [q, k, v],
+                         backward=False)
         for b in batches:
             for sk in seqlens:
                 kv_bytes = 2 * b * sk * hkv * d * 2  # bf16 K and V
@@ -356,7 +375,7 @@ class Bench:
                 k, v = (self.randn(b, sk, hkv, d, dtype=torch.bfloat16) for _ in range(2))
                 for name in self.chosen(BACKENDS):
                     res = self.measure(name, lambda: attention_fn(name, q, k, v, False),
-                                       [q, k, v], backward=False)
+                                       [q, k, v], backward=False, warmup_ms=DECODE_WARMUP_MS)
                     ms = res.pop("fwd_ms")
                     res.pop("bwd_ms")
                     rec = dict(backend=name, dtype="bf16", b=b, sk=sk, hq=hq, hkv=hkv, d=d,
@@ -387,7 +406,8 @@ class Bench:
         lens = torch.full((b,), sk, dtype=torch.int32, device=q.device)
         tfa = import_tfa()
         res = self.measure(FLASH, lambda: lambda: tfa.flash_attn_with_kvcache(
-            q, *pools, cache_seqlens=lens, block_table=table), [q, k, v], backward=False)
+            q, *pools, cache_seqlens=lens, block_table=table), [q, k, v], backward=False,
+            warmup_ms=DECODE_WARMUP_MS)
         res.pop("bwd_ms")
         return dict(backend=name, ms=res.pop("fwd_ms"), **res)
 
