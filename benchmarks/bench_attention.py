@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import gc
 import datetime
+import gc
 import json
 import os
 import platform
@@ -41,7 +41,8 @@ FLASH = report.OURS[0]  # our flash kernels' backend name
 DECODE_PAGE_SIZES = (16, 64)  # the decode part's paged rows (ours only: the peers have none)
 # Warm-up of each decode measurement: after the b = 32 128k row (seconds of the unfused
 # backend's GEMMs) the next row's first backend read ~11% slow with the preset's 10 ms and at
-# full speed after ~100 ms of calls (H200, 2026-12-01: b = 128 4k, whichever backend came first).
+# full speed after ~100 ms of calls (H200, 2026-12-01: b = 128 4k, whichever backend came
+# first). It also covers the part's first calls.
 DECODE_WARMUP_MS = 100
 NO_BACKEND = "No dot product attention backend is available for the provided inputs"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -216,10 +217,11 @@ class Bench:
             torch.cuda.synchronize()
 
     def free(self):
-        """Releases what the last measurement held, before the next one starts: tensors in
-        reference cycles (modules, closures) wait for the garbage collector otherwise, and one
-        that freed a previous row's gigabytes of K/V in the middle of the next row's timing
-        slowed that backend by ~10% (decode part, H200)."""
+        """Releases what the last measurement held before the next one starts: tensors in
+        reference cycles (modules, closures) wait for the garbage collector otherwise (a
+        decode row's K/V stayed allocated into the next row's first measurement, whose peak
+        memory then read 70.9 GB at b = 128 4k), and a collection can land inside a timing
+        loop."""
         gc.collect()
         if self.device == "cuda":
             torch.cuda.empty_cache()
@@ -357,13 +359,6 @@ class Bench:
     def decode(self):
         """One query token against a long KV cache; reported as K+V bytes read per second."""
         hq, hkv, d, batches, seqlens = self.p.decode
-        # Each backend measured once, untimed, first: the part's first row otherwise pays the
-        # process's first decode calls (b = 1 4k read at 0.3-0.5x of its later speed).
-        q = self.randn(1, 1, hq, d, dtype=torch.bfloat16)
-        k, v = (self.randn(1, seqlens[0], hkv, d, dtype=torch.bfloat16) for _ in range(2))
-        for name in self.chosen(BACKENDS):
-            self.measure(name, lambda: attention_fn(name, q, k, v, False), [q, k, v],
-                         backward=False)
         for b in batches:
             for sk in seqlens:
                 kv_bytes = 2 * b * sk * hkv * d * 2  # bf16 K and V
