@@ -12,11 +12,11 @@ namespace transformer_fa {
 namespace flash {
 namespace sm80 {
 
-// Chunks in flight per warp: about 96 KB of stages per CTA, so that two CTAs share an SM on
-// an H100 (d256: one) and each SM keeps 100+ KB of K/V reads in flight, what HBM3 needs to
-// stream at full speed. The count hardly matters past that: at d128, 2 / 3 / 4 stages (three,
-// two and one CTA per SM) ran b=1 sk=32k in 50.0 / 50.1 / 48.6 us and b=8 sk=32k in
-// 355 / 351 / 354 us (kernel times, H100, 2026-11-24).
+// Chunks in flight per warp: about 96 KB of stages per CTA, so that two CTAs can share an SM
+// (d256: one) where the grid has more CTAs than SMs; one CTA alone keeps enough K/V reads in
+// flight to stream at about full speed (choose_decode_splits). The count hardly matters past
+// that: at d128, 2 / 3 / 4 stages (three, two and one CTA per SM) ran b=1 sk=32k in
+// 50.0 / 50.1 / 48.6 us and b=8 sk=32k in 355 / 351 / 354 us (kernel times, H100, 2026-11-24).
 template <typename T, int kHeadDim>
 struct DecodeConfig;
 template <typename T> struct DecodeConfig<T, 64> { using Traits = DecodeTraits<T, 64, 6>; };
