@@ -127,8 +127,10 @@ __device__ __forceinline__ void store_staged_rows(Element* gmem, int64_t row_str
   }
 }
 
-// A named tile configuration: kBlockM / 64 consumer warpgroups (2 or 3) of 64 rows each; the
-// producer is the first warpgroup (only its warp 0 works).
+// A named tile configuration: kBlockM / 64 consumer warpgroups (1, 2 or 3) of 64 rows each;
+// the producer is the first warpgroup (only its warp 0 works). Two or three consumers take
+// turns at the tensor cores (one's softmax under another's GEMMs); a lone consumer has no
+// partner, so its CTA is sized for two on an SM (kCtasPerSm), whose CTAs overlap instead.
 // kOStagedInQ: the epilogue stages O in Q's shared memory (Q, K and V take all of it at
 // d256, and at d128 with 176 keys); such a config runs one CTA per tile (a persistent CTA
 // would load the next Q there).
@@ -144,17 +146,20 @@ struct FwdConfig {
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kThreads = 128 + kConsumerThreads;
-  static_assert(kBlockM % 64 == 0 && (kConsumerWarpgroups == 2 || kConsumerWarpgroups == 3),
-                "the turn-taking ring and the register split are for two or three consumers");
+  static_assert(kBlockM % 64 == 0 && kConsumerWarpgroups >= 1 && kConsumerWarpgroups <= 3,
+                "the turn-taking ring and the register split are for one to three consumers");
+  static constexpr int kCtasPerSm = kConsumerWarpgroups == 1 ? 2 : 1;
   // kBlockN: the N of S = Q K^T (a multiple of 8) and the K of O = P V (of 16); 16 keeps the
   // softmax's four column chains even.
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0);
 
   // Register split after setmaxnreg (FlashAttention-3's): 24 for the producer and 240 per
   // consumer thread with two consumers (24 * 128 + 240 * 256 <= 65536), 32 and 160 with three
-  // (32 * 128 + 160 * 384 = 65536).
-  static constexpr int kProducerRegs = kConsumerWarpgroups == 2 ? 24 : 32;
-  static constexpr int kConsumerRegs = kConsumerWarpgroups == 2 ? 240 : 160;
+  // (32 * 128 + 160 * 384 = 65536); with one, two CTAs an SM: 24 and 232 (24 * 128 + 232 * 128
+  // = 65536 / 2, the 128 a thread that __launch_bounds__ leaves each CTA).
+  static constexpr int kProducerRegs = kConsumerWarpgroups == 3 ? 32 : 24;
+  static constexpr int kConsumerRegs =
+      kConsumerWarpgroups == 1 ? 232 : kConsumerWarpgroups == 2 ? 240 : 160;
 
   using TileQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;   // M, N, K of S = Q K^T
   using TilePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;   // M, N, K of O = P V
@@ -435,7 +440,7 @@ __device__ __forceinline__ void scale_rows(TS& t, float const (&scale)[kRows]) {
 // without a right one; neither: only the keys' end. Each query tile's key blocks come from the
 // band (common/sequence.cuh), and only the blocks that the band cuts are masked.
 template <class Cfg, bool kCausal, bool kLocal>
-__global__ void __launch_bounds__(Cfg::kThreads, 1)
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
 fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   using Element = typename Cfg::Element;
   using Pipeline = typename Cfg::Pipeline;
@@ -625,13 +630,18 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   // and hands the turn to the next after. Every warpgroup takes one turn per key block after
   // the first, the same count for all (they share the tile), so the ring never skips one.
   // Each turn barrier counts the waiting warpgroup and the one handing over: 2 * 128 threads.
-  // Warpgroup 0 gives itself the first turn.
-  auto scheduler_sync = [&] { named_barrier_sync(2 * 128, kBarSchedulerWG0 + consumer_wg); };
-  auto scheduler_hand_over = [&] {
-    int const next = consumer_wg + 1 == Cfg::kConsumerWarpgroups ? 0 : consumer_wg + 1;
-    named_barrier_arrive(2 * 128, kBarSchedulerWG0 + next);
+  // Warpgroup 0 gives itself the first turn. A lone consumer has no turns to take.
+  constexpr bool kTurns = Cfg::kConsumerWarpgroups > 1;
+  auto scheduler_sync = [&] {
+    if constexpr (kTurns) { named_barrier_sync(2 * 128, kBarSchedulerWG0 + consumer_wg); }
   };
-  if (consumer_wg == 0) { named_barrier_arrive(2 * 128, kBarSchedulerWG0); }
+  auto scheduler_hand_over = [&] {
+    if constexpr (kTurns) {
+      int const next = consumer_wg + 1 == Cfg::kConsumerWarpgroups ? 0 : consumer_wg + 1;
+      named_barrier_arrive(2 * 128, kBarSchedulerWG0 + next);
+    }
+  };
+  if (kTurns && consumer_wg == 0) { named_barrier_arrive(2 * 128, kBarSchedulerWG0); }
 
   PipelineState read_k;   // consumer state starts at stage 0, phase 0
   int q_loads = 0;

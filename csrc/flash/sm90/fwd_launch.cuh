@@ -70,8 +70,8 @@ template <class Element> struct FwdTile<Element, 256, FwdMask::kLocal> {
 // and epilogue (O) exposed, or where a tile's last query or key block is mostly empty: d128
 // unmasked on 128 x 128 (Q, K and V leave room for O, so the grid is persistent and the
 // producer loads the next tile during the epilogue; 128 x 176 stages O in Q's buffer and runs
-// one CTA per tile); d64 causal on 128 x 128 (192-row tiles leave a third of the last query
-// block empty at s = 512 and 1k); d256 on 128 x 64 (s = 512 in 8 key blocks, not 7 of 80 with
+// one CTA per tile); d64 causal on 64 x 128 (below; 192-row tiles leave a third of the last
+// query block empty at s = 512 and 1k); d256 on 128 x 64 (s = 512 in 8 key blocks, not 7 of 80 with
 // the last 48 keys empty; causal: less of the diagonal masked). Other cases keep their tile
 // (FwdShortTile = FwdTile): d64 unmasked on 128 x 128 ran 0.87-0.94x its 192 x 128 at every
 // length.
@@ -80,8 +80,11 @@ template <class Element, int kHeadDim, FwdMask kMask> struct FwdShortTile
 template <class Element> struct FwdShortTile<Element, 128, FwdMask::kNone> {
   using Config = FwdConfig<Element, 128, 128, 128, 2>;
 };
+// d64 causal: 64 x 128 (cuDNN's tile there: 64 x 128 x 64, four warps), one consumer
+// warpgroup, two CTAs an SM (81 KB of shared memory each); a 128-row tile's last query block
+// of a short causal row is mostly masked.
 template <class Element> struct FwdShortTile<Element, 64, FwdMask::kRight> {
-  using Config = FwdConfig<Element, 64, 128, 128, 2>;
+  using Config = FwdConfig<Element, 64, 64, 128, 2>;
 };
 template <class Element, FwdMask kMask> struct FwdShortTile<Element, 256, kMask> {
   using Config = FwdConfig<Element, 256, 128, 64, 2, true>;
@@ -113,7 +116,8 @@ inline bool short_rows(int head_dim, bool causal, const FwdParams& p) {
 
 // How the CTAs get their tiles (TileScheduler, fwd_kernel.cuh): one CTA per tile, a persistent
 // grid (one CTA per SM at most) in the static snake order, or a persistent grid whose CTAs
-// claim the next tile from a counter as they free up (dynamic). Unmasked rows take the static
+// claim the next tile from a counter as they free up (dynamic); "one CTA per SM" is kCtasPerSm
+// CTAs an SM for the configs sized for two. Unmasked rows take the static
 // order (the persistent grid won over one CTA per tile on the H100 at short rows and tied at
 // long ones). Causal rows take the dynamic one: their tiles differ in length, which the static
 // order balances badly and one CTA per tile pays for with a launch per tile. Measured (H200,
@@ -209,7 +213,9 @@ void launch(const FwdParams& a, const Device& device, cudaStream_t stream) {
   if (num_tiles == 0) return;  // thd with every sequence empty (max_seqlen_q = 0)
   // (the counter is this call's own, zeroed on its stream: ordered before the kernel)
   if (counter != nullptr) cudaMemsetAsync(counter, 0, sizeof(int), stream);
-  const int grid = order == FwdScheduler::kGrid ? num_tiles : std::min(num_tiles, device.sms);
+  const int grid = order == FwdScheduler::kGrid
+                       ? num_tiles
+                       : std::min(num_tiles, device.sms * Cfg::kCtasPerSm);
   kernel<<<grid, Cfg::kThreads, smem_bytes, stream>>>(p);
 }
 
