@@ -142,12 +142,11 @@ def test_forward_matches_float64(name, mask, dtype, d):
     check_case(name, mask, dtype, d)
 
 
-# The short-row tiles (d128 unmasked on 128 x 128; d64 on 64 x 128 and d128 causal on 64 x 64,
-# one consumer warpgroup, two CTAs an SM; d256 on 128 x 64) run up to a length
-# (fwd_launch.cuh's short_rows), the other tiles (128 x 176, 192 x 128, 128 x 128, 128 x 80)
-# above it: TRANSFORMER_FA_SM90_SHORT_TILES=0 / 1 forces either, so both meet every case.
-TILE_CASES = [(128, "no_mask"), (128, "causal"), (128, "causal_bottom_right"),
-              (64, "no_mask"), (64, "causal"), (64, "causal_bottom_right"),
+# The short-row tiles (d128 unmasked on 128 x 128; d64 causal on 64 x 128, one consumer
+# warpgroup, two CTAs an SM; d256 on 128 x 64) run up to a length (fwd_launch.cuh's
+# short_rows), the other tiles (128 x 176, 192 x 128, 128 x 80) above it:
+# TRANSFORMER_FA_SM90_SHORT_TILES=0 / 1 forces either, so both meet every case.
+TILE_CASES = [(128, "no_mask"), (64, "causal"), (64, "causal_bottom_right"),
               (256, "no_mask"), (256, "causal"), (256, "causal_bottom_right")]
 TILES = {"long_tiles": "0", "short_tiles": "1"}
 

@@ -70,30 +70,25 @@ template <class Element> struct FwdTile<Element, 256, FwdMask::kLocal> {
 // and epilogue (O) exposed, or where a tile's last query or key block is mostly empty: d128
 // unmasked on 128 x 128 (Q, K and V leave room for O, so the grid is persistent and the
 // producer loads the next tile during the epilogue; 128 x 176 stages O in Q's buffer and runs
-// one CTA per tile); d64 causal on 64 x 128 (below; 192-row tiles leave a third of the last
-// query block empty at s = 512 and 1k); d256 on 128 x 64 (s = 512 in 8 key blocks, not 7 of 80 with
-// the last 48 keys empty; causal: less of the diagonal masked). Other cases keep their tile
-// (FwdShortTile = FwdTile). d64 unmasked on 128 x 128 ran 0.87-0.94x its 192 x 128 at every
-// length.
+// one CTA per tile); d64 causal on 64 x 128 (below); d256 on 128 x 64 (s = 512 in 8 key blocks,
+// not 7 of 80 with the last 48 keys empty; causal: less of the diagonal masked). Other cases
+// keep their tile (FwdShortTile = FwdTile). Tried and not kept (H200, bf16, batch * s = 16k,
+// forward TFLOPS, short tile / the other): d64 unmasked on 128 x 128 ran 0.87-0.94x its
+// 192 x 128 at every length (2026-11-28), and on the one-consumer 64 x 128 below 336 / 343 at
+// s = 512, 378 / 387 at 1k (2026-12-01); d128 causal on a one-consumer 64 x 64 (two CTAs an
+// SM) 284 / 313 at 512, 375 / 422 at 1k, behind at every length (2026-12-01).
 template <class Element, int kHeadDim, FwdMask kMask> struct FwdShortTile
     : FwdTile<Element, kHeadDim, kMask> {};
 template <class Element> struct FwdShortTile<Element, 128, FwdMask::kNone> {
   using Config = FwdConfig<Element, 128, 128, 128, 2>;
 };
 // d64 causal: 64 x 128 (cuDNN's tile there: 64 x 128 x 64, four warps), one consumer
-// warpgroup, two CTAs an SM (81 KB of shared memory each); a 128-row tile's last query block
-// of a short causal row is mostly masked.
+// warpgroup, two CTAs an SM (81 KB of shared memory each): a 192-row tile leaves a third of
+// the last query block empty at s = 512 and 1k, and its three warpgroups wait on each other.
+// Measured (H200, 2026-12-01, TFLOPS 64 x 128 / 192 x 128): 214 / 194 at s = 512, 300 / 262 at
+// 1k, 360 / 367 at 2k.
 template <class Element> struct FwdShortTile<Element, 64, FwdMask::kRight> {
   using Config = FwdConfig<Element, 64, 64, 128, 2>;
-};
-// The same one-consumer tiles for d64 unmasked short rows, and for d128 causal ones on 64 x 64
-// (98 KB: two CTAs an SM). Not measured yet (branch sm90-m64): short_rows_limit's values
-// for them are a first guess.
-template <class Element> struct FwdShortTile<Element, 64, FwdMask::kNone> {
-  using Config = FwdConfig<Element, 64, 64, 128, 2>;
-};
-template <class Element> struct FwdShortTile<Element, 128, FwdMask::kRight> {
-  using Config = FwdConfig<Element, 128, 64, 64, 2>;
 };
 template <class Element, FwdMask kMask> struct FwdShortTile<Element, 256, kMask> {
   using Config = FwdConfig<Element, 256, 128, 64, 2, true>;
@@ -109,8 +104,8 @@ template <class Element, FwdMask kMask> struct FwdShortTile<Element, 256, kMask>
 // at 4k.
 inline int short_rows_limit(int head_dim, bool causal) {
   switch (head_dim) {
-    case 64: return 1024;
-    case 128: return causal ? 1024 : 8192;
+    case 64: return causal ? 1024 : 0;
+    case 128: return causal ? 0 : 8192;
     default: return causal ? 2048 : 1024;
   }
 }
