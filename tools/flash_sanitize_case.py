@@ -57,15 +57,14 @@ assert flash._extension() is not None, flash._ext_error
 if args.sm90:
     # Each case twice: with the default tile hand-out (the persistent grid's static order where
     # it is persistent), then with the dynamic scheduler (TRANSFORMER_FA_SM90_SCHEDULER:
-    # every d64 / d128 tile on a persistent grid whose CTAs claim tiles from a counter; d256
-    # stays one CTA per tile).
+    # every tile on a persistent grid whose CTAs claim tiles from a counter).
     for scheduler in ("", "dynamic"):
         os.environ["TRANSFORMER_FA_SM90_SCHEDULER"] = scheduler
         # 3 x 8 heads x 8 query tiles = 192 tiles: a persistent CTA takes a second tile (Q and
         # the O staging buffer reused) on a 132-SM H100. GQA (8 query heads on 2 KV heads);
         # length 1000 (the key tail masked, the query tail not stored); then sq != sk with the
-        # bottom-right diagonal; head dims 64, 128 and 256 (d256 stages O in Q's buffer, one CTA
-        # per tile) and 96 and 200 (the d128 and d256 kernels with columns past d: zero-filled,
+        # bottom-right diagonal; head dims 64, 128 and 256 (d256 stores O from registers, and
+        # its persistent CTA loads the next Q under the epilogue) and 96 and 200 (the d128 and d256 kernels with columns past d: zero-filled,
         # not stored); the short-row tiles and the others.
         for d, tiles in ((64, "0"), (64, "1"), (128, "0"), (128, "1"), (256, "0"), (256, "1"),
                          (96, ""), (200, "")):

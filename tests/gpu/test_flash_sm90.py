@@ -162,11 +162,11 @@ def test_forward_tiles_both_ways(monkeypatch, tiles, name, d, mask):
 # How the sm90 forward hands tiles to CTAs (fwd_launch.cuh's fwd_scheduler): one CTA per tile
 # ("grid"), a persistent grid in the static snake order ("static"), or one whose CTAs claim
 # tiles from a counter ("dynamic"); TRANSFORMER_FA_SM90_SCHEDULER forces each (the tests above
-# run the default). Head dims 64 and 128, whose tiles keep O out of Q's buffer (the others run
-# one CTA per tile whatever is forced). Every case of CASES: grids that loop (more tiles than
-# SMs), tails, sq != sk, GQA.
+# run the default). Head dims 64, 128 and 256 (whose tiles store O from registers, so that a
+# persistent CTA loads the next Q under the last tile's epilogue). Every case of CASES: grids
+# that loop (more tiles than SMs), tails, sq != sk, GQA.
 SCHEDULERS = ["dynamic", "grid", "static"]
-SCHEDULER_DIMS = [64, 128]
+SCHEDULER_DIMS = [64, 128, 256]
 
 
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
@@ -195,16 +195,15 @@ def fwd_launches(fn, tmp_path):
 
 def test_scheduler_switch_reaches_the_launch(monkeypatch, tmp_path):
     """Each forced scheduler launches its grid (one CTA per tile, or one per SM) and only the
-    dynamic one zeroes its counter first; d256 (O staged in Q's buffer) runs one CTA per tile
-    whatever is forced; unset or an unknown value is the default (dynamic for causal calls).
+    dynamic one zeroes its counter first, at d128 and at d256 (O stored from registers) alike;
+    unset or an unknown value is the default (dynamic for causal calls).
     Every order computes each tile alike, so O and the LSE agree bit for bit."""
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
     b, s, h = 8, 1024, 16  # 8 x 16 x 8 = 1024 tiles of 128 rows (d128 causal, d256 causal)
     tiles = b * h * s // 128
-    for d, expected in ((128, {None: (sms, 1), "bogus": (sms, 1), "grid": (tiles, 0),
-                               "static": (sms, 0), "dynamic": (sms, 1)}),
-                        (256, {None: (tiles, 0), "grid": (tiles, 0), "static": (tiles, 0),
-                               "dynamic": (tiles, 0)})):
+    expected = {None: (sms, 1), "bogus": (sms, 1), "grid": (tiles, 0), "static": (sms, 0),
+                "dynamic": (sms, 1)}
+    for d in (128, 256):
         q, k, v = make_qkv(b, s, s, h, h, torch.bfloat16, "bshd", d=d)
         results = {}
         for scheduler, (grid, memsets) in expected.items():

@@ -131,18 +131,18 @@ __device__ __forceinline__ void store_staged_rows(Element* gmem, int64_t row_str
 // the producer is the first warpgroup (only its warp 0 works). Two or three consumers take
 // turns at the tensor cores (one's softmax under another's GEMMs); a lone consumer has no
 // partner, so its CTA is sized for two on an SM (kCtasPerSm), whose CTAs overlap instead.
-// kOStagedInQ: the epilogue stages O in Q's shared memory (Q, K and V take all of it at
-// d256, and at d128 with 176 keys); such a config runs one CTA per tile (a persistent CTA
-// would load the next Q there).
+// kODirect: the epilogue stores O from the accumulators straight to global memory, with no
+// staging tile in shared memory (for configs whose Q, K and V take all of it: d256, and d128
+// with 176 keys), so that Q's buffer is free for the next tile's Q after the last QK^T.
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_,
-          bool kOStagedInQ_ = false>
+          bool kODirect_ = false>
 struct FwdConfig {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
-  static constexpr bool kOStagedInQ = kOStagedInQ_;
+  static constexpr bool kODirect = kODirect_;
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kThreads = 128 + kConsumerThreads;
@@ -185,15 +185,9 @@ struct FwdConfig {
                                               Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
                                               Step<_2, _1, _3>{}));
   // Output staging: row-major with 8 elements of padding so that the accumulator's row
-  // pairs land in different banks; in Q's buffer (no room for padding) swizzled instead (the
-  // same effect).
+  // pairs land in different banks.
   static constexpr int kOPitch = kHeadDim + 8;
-  using SmemLayoutOPadded = Layout<Shape<Int<kBlockM>, Int<kHeadDim>>, Stride<Int<kOPitch>, _1>>;
-  using SmemLayoutOSwizzled = SmemLayoutRowsSwizzled<kBlockM, kHeadDim>;
-  using SmemLayoutO = conditional_t<kOStagedInQ, SmemLayoutOSwizzled, SmemLayoutOPadded>;
-  static_assert(!kOStagedInQ || ((kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256) &&
-                                 cosize_v<SmemLayoutO> <= cosize_v<SmemLayoutQ>),
-                "the swizzle above is for rows of 64, 128 or 256 elements");
+  using SmemLayoutO = Layout<Shape<Int<kBlockM>, Int<kHeadDim>>, Stride<Int<kOPitch>, _1>>;
 
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
@@ -205,8 +199,8 @@ struct FwdConfig {
   using TilePipeline = cutlass::PipelineAsync<2>;
 
   struct NoOBuffer {};
-  using OBuffer = conditional_t<kOStagedInQ, NoOBuffer,
-                                cute::array_aligned<Element, cosize_v<SmemLayoutOPadded>, 128>>;
+  using OBuffer = conditional_t<kODirect, NoOBuffer,
+                                cute::array_aligned<Element, cosize_v<SmemLayoutO>, 128>>;
 
   struct SharedStorage {
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
@@ -286,7 +280,6 @@ __device__ __forceinline__ void tile_key_blocks(SeqInfo const& si, Band const& b
 enum : uint32_t {
   kBarVTail = 5,          // consumers zeroed a varlen sequence's V rows past its keys
   kBarQueryEmpty = 6,     // consumers done with Q -> producer may load the next
-  kBarQueryRead = 7,      // all consumers done with Q -> O may be staged in its buffer
   kBarSchedulerWG0 = 8,   // 8 + w: consumer warpgroup w's turn to issue GEMMs (w < 3)
   kBarEpilogueWG0 = 11,   // 11 + w: consumer warpgroup w's O staging
 };
@@ -617,14 +610,6 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   Tensor cO = make_identity_tensor(select<0, 1>(typename Cfg::TilePV{}));
   Tensor tOcO = thr_pv.partition_C(cO);
   Tensor tOcO_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
-  Element* o_staging;
-  if constexpr (Cfg::kOStagedInQ) {
-    o_staging = shared.q.data();
-  } else {
-    o_staging = shared.o.data();
-  }
-  Tensor sO = make_tensor(make_smem_ptr(o_staging), typename Cfg::SmemLayoutO{});
-  Tensor tOsO = thr_pv.partition_C(sO);
 
   // Turns in a ring (ping-pong with two): a warpgroup waits for its turn before issuing GEMMs
   // and hands the turn to the next after. Every warpgroup takes one turn per key block after
@@ -813,26 +798,46 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
       }
     }
 
-    // O: registers -> padded smem (each warpgroup its own 64 rows) -> 16-byte
-    // coalesced global stores. The first barrier keeps this tile's writes
-    // after the previous tile's reads of the same rows; the second keeps the reads after
-    // every thread's writes (the stores read rows other threads wrote).
     Tensor tOrO_out = make_tensor<Element>(tOrO.layout());
     convert_fragment<Element>(tOrO, tOrO_out);
-    // O in Q's buffer: a warpgroup's rows there hold other warpgroups' Q rows, so all must be
-    // done with their last QK^T.
-    if constexpr (Cfg::kOStagedInQ) { named_barrier_sync(Cfg::kConsumerThreads, kBarQueryRead); }
-    named_barrier_sync(128, kBarEpilogueWG0 + consumer_wg);
-    copy(tOrO_out, tOsO);
-    named_barrier_sync(128, kBarEpilogueWG0 + consumer_wg);
-
-    // Of this warpgroup's 64 rows, those the sequence owns.
     Element* o_tile = static_cast<Element*>(args.o) +
                       si.q_off(args.o_batch_stride, args.o_row_stride) +
-                      int64_t(head) * args.o_head_stride +
-                      int64_t(m0 + consumer_wg * 64) * args.o_row_stride;
-    store_staged_rows<kHeadDim>(o_tile, args.o_row_stride, sO, consumer_wg * 64,
-                                rows_in_tile - consumer_wg * 64, args.d, tidx % 128);
+                      int64_t(head) * args.o_head_stride + int64_t(m0) * args.o_row_stride;
+    if constexpr (Cfg::kODirect) {
+      // O from the accumulators: each thread's column pairs as 4-byte stores (a quad writes 16
+      // contiguous bytes of a row; the next column group the rest of each 32-byte sector).
+      Tensor out = make_tensor(tOrO_out.data(), acc_rowcol(tOrO_out.layout()));
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        int const row = get<0>(tOcO_rc(r, 0));
+        if (row < rows_in_tile) {
+          Element* o_row = o_tile + int64_t(row) * args.o_row_stride;
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(out); c += 2) {
+            int const col = get<1>(tOcO_rc(r, c));
+            if (col < args.d) {
+              uint32_t const lo = reinterpret_cast<uint16_t const&>(out(r, c));
+              uint32_t const hi = reinterpret_cast<uint16_t const&>(out(r, c + 1));
+              *reinterpret_cast<uint32_t*>(o_row + col) = lo | (hi << 16);
+            }
+          }
+        }
+      }
+    } else {
+      // O: registers -> padded smem (each warpgroup its own 64 rows) -> 16-byte coalesced
+      // global stores. The first barrier keeps this tile's writes after the previous tile's
+      // reads of the same rows; the second keeps the reads after every thread's writes (the
+      // stores read rows other threads wrote).
+      Tensor sO = make_tensor(make_smem_ptr(shared.o.data()), typename Cfg::SmemLayoutO{});
+      Tensor tOsO = thr_pv.partition_C(sO);
+      named_barrier_sync(128, kBarEpilogueWG0 + consumer_wg);
+      copy(tOrO_out, tOsO);
+      named_barrier_sync(128, kBarEpilogueWG0 + consumer_wg);
+      // Of this warpgroup's 64 rows, those the sequence owns.
+      store_staged_rows<kHeadDim>(o_tile + int64_t(consumer_wg * 64) * args.o_row_stride,
+                                  args.o_row_stride, sO, consumer_wg * 64,
+                                  rows_in_tile - consumer_wg * 64, args.d, tidx % 128);
+    }
   }
 }
 

@@ -36,7 +36,7 @@ enum class FwdMask { kNone, kRight, kLocal };
 
 // Tile configs per head dim and mask case. d128: 128 x 128 tiles (two consumer warpgroups of
 // 64 query rows), two K/V stages; unmasked 128 x 176 (FlashAttention-3's tile: fewer softmax
-// rounds per GEMM FLOP), whose Q, K and V take 208 KB, so O is staged in Q's buffer.
+// rounds per GEMM FLOP), whose Q, K and V take 208 KB, so O goes from registers to global memory.
 // (A 128 x 160 try on 2026-11-24 ran 5-15% slower, but its S = Q K^T was issued as five
 // 64x32x16 wgmmas per k-slice: CuTe's extended shapes were off, cute_config.h.)
 template <class Element, int kHeadDim, FwdMask kMask> struct FwdTile {
@@ -57,7 +57,7 @@ template <class Element> struct FwdTile<Element, 64, FwdMask::kLocal> {
   using Config = FwdConfig<Element, 64, 128, 128, 2>;
 };
 // d256: 128 x 80 tiles (FlashAttention-3's choice): Q, two stages of K and V take 224 KB, so
-// O is staged in Q's buffer. Windows: 128 x 64 (FlashAttention-3's local tile: a smaller S
+// O goes from registers to global memory. Windows: 128 x 64 (FlashAttention-3's local tile: a smaller S
 // beside the mask's values).
 template <class Element, FwdMask kMask> struct FwdTile<Element, 256, kMask> {
   using Config = FwdConfig<Element, 256, 128, 80, 2, true>;
@@ -69,8 +69,7 @@ template <class Element> struct FwdTile<Element, 256, FwdMask::kLocal> {
 // Tiles for short rows, where a tile's few key blocks leave its prologue (Q and the first K)
 // and epilogue (O) exposed, or where a tile's last query or key block is mostly empty: d128
 // unmasked on 128 x 128 (Q, K and V leave room for O, so the grid is persistent and the
-// producer loads the next tile during the epilogue; 128 x 176 stages O in Q's buffer and runs
-// one CTA per tile); d64 causal on 64 x 128 (below); d256 on 128 x 64 (s = 512 in 8 key blocks,
+// producer loads the next tile during the epilogue; 128 x 176 has no room to stage O); d64 causal on 64 x 128 (below); d256 on 128 x 64 (s = 512 in 8 key blocks,
 // not 7 of 80 with the last 48 keys empty; causal: less of the diagonal masked). Other cases
 // keep their tile (FwdShortTile = FwdTile). Tried and not kept (H200, bf16, batch * s = 16k,
 // forward TFLOPS, short tile / the other): d64 unmasked on 128 x 128 ran 0.87-0.94x its
@@ -129,8 +128,9 @@ inline bool short_rows(int head_dim, bool causal, const FwdParams& p) {
 // 512 (1k at d128) and one CTA per tile above): d64 causal 1k 287 vs 231, 2k 375 vs 335, 4k 428
 // vs 404; d128 causal 2k 521 vs 466, 4k 567 vs 532; even at d256 and on unmasked rows.
 // TRANSFORMER_FA_SM90_SCHEDULER=grid / static / dynamic forces one (tests and benchmarks;
-// anything else: the default). Configs that stage O in Q's buffer run one CTA per tile whatever
-// is chosen (launch).
+// anything else: the default). The configs that store O from registers (kODirect: d256, d128
+// with 176 keys) ran one CTA per tile until 2026-12-01, when O was staged in Q's buffer (the
+// next tile's Q could load only after the epilogue; a persistent grid then ran 0.94-1.01x).
 enum class FwdScheduler { kGrid, kStatic, kDynamic };
 inline FwdScheduler fwd_scheduler(bool causal) {
   const char* forced = std::getenv("TRANSFORMER_FA_SM90_SCHEDULER");
@@ -185,12 +185,9 @@ void launch(const FwdParams& a, const Device& device, cudaStream_t stream) {
   typename Cfg::ShapeQKV shape_q = make_shape(q.rows, a.d, a.h, q.batches);
   typename Cfg::ShapeQKV shape_k = make_shape(k.rows, a.d, a.h_k, k.batches);
   typename Cfg::ShapeQKV shape_vt = make_shape(a.d, v.rows, a.h_k, v.batches);
-  // O staged in Q's buffer: one CTA per tile, whatever is forced (the next tile's Q could load
-  // only after the epilogue; measured (d256, H200, 2026-11-28) a persistent grid then ran
-  // 0.94-1.01x one CTA per tile). Without the binding's counter (FwdParams::tile_counter) the
-  // dynamic order falls back to the static one.
-  FwdScheduler order = Cfg::kOStagedInQ ? FwdScheduler::kGrid
-                                        : fwd_scheduler(kCausal);
+  // Without the binding's counter (FwdParams::tile_counter) the dynamic order falls back to
+  // the static one.
+  FwdScheduler order = fwd_scheduler(kCausal);
   if (order == FwdScheduler::kDynamic && a.tile_counter == nullptr) order = FwdScheduler::kStatic;
   int* const counter = order == FwdScheduler::kDynamic ? a.tile_counter : nullptr;
   auto mQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(a.q)), shape_q,
