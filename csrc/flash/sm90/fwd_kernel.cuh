@@ -97,7 +97,7 @@ struct TileScheduler {
 // the row's low 3 bits (kCols 64, 128 or 256): the accumulators' row pairs land in different
 // banks without padding, and 16-byte chunks stay whole for the global stores. (The XOR takes
 // the 3 row bits just above a row's own: log2(kCols) - 3 bits of chunk and element index
-// below them.) Forward: O; backward: dK and dV.
+// below them.) The backward stages dK and dV in it.
 template <int kRows, int kCols>
 using SmemLayoutRowsSwizzled = decltype(composition(
     Swizzle<3, 3, kCols == 64 ? 3 : kCols == 128 ? 4 : 5>{},

@@ -36,7 +36,8 @@ enum class FwdMask { kNone, kRight, kLocal };
 
 // Tile configs per head dim and mask case. d128: 128 x 128 tiles (two consumer warpgroups of
 // 64 query rows), two K/V stages; unmasked 128 x 176 (FlashAttention-3's tile: fewer softmax
-// rounds per GEMM FLOP), whose Q, K and V take 208 KB, so O goes from registers to global memory.
+// rounds per GEMM FLOP), whose Q, K and V take 208 KB, so O goes from registers to global
+// memory.
 // (A 128 x 160 try on 2026-11-24 ran 5-15% slower, but its S = Q K^T was issued as five
 // 64x32x16 wgmmas per k-slice: CuTe's extended shapes were off, cute_config.h.)
 template <class Element, int kHeadDim, FwdMask kMask> struct FwdTile {
@@ -57,8 +58,8 @@ template <class Element> struct FwdTile<Element, 64, FwdMask::kLocal> {
   using Config = FwdConfig<Element, 64, 128, 128, 2>;
 };
 // d256: 128 x 80 tiles (FlashAttention-3's choice): Q, two stages of K and V take 224 KB, so
-// O goes from registers to global memory. Windows: 128 x 64 (FlashAttention-3's local tile: a smaller S
-// beside the mask's values).
+// O goes from registers to global memory. Windows: 128 x 64 (FlashAttention-3's local tile: a
+// smaller S beside the mask's values).
 template <class Element, FwdMask kMask> struct FwdTile<Element, 256, kMask> {
   using Config = FwdConfig<Element, 256, 128, 80, 2, true>;
 };
@@ -69,8 +70,10 @@ template <class Element> struct FwdTile<Element, 256, FwdMask::kLocal> {
 // Tiles for short rows, where a tile's few key blocks leave its prologue (Q and the first K)
 // and epilogue (O) exposed, or where a tile's last query or key block is mostly empty: d128
 // unmasked on 128 x 128 (Q, K and V leave room for O, so the grid is persistent and the
-// producer loads the next tile during the epilogue; 128 x 176 has no room to stage O); d64 causal on 64 x 128 (below); d256 on 128 x 64 (s = 512 in 8 key blocks,
-// not 7 of 80 with the last 48 keys empty; causal: less of the diagonal masked). Other cases
+// producer loads the next tile during the epilogue; 128 x 176 has no room to stage O and
+// stores it from registers); d64 causal on 64 x 128 (below); d256 on 128 x 64 (s = 512 in 8
+// key blocks, not 7 of 80 with the last 48 keys empty; causal: less of the diagonal masked).
+// Other cases
 // keep their tile (FwdShortTile = FwdTile). Tried and not kept (H200, bf16, batch * s = 16k,
 // forward TFLOPS, short tile / the other): d64 unmasked on 128 x 128 ran 0.87-0.94x its
 // 192 x 128 at every length (2026-11-28), and on the one-consumer 64 x 128 below 336 / 343 at
@@ -129,8 +132,10 @@ inline bool short_rows(int head_dim, bool causal, const FwdParams& p) {
 // vs 404; d128 causal 2k 521 vs 466, 4k 567 vs 532; even at d256 and on unmasked rows.
 // TRANSFORMER_FA_SM90_SCHEDULER=grid / static / dynamic forces one (tests and benchmarks;
 // anything else: the default). The configs that store O from registers (kODirect: d256, d128
-// with 176 keys) ran one CTA per tile until 2026-12-01, when O was staged in Q's buffer (the
-// next tile's Q could load only after the epilogue; a persistent grid then ran 0.94-1.01x).
+// with 176 keys) follow it too; until 2026-12-01 they staged O in Q's buffer and ran one CTA
+// per tile (the next Q could load only after the epilogue: a persistent grid ran 0.94-1.01x).
+// Measured with O from registers (H200, d256, s = 512 forward TFLOPS): persistent 427 vs one
+// CTA per tile 385 unmasked, 263 vs 234 causal.
 enum class FwdScheduler { kGrid, kStatic, kDynamic };
 inline FwdScheduler fwd_scheduler(bool causal) {
   const char* forced = std::getenv("TRANSFORMER_FA_SM90_SCHEDULER");
