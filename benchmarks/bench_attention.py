@@ -42,7 +42,7 @@ DECODE_PAGE_SIZES = (16, 64)  # the decode part's paged rows (ours only: the pee
 # Warm-up of each decode measurement: after the b = 32 128k row (seconds of the unfused
 # backend's GEMMs) the next row's first backend read ~11% slow with the preset's 10 ms and at
 # full speed after ~100 ms of calls (H200, 2026-12-01: b = 128 4k, whichever backend came
-# first). It also covers the part's first calls.
+# first). The part's first calls need more (Bench.decode's untimed first pass).
 DECODE_WARMUP_MS = 100
 NO_BACKEND = "No dot product attention backend is available for the provided inputs"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -359,6 +359,15 @@ class Bench:
     def decode(self):
         """One query token against a long KV cache; reported as K+V bytes read per second."""
         hq, hkv, d, batches, seqlens = self.p.decode
+        # Each backend measured once, untimed, first: the part's first row otherwise pays the
+        # process's first decode calls (b = 1 4k read at 0.3-0.5x of its later speed; with this
+        # pass dropped and only the 100 ms warm-up, 0.78x, and 8k 0.95x: decode-warm, H200,
+        # 2026-12-01).
+        q = self.randn(1, 1, hq, d, dtype=torch.bfloat16)
+        k, v = (self.randn(1, seqlens[0], hkv, d, dtype=torch.bfloat16) for _ in range(2))
+        for name in self.chosen(BACKENDS):
+            self.measure(name, lambda: attention_fn(name, q, k, v, False), [q, k, v],
+                         backward=False)
         for b in batches:
             for sk in seqlens:
                 kv_bytes = 2 * b * sk * hkv * d * 2  # bf16 K and V
