@@ -82,7 +82,8 @@ def test_declines_what_the_build_lacks(monkeypatch):
     assert flash.not_supported_reasons(gpu_params(head_dim_qk=96, head_dim_v=96)) == []
     reasons = flash.not_supported_reasons(gpu_params(head_dim_qk=160, head_dim_v=160))
     assert reasons == ["as this build has no bf16_hdim192 kernel for head dim 160 (built: "
-                       "bf16_hdim64, bf16_hdim128; see TRANSFORMER_FA_FLASH_KERNELS)"], reasons
+                       "bf16_hdim64, bf16_hdim128 of the sm80 family, which serves every call; "
+                       "see TRANSFORMER_FA_FLASH_KERNELS)"], reasons
     reasons = flash.not_supported_reasons(gpu_params(dtype=torch.float16))
     assert reasons and "no fp16_hdim128 kernel" in reasons[0], reasons
 

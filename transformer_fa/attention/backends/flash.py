@@ -89,9 +89,11 @@ def _reasons(p: AttentionParams) -> List[str]:
         # the kernel of the next head dim up.
         kernel = f"{_DTYPE_NAMES[p.dtype]}_hdim{min(hd for hd in ext.HEAD_DIMS if hd >= d)}"
         if kernel not in ext.INSTANTIATIONS:
+            # (ext.INSTANTIATIONS: the sm80 family's, which serves every call; the sm90 one
+            # serves a subset, so a build of sm90 kernels alone serves none)
             reasons.append(f"as this build has no {kernel} kernel for head dim {d} (built: "
-                           f"{', '.join(ext.INSTANTIATIONS) or 'none'}; see "
-                           f"{ENV_FLASH_KERNELS})")
+                           f"{', '.join(ext.INSTANTIATIONS) or 'none'} of the sm80 family, "
+                           f"which serves every call; see {ENV_FLASH_KERNELS})")
     if max(p.batch_size, p.num_heads) > MAX_BATCH_OR_HEADS:
         reasons.append(f"as it supports at most {MAX_BATCH_OR_HEADS} sequences and heads per "
                        f"call, got batch_size = {p.batch_size}, num_heads = {p.num_heads}")
