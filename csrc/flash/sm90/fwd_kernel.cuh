@@ -103,6 +103,58 @@ using SmemLayoutRowsSwizzled = decltype(composition(
     Swizzle<3, 3, kCols == 64 ? 3 : kCols == 128 ? 4 : 5>{},
     Layout<Shape<Int<kRows>, Int<kCols>>, Stride<Int<kCols>, _1>>{}));
 
+// Four 32-bit words per thread of a quad, transposed across the quad's four lanes: lane q
+// ends with word q of every lane, lane 0's first (two butterfly rounds of shuffles).
+__device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int quad_lane) {
+  bool const hi = quad_lane & 2;
+  uint32_t const a0 = __shfl_xor_sync(0xffffffff, hi ? w[0] : w[2], 2);
+  uint32_t const a1 = __shfl_xor_sync(0xffffffff, hi ? w[1] : w[3], 2);
+  // words of groups (quad_lane & 2) + 0 / 1 from the lanes of bit 1 = 0 (x0, x1) and 1 (x2, x3)
+  uint32_t const x0 = hi ? a0 : w[0], x1 = hi ? a1 : w[1];
+  uint32_t const x2 = hi ? w[2] : a0, x3 = hi ? w[3] : a1;
+  bool const lo = quad_lane & 1;
+  uint32_t const b0 = __shfl_xor_sync(0xffffffff, lo ? x0 : x1, 1);
+  uint32_t const b1 = __shfl_xor_sync(0xffffffff, lo ? x2 : x3, 1);
+  w[0] = lo ? b0 : x0;
+  w[1] = lo ? x1 : b0;
+  w[2] = lo ? b1 : x2;
+  w[3] = lo ? x3 : b1;
+}
+
+// A consumer thread's accumulator rows (`out`: the rowcol view of O in Element, `coords`: its
+// (row, col) in the tile) to global memory in 16-byte stores, no shared memory: a wgmma
+// accumulator gives each lane of a quad two adjacent columns of every 8-column group, so four
+// groups transposed across the quad give each lane one whole group. Rows below valid_rows,
+// columns below valid_cols (a multiple of 8). Every lane runs the shuffles.
+template <class TensorO, class TensorC, class Element>
+__device__ __forceinline__ void store_accumulator_rows(TensorO const& out, TensorC const& coords,
+                                                       Element* gmem, int64_t row_stride,
+                                                       int valid_rows, int valid_cols,
+                                                       int quad_lane) {
+  constexpr int kGroups = decltype(size<1>(out))::value / 2;  // 8-column groups in a row
+  static_assert(kGroups % 4 == 0 && sizeof(Element) == 2);
+  CUTE_UNROLL
+  for (int r = 0; r < decltype(size<0>(out))::value; ++r) {
+    int const row = get<0>(coords(r, 0));
+    Element* const g_row = gmem + int64_t(row) * row_stride;
+    CUTE_UNROLL
+    for (int g0 = 0; g0 < kGroups; g0 += 4) {
+      uint32_t w[4];
+      CUTE_UNROLL
+      for (int i = 0; i < 4; ++i) {
+        w[i] = uint32_t(reinterpret_cast<uint16_t const&>(out(r, 2 * (g0 + i)))) |
+               uint32_t(reinterpret_cast<uint16_t const&>(out(r, 2 * (g0 + i) + 1))) << 16;
+      }
+      quad_transpose(w, quad_lane);
+      // this lane's group: g0 + quad_lane, whose first column is 8 past the previous group's
+      int const col = (get<1>(coords(r, 2 * g0)) & ~7) + 8 * quad_lane;
+      if (row < valid_rows && col < valid_cols) {
+        *reinterpret_cast<uint4*>(g_row + col) = make_uint4(w[0], w[1], w[2], w[3]);
+      }
+    }
+  }
+}
+
 // 64 rows of a staged tile `s` (rows row0.. of it; written by other threads, synchronized) to
 // global memory at `gmem` (its rows row_stride elements apart) in 16-byte stores by one
 // warpgroup (tid: 0-127): rows below valid_rows, columns below valid_cols (a head dim under
@@ -131,8 +183,8 @@ __device__ __forceinline__ void store_staged_rows(Element* gmem, int64_t row_str
 // the producer is the first warpgroup (only its warp 0 works). Two or three consumers take
 // turns at the tensor cores (one's softmax under another's GEMMs); a lone consumer has no
 // partner, so its CTA is sized for two on an SM (kCtasPerSm), whose CTAs overlap instead.
-// kODirect: the epilogue stores O from the accumulators straight to global memory, with no
-// staging tile in shared memory (for configs whose Q, K and V take all of it: d256, and d128
+// kODirect: the epilogue stores O from the accumulators straight to global memory (16-byte
+// stores after a transpose across each quad), with no staging tile in shared memory (for configs whose Q, K and V take all of it: d256, and d128
 // with 176 keys), so that Q's buffer is free for the next tile's Q after the last QK^T.
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_,
           bool kODirect_ = false>
@@ -804,25 +856,10 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
                       si.q_off(args.o_batch_stride, args.o_row_stride) +
                       int64_t(head) * args.o_head_stride + int64_t(m0) * args.o_row_stride;
     if constexpr (Cfg::kODirect) {
-      // O from the accumulators: each thread's column pairs as 4-byte stores (a quad writes 16
-      // contiguous bytes of a row; the next column group the rest of each 32-byte sector).
-      Tensor out = make_tensor(tOrO_out.data(), acc_rowcol(tOrO_out.layout()));
-      CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        int const row = get<0>(tOcO_rc(r, 0));
-        if (row < rows_in_tile) {
-          Element* o_row = o_tile + int64_t(row) * args.o_row_stride;
-          CUTE_UNROLL
-          for (int c = 0; c < size<1>(out); c += 2) {
-            int const col = get<1>(tOcO_rc(r, c));
-            if (col < args.d) {
-              uint32_t const lo = reinterpret_cast<uint16_t const&>(out(r, c));
-              uint32_t const hi = reinterpret_cast<uint16_t const&>(out(r, c + 1));
-              *reinterpret_cast<uint32_t*>(o_row + col) = lo | (hi << 16);
-            }
-          }
-        }
-      }
+      // O from the accumulators straight to global memory (no room to stage it).
+      store_accumulator_rows(make_tensor(tOrO_out.data(), acc_rowcol(tOrO_out.layout())),
+                             tOcO_rc, o_tile, args.o_row_stride, rows_in_tile, args.d,
+                             tidx % 4);
     } else {
       // O: registers -> padded smem (each warpgroup its own 64 rows) -> 16-byte coalesced
       // global stores. The first barrier keeps this tile's writes after the previous tile's
