@@ -207,8 +207,11 @@ class Bench:
     def randn(self, *shape, dtype, grad=False):
         return torch.randn(*shape, dtype=dtype, device=self.device, requires_grad=grad)
 
-    def time_ms(self, fn, grad_to_none=None, warmup_ms=None):
-        """Median time of fn in ms (timing.median_ms); warmup_ms: the preset's by default."""
+    def time_ms(self, fn, grad_to_none=None, warmup_ms=None, graphed=False):
+        """Median time of fn in ms (timing.median_ms; graphed: of its CUDA-graph replays,
+        timing.graph_median_ms, on CUDA); warmup_ms: the preset's by default."""
+        if graphed and self.device == "cuda":
+            return timing.graph_median_ms(fn, warmup_ms or self.p.warmup_ms, self.p.rep_ms)
         return timing.median_ms(fn, warmup_ms or self.p.warmup_ms, self.p.rep_ms, grad_to_none,
                                 self.device)
 
@@ -237,8 +240,10 @@ class Bench:
             raise Unavailable(f"skipped: needs about {need / 1e9:.0f} GB for the score "
                               f"matrices, {free / 1e9:.0f} GB free")
 
-    def measure(self, name, make_fn, inputs, backward=True, warmup_ms=None):
-        """fwd_ms, bwd_ms, peak_mem_gb and reason for one backend on one set of inputs."""
+    def measure(self, name, make_fn, inputs, backward=True, warmup_ms=None, graphed=False):
+        """fwd_ms, bwd_ms, peak_mem_gb and reason for one backend on one set of inputs.
+        graphed (forward only): the forward timed as CUDA-graph replays, or eagerly where it
+        cannot be captured; ``timing`` says which."""
         res = {"fwd_ms": None, "bwd_ms": None, "peak_mem_gb": None, "reason": None}
         if time.monotonic() > self.deadline:
             res["reason"] = f"skipped: time budget of {self.p.budget_s} s used up"
@@ -258,7 +263,10 @@ class Bench:
                 if self.device == "cuda":
                     self.sync()
                     res["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 3)
-                res["fwd_ms"] = self.time_ms(fn, warmup_ms=warmup_ms)
+                if graphed:
+                    res["fwd_ms"], res["timing"] = self.graphed_ms(fn, warmup_ms)
+                else:
+                    res["fwd_ms"] = self.time_ms(fn, warmup_ms=warmup_ms)
                 if backward:
                     out = fn()
                     dout = torch.randn_like(out)
@@ -272,6 +280,18 @@ class Bench:
             fn = out = dout = None
             self.free()
         return res
+
+    def graphed_ms(self, fn, warmup_ms):
+        """(ms, how it was timed): CUDA-graph replays of fn, or eager calls where fn cannot be
+        captured (the reason kept)."""
+        if self.device != "cuda":
+            return self.time_ms(fn, warmup_ms=warmup_ms), "eager (CPU)"
+        try:
+            return self.time_ms(fn, warmup_ms=warmup_ms, graphed=True), "cuda graph"
+        except Exception as exc:  # not capturable: its eager time, and why
+            torch.cuda.synchronize()
+            return (self.time_ms(fn, warmup_ms=warmup_ms),
+                    f"eager (capture failed: {type(exc).__name__}: {str(exc)[:120]})")
 
     def chosen(self, names):
         """names, less the backends this run leaves out (--backends)."""
@@ -357,7 +377,13 @@ class Bench:
                                 mask_type=mask_type, attention_mask=pad_mask)
 
     def decode(self):
-        """One query token against a long KV cache; reported as K+V bytes read per second."""
+        """One query token against a long KV cache; reported as K+V bytes read per second.
+        Each call is timed as CUDA-graph replays (as a server replays its decode step): at
+        b = 1 a call's host time (~20-60 us through DotProductAttention or torch's SDPA on
+        the H200's host) is as long as its kernels and the 80 us L2 flush before each timed
+        call, so eager timings read the host, differently from one measurement to the next
+        (ours at b = 1 4k: 15 and 65 us in two of them, H200, 2026-12-01). The host's cost of
+        a call is the overhead part's."""
         hq, hkv, d, batches, seqlens = self.p.decode
         # Each backend measured once, untimed, first: the part's first row otherwise pays the
         # process's first decode calls (b = 1 4k read at 0.3-0.5x of its later speed; with this
@@ -379,7 +405,8 @@ class Bench:
                 k, v = (self.randn(b, sk, hkv, d, dtype=torch.bfloat16) for _ in range(2))
                 for name in self.chosen(BACKENDS):
                     res = self.measure(name, lambda: attention_fn(name, q, k, v, False),
-                                       [q, k, v], backward=False, warmup_ms=DECODE_WARMUP_MS)
+                                       [q, k, v], backward=False, warmup_ms=DECODE_WARMUP_MS,
+                                       graphed=True)
                     ms = res.pop("fwd_ms")
                     res.pop("bwd_ms")
                     rec = dict(backend=name, dtype="bf16", b=b, sk=sk, hq=hq, hkv=hkv, d=d,
@@ -411,7 +438,7 @@ class Bench:
         tfa = import_tfa()
         res = self.measure(FLASH, lambda: lambda: tfa.flash_attn_with_kvcache(
             q, *pools, cache_seqlens=lens, block_table=table), [q, k, v], backward=False,
-            warmup_ms=DECODE_WARMUP_MS)
+            warmup_ms=DECODE_WARMUP_MS, graphed=True)
         res.pop("bwd_ms")
         return dict(backend=name, ms=res.pop("fwd_ms"), **res)
 

@@ -88,6 +88,18 @@ def section(title, intro, body, recs, label="backend"):
                                    reasons and "Not run:\n" + reasons) if p)
 
 
+def timing_note(recs):
+    """How the rows' calls were timed (records with a ``timing``), by backend; or None."""
+    modes = {}
+    for r in recs:
+        if r.get("timing"):
+            modes.setdefault(r["timing"], set()).add(r["backend"])
+    if not modes:
+        return None
+    return "Timed as: " + "; ".join(f"{mode} ({', '.join(sorted(names))})"
+                                    for mode, names in sorted(modes.items())) + "."
+
+
 def markdown(data, png_name=None):
     recs = data["records"]
     case = {c: [r for r in recs if r.get("case", "grid") == c]
@@ -117,7 +129,7 @@ def markdown(data, png_name=None):
         d = data["decode"][0]
         parts.append(section(
             f"Decode: one query token, {d['hq']} / {d['hkv']} heads, d = {d['d']} "
-            "(K+V TB read per second)", None,
+            "(K+V TB read per second)", timing_note(data["decode"]),
             ratio_table(data["decode"], ("b", "sk"), ("kv_tb_per_s",), digits=2), data["decode"]))
     if case["overhead"]:
         o = case["overhead"][0]

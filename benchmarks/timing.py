@@ -4,6 +4,8 @@ tools/flash_kernel_check.py.
 - ``median_ms``: GPU time of a callable: warm-up, then CUDA events around each run with the L2
   cache flushed before it, and the median (triton.testing.do_bench where triton is installed;
   the same procedure written out here otherwise). On CPU (smoke tests): one call's wall time.
+- ``graph_median_ms``: median_ms of a CUDA-graph replay of one call: its GPU time without the
+  host's time to issue it (for calls shorter than their host time, e.g. a decode step).
 - ``host_us``: host time per call, best of several trials of a loop of calls.
 - ``once_ms``: one run timed with CUDA events (long single runs).
 - ``steps_ms``: a loop of calls (training steps): the mean wall time per call, and each call's
@@ -30,6 +32,26 @@ def median_ms(fn, warmup_ms=25, rep_ms=100, grad_to_none=None, device="cuda") ->
         return _events_median_ms(fn, warmup_ms, rep_ms, grad_to_none)
     return do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=grad_to_none,
                     return_mode="median")
+
+
+def graph_median_ms(fn, warmup_ms=25, rep_ms=100) -> float:
+    """median_ms of replays of fn captured once in a CUDA graph (a few eager calls on a side
+    stream first, as capture needs). A call whose host time exceeds the L2 flush before it
+    (about 80 us on an H200) would otherwise be timed by its host. Raises where fn cannot be
+    captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    try:
+        return median_ms(graph.replay, warmup_ms, rep_ms)
+    finally:
+        del graph
 
 
 def _events_median_ms(fn, warmup_ms, rep_ms, grad_to_none) -> float:
