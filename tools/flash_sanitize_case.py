@@ -60,11 +60,11 @@ if args.sm90:
     # every tile on a persistent grid whose CTAs claim tiles from a counter).
     for scheduler in ("", "dynamic"):
         os.environ["TRANSFORMER_FA_SM90_SCHEDULER"] = scheduler
-        # 3 x 8 heads x 8 query tiles = 192 tiles: a persistent CTA takes a second tile (Q and
-        # the O staging buffer reused) on a 132-SM H100. GQA (8 query heads on 2 KV heads);
+        # 3 x 8 heads x 8 query tiles = 192 tiles: a persistent CTA takes a second tile (Q's
+        # buffer reused) on a 132-SM H100. GQA (8 query heads on 2 KV heads);
         # length 1000 (the key tail masked, the query tail not stored); then sq != sk with the
-        # bottom-right diagonal; head dims 64, 128 and 256 (d256 stores O from registers, and
-        # its persistent CTA loads the next Q under the epilogue) and 96 and 200 (the d128 and d256 kernels with columns past d: zero-filled,
+        # bottom-right diagonal; head dims 64, 128 and 256 (every tile stores O from registers;
+        # a persistent CTA loads the next Q under the epilogue) and 96 and 200 (the d128 and d256 kernels with columns past d: zero-filled,
         # not stored); the short-row tiles and the others.
         for d, tiles in ((64, "0"), (64, "1"), (128, "0"), (128, "1"), (256, "0"), (256, "1"),
                          (96, ""), (200, "")):

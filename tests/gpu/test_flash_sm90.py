@@ -162,8 +162,8 @@ def test_forward_tiles_both_ways(monkeypatch, tiles, name, d, mask):
 # How the sm90 forward hands tiles to CTAs (fwd_launch.cuh's fwd_scheduler): one CTA per tile
 # ("grid"), a persistent grid in the static snake order ("static"), or one whose CTAs claim
 # tiles from a counter ("dynamic"); TRANSFORMER_FA_SM90_SCHEDULER forces each (the tests above
-# run the default). Head dims 64, 128 and 256 (d256's tiles store O from registers, so they
-# run every scheduler too since 2026-12-01). Every case of CASES: grids that loop (more tiles
+# run the default). Head dims 64, 128 and 256 (every tile stores O from registers; d256's run
+# every scheduler too since 2026-12-01). Every case of CASES: grids that loop (more tiles
 # than SMs), tails, sq != sk, GQA.
 SCHEDULERS = ["dynamic", "grid", "static"]
 SCHEDULER_DIMS = [64, 128, 256]

@@ -36,15 +36,15 @@ enum class FwdMask { kNone, kRight, kLocal };
 
 // Tile configs per head dim and mask case. d128: 128 x 128 tiles (two consumer warpgroups of
 // 64 query rows), two K/V stages; unmasked 128 x 176 (FlashAttention-3's tile: fewer softmax
-// rounds per GEMM FLOP), whose Q, K and V take 208 KB, so O goes from registers to global
-// memory.
+// rounds per GEMM FLOP), whose Q, K and V take 208 KB. (Every config stores O from registers:
+// FwdConfig.)
 // (A 128 x 160 try on 2026-11-24 ran 5-15% slower, but its S = Q K^T was issued as five
 // 64x32x16 wgmmas per k-slice: CuTe's extended shapes were off, cute_config.h.)
 template <class Element, int kHeadDim, FwdMask kMask> struct FwdTile {
   using Config = FwdConfig<Element, kHeadDim, 128, 128, 2>;
 };
 template <class Element> struct FwdTile<Element, 128, FwdMask::kNone> {
-  using Config = FwdConfig<Element, 128, 128, 176, 2, true>;
+  using Config = FwdConfig<Element, 128, 128, 176, 2>;
 };
 // d64: 192 x 128 tiles (FlashAttention-3's d64 causal tile; its non-causal 192 x 192 needs P in
 // shared memory): three consumer warpgroups, so that two warpgroups' GEMMs cover each one's
@@ -57,21 +57,19 @@ template <class Element, FwdMask kMask> struct FwdTile<Element, 64, kMask> {
 template <class Element> struct FwdTile<Element, 64, FwdMask::kLocal> {
   using Config = FwdConfig<Element, 64, 128, 128, 2>;
 };
-// d256: 128 x 80 tiles (FlashAttention-3's choice): Q, two stages of K and V take 224 KB, so
-// O goes from registers to global memory. Windows: 128 x 64 (FlashAttention-3's local tile: a
+// d256: 128 x 80 tiles (FlashAttention-3's choice): Q, two stages of K and V take 224 KB.
+// Windows: 128 x 64 (FlashAttention-3's local tile: a
 // smaller S beside the mask's values).
 template <class Element, FwdMask kMask> struct FwdTile<Element, 256, kMask> {
-  using Config = FwdConfig<Element, 256, 128, 80, 2, true>;
+  using Config = FwdConfig<Element, 256, 128, 80, 2>;
 };
 template <class Element> struct FwdTile<Element, 256, FwdMask::kLocal> {
-  using Config = FwdConfig<Element, 256, 128, 64, 2, true>;
+  using Config = FwdConfig<Element, 256, 128, 64, 2>;
 };
 
 // Tiles for short rows, where a tile's few key blocks leave its prologue (Q and the first K)
 // and epilogue (O) exposed, or where a tile's last query or key block is mostly empty: d128
-// unmasked on 128 x 128 (Q, K and V leave room for O, so the grid is persistent and the
-// producer loads the next tile during the epilogue; 128 x 176 has no room to stage O and
-// stores it from registers); d64 causal on 64 x 128 (below); d256 on 128 x 64 (s = 512 in 8
+// unmasked on 128 x 128 (fewer keys per softmax round, a smaller last key block); d64 causal on 64 x 128 (below); d256 on 128 x 64 (s = 512 in 8
 // key blocks, not 7 of 80 with the last 48 keys empty; causal: less of the diagonal masked).
 // Other cases
 // keep their tile (FwdShortTile = FwdTile). Tried and not kept (H200, bf16, batch * s = 16k,
@@ -93,7 +91,7 @@ template <class Element> struct FwdShortTile<Element, 64, FwdMask::kRight> {
   using Config = FwdConfig<Element, 64, 64, 128, 2>;
 };
 template <class Element, FwdMask kMask> struct FwdShortTile<Element, 256, kMask> {
-  using Config = FwdConfig<Element, 256, 128, 64, 2, true>;
+  using Config = FwdConfig<Element, 256, 128, 64, 2>;
 };
 
 // The longest rows that take the short-row tile: keys of an unmasked call, queries of a causal
@@ -131,11 +129,11 @@ inline bool short_rows(int head_dim, bool causal, const FwdParams& p) {
 // 512 (1k at d128) and one CTA per tile above): d64 causal 1k 287 vs 231, 2k 375 vs 335, 4k 428
 // vs 404; d128 causal 2k 521 vs 466, 4k 567 vs 532; even at d256 and on unmasked rows.
 // TRANSFORMER_FA_SM90_SCHEDULER=grid / static / dynamic forces one (tests and benchmarks;
-// anything else: the default). The configs that store O from registers (kODirect: d256, d128
-// with 176 keys) follow it too; until 2026-12-01 they staged O in Q's buffer and ran one CTA
-// per tile (the next Q could load only after the epilogue: a persistent grid ran 0.94-1.01x).
-// Measured with O from registers (H200, d256, s = 512 forward TFLOPS): persistent 427 vs one
-// CTA per tile 385 unmasked, 263 vs 234 causal.
+// anything else: the default). Until 2026-12-01 the d256 configs and d128's 128 x 176 staged
+// O in Q's buffer and ran one CTA per tile (the next Q could load only after the epilogue: a
+// persistent grid ran 0.94-1.01x); with O stored from registers (H200, d256, s = 512 forward
+// TFLOPS, 4-byte stores then): persistent 427 vs one CTA per tile 385 unmasked, 263 vs 234
+// causal.
 enum class FwdScheduler { kGrid, kStatic, kDynamic };
 inline FwdScheduler fwd_scheduler(bool causal) {
   const char* forced = std::getenv("TRANSFORMER_FA_SM90_SCHEDULER");
