@@ -58,8 +58,7 @@ template <class Element> struct FwdTile<Element, 64, FwdMask::kLocal> {
   using Config = FwdConfig<Element, 64, 128, 128, 2>;
 };
 // d256: 128 x 80 tiles (FlashAttention-3's choice): Q, two stages of K and V take 224 KB.
-// Windows: 128 x 64 (FlashAttention-3's local tile: a
-// smaller S beside the mask's values).
+// Windows: 128 x 64 (FlashAttention-3's local tile: a smaller S beside the mask's values).
 template <class Element, FwdMask kMask> struct FwdTile<Element, 256, kMask> {
   using Config = FwdConfig<Element, 256, 128, 80, 2>;
 };
@@ -69,10 +68,10 @@ template <class Element> struct FwdTile<Element, 256, FwdMask::kLocal> {
 
 // Tiles for short rows, where a tile's few key blocks leave its prologue (Q and the first K)
 // and epilogue (O) exposed, or where a tile's last query or key block is mostly empty: d128
-// unmasked on 128 x 128 (fewer keys per softmax round, a smaller last key block); d64 causal on 64 x 128 (below); d256 on 128 x 64 (s = 512 in 8
-// key blocks, not 7 of 80 with the last 48 keys empty; causal: less of the diagonal masked).
-// Other cases
-// keep their tile (FwdShortTile = FwdTile). Tried and not kept (H200, bf16, batch * s = 16k,
+// unmasked on 128 x 128 (measured on 2026-11-28, when 128 x 176 ran one CTA per tile; not
+// measured since both run the persistent grid); d64 causal on 64 x 128 (below); d256 on
+// 128 x 64 (s = 512 in 8 key blocks, not 7 of 80 with the last 48 keys empty; causal: less of
+// the diagonal masked). Other cases keep their tile (FwdShortTile = FwdTile). Tried and not kept (H200, bf16, batch * s = 16k,
 // forward TFLOPS, short tile / the other): d64 unmasked on 128 x 128 ran 0.87-0.94x its
 // 192 x 128 at every length (2026-11-28), and on the one-consumer 64 x 128 below 336 / 343 at
 // s = 512, 378 / 387 at 1k (2026-12-01); d128 causal on a one-consumer 64 x 64 (two CTAs an
