@@ -32,13 +32,15 @@ ROWS = {
     "prefill-grad": Row("prefill", 2, 128, 128, 4, 4, 64, "causal", True),
 }
 
-# Measured on 2026-11-28 (Python 3.11, torch 2.13 CPU): Python calls into transformer_fa per
-# call, by row and backend. Before the cuts (the dense-call key without generators,
-# FlashAttention's remembered FlashCall and decode choice, the alignment check's contiguous
-# shortcut, ...): FlashAttention 58 / 56 / 59 / 56, FusedAttention 28, unfused 35.
+# Measured on 2026-12-01 (Python 3.11, torch 2.13 CPU): Python calls into transformer_fa per
+# call, by row and backend, with the backends' bound runners on remembered calls (`bind`).
+# Before them (2026-11-28): FlashAttention 30 / 31 / 31 / 31, FusedAttention 21 / 22; before
+# the cuts of that day (the dense-call key without generators, FlashAttention's remembered
+# FlashCall and decode choice, the alignment check's contiguous shortcut, ...): FlashAttention
+# 58 / 56 / 59 / 56, FusedAttention 28, unfused 35.
 OUR_CALLS = {
-    FLASH: {"decode": 30, "decode-grad": 31, "prefill": 31, "prefill-grad": 31},
-    FUSED: {"decode": 21, "decode-grad": 22, "prefill": 21, "prefill-grad": 22},
+    FLASH: {"decode": 19, "decode-grad": 26, "prefill": 19, "prefill-grad": 26},
+    FUSED: {"decode": 18, "decode-grad": 19, "prefill": 18, "prefill-grad": 19},
     UNFUSED: {"decode": 29, "decode-grad": 29, "prefill": 29, "prefill-grad": 29},
 }
 # Torch ops per call (views included): FlashAttention's merge of the heads (and the
@@ -213,3 +215,36 @@ def test_debug_log_names_the_backend_whenever_a_decision_is_made(ext, monkeypatc
         assert lines == ["Selected backend = FusedAttention"]
     finally:
         logger.removeHandler(handler)
+
+
+def unaligned_like(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of t whose storage (offset 0, so the call key of t) starts 2 bytes
+    past a 16-byte boundary."""
+    nbytes = t.numel() * t.element_size()
+    buf = bytearray(nbytes + 32)
+    skip = (-torch.frombuffer(buf, dtype=torch.uint8).data_ptr()) % 16 + 2
+    out = torch.frombuffer(buf, dtype=t.dtype, offset=skip, count=t.numel()).view(t.shape)
+    out._buffer = buf  # kept alive with the tensor
+    return out.copy_(t)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["decode", "grad"])
+def test_remembered_calls_run_bound_and_copy_misaligned_pointers(ext, grad):
+    """A remembered dense call runs the backend's bound runner (FlashAttention's binding
+    gets the tensors themselves); a later call with the same key but a data pointer off a
+    16-byte boundary gets a contiguous copy from run() instead, as a first call would."""
+    dpa, q, k, v = decode_call()
+    if grad:
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+    entry = "fwd" if grad else "fwd_kvcache"
+    for _ in range(2):
+        dpa(q, k, v)
+        assert ext.last[0] == entry and ext.last[1][0] is q and ext.last[1][1] is k
+    (_, _, runner), = dpa._dense_calls.values()
+    assert runner is not None
+    k_off = unaligned_like(k.detach()).requires_grad_(grad)
+    assert k_off.data_ptr() % 16 == 2 and k_off.stride() == k.stride()
+    dpa(q, k_off, v)
+    assert len(dpa._dense_calls) == 1  # the same key
+    given_k = ext.last[1][1]
+    assert given_k is not k_off and given_k.data_ptr() % 16 == 0 and torch.equal(given_k, k_off)

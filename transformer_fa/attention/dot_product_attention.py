@@ -129,7 +129,8 @@ class DotProductAttention(torch.nn.Module):
         self.softcap = _check_softcap(softcap)
         self._init_softmax_offset()
         self.last_backend: Optional[str] = None
-        self._dense_calls: dict = {}  # fast path: call key -> (backend, params)
+        # fast path: call key -> (backend, params, the backend's bound runner or None)
+        self._dense_calls: dict = {}
 
     def forward(self, query_layer: Optional[torch.Tensor] = None,
                 key_layer: Optional[torch.Tensor] = None,
@@ -276,9 +277,11 @@ class DotProductAttention(torch.nn.Module):
                 bottom_right_diagonal)
             hit = self._dense_calls.get(dense_key) if dense_key is not None else None
             if hit is not None:
-                backend, params = hit
+                backend, params, runner = hit
                 if self.last_backend != backend.NAME:
                     self.last_backend = backend.NAME
+                if runner is not None:
+                    return runner(q, k, v)
                 return self._run(
                     backend, AttentionInputs(q, k, v, softmax_offset=self.softmax_offset), params)
 
@@ -340,7 +343,11 @@ class DotProductAttention(torch.nn.Module):
             # Proven without a copy: the same key will mean the same layout and decision.
             if len(self._dense_calls) >= 64:
                 self._dense_calls.clear()
-            self._dense_calls[dense_key] = (backend, params)
+            # A backend may bind the decision (its `bind`): the next equal call skips `run`'s
+            # per-call planning.
+            bind = getattr(backend, "bind", None)
+            self._dense_calls[dense_key] = (backend, params,
+                                            bind(inputs, params) if bind is not None else None)
         if cache_key is not None and _same_tensors(inputs, self._cache_call_inputs(
                 *given, cu_seqlens_q, cu_seqlens_kv, page_table)):  # what a hit passes on
             step_memo[cache_key] = (backend, params)

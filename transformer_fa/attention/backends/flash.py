@@ -35,7 +35,7 @@ from ..constants import (ENV_FLASH_BWD_FAMILY, ENV_FLASH_FAMILY, ENV_FLASH_KERNE
                          FLASH_FAMILIES, FLASH_FORMAT_CODES, FLASH_MAX_HEAD_DIM, MAX_GRID_YZ)
 from ..params import AttentionInputs, AttentionParams
 from .support import (aligned, dropout_rng_state, fresh, grads_like, never_raises, op_schema,
-                      packed_extent, reference_only_reasons)
+                      packed_extent, reference_only_reasons, strides_aligned)
 
 NAME = "FlashAttention"
 EXTENSION = "transformer_fa_flash"
@@ -294,16 +294,23 @@ def _fwd_ext(q, k, v, cu_q, cu_kv, rng, slopes, call: FlashCall):
     return out, lse
 
 
-def _decode(q, k, v, cu_q, cu_kv, page_table, call: FlashCall, num_splits: int = 0,
-            seqlens_k: Optional[torch.Tensor] = None):
-    """The binding's split-KV decode forward on any q, k, v (k, v: page pools when
+def _decode_ext(q, k, v, cu_q, cu_kv, page_table, call: FlashCall, num_splits: int = 0,
+                seqlens_k: Optional[torch.Tensor] = None):
+    """The binding's split-KV decode forward on kernel-ready q, k, v (k, v: page pools when
     page_table is given; seqlens_k: int32 [b] keys per sequence, instead of cu_kv): out in
     q's format."""
     c = call
-    return _ext.fwd_kvcache(_ready(q), _ready(k), _ready(v), cu_q, cu_kv, page_table,
+    return _ext.fwd_kvcache(q, k, v, cu_q, cu_kv, page_table,
                             FLASH_FORMAT_CODES[c.q_format], FLASH_FORMAT_CODES[c.kv_format],
                             c.max_seqlen_q, c.max_seqlen_kv, c.softmax_scale, c.window_left,
                             c.window_right, c.bottom_right, num_splits, seqlens_k)
+
+
+def _decode(q, k, v, cu_q, cu_kv, page_table, call: FlashCall, num_splits: int = 0,
+            seqlens_k: Optional[torch.Tensor] = None):
+    """_decode_ext on any q, k, v (copies of those the kernel cannot read)."""
+    return _decode_ext(_ready(q), _ready(k), _ready(v), cu_q, cu_kv, page_table, call,
+                       num_splits, seqlens_k)
 
 
 def _fwd_impl(q, k, v, cu_q, cu_kv, rng, slopes, call: FlashCall):
@@ -489,19 +496,59 @@ def run(inputs: AttentionInputs, params: AttentionParams) -> torch.Tensor:
     compiling = p.is_compiling or torch.compiler.is_compiling()
     # Traced code builds the plan anew, as it did before the memo (no dict for the tracer).
     call, decode = _plan(p, need_grad) if compiling else _remembered_plan(p, need_grad)
-    if decode:
-        _require_extension()
-        out = _decode(q, k, v, cu_q, cu_kv, inputs.page_table, call)
-    elif compiling:
+    if compiling and not decode:
         out = torch.ops.transformer_fa.flash_attn_fwd(q, k, v, cu_q, cu_kv, rng, slopes,
                                                       *call)[0]
+        return out.flatten(-2)  # heads merged (out is contiguous)
+    _require_extension()
+    return _eager_forward(q, k, v, cu_q, cu_kv, rng, slopes, inputs.page_table, call, decode,
+                          need_grad)
+
+
+def _eager_forward(q, k, v, cu_q, cu_kv, rng, slopes, page_table, call: FlashCall,
+                   decode: bool, need_grad: bool, ready=_ready) -> torch.Tensor:
+    """The planned call outside torch.compile: the decode kernel, the autograd.Function or
+    the plain forward; heads merged. ready: what makes q, k, v kernel-ready (bind's runner
+    passes them as they are, having checked them)."""
+    if decode:
+        out = _decode_ext(ready(q), ready(k), ready(v), cu_q, cu_kv, page_table, call)
+    elif need_grad:
+        out = _FlashAttnFunction.apply(q, k, v, cu_q, cu_kv, rng, slopes, call)
     else:
-        _require_extension()
-        if need_grad:
-            out = _FlashAttnFunction.apply(q, k, v, cu_q, cu_kv, rng, slopes, call)
-        else:
-            out = _fwd_impl(q, k, v, cu_q, cu_kv, rng, slopes, call)[0]
+        out = _fwd_ext(ready(q), ready(k), ready(v), cu_q, cu_kv, rng, slopes, call)[0]
     return out.flatten(-2)  # heads merged (out is contiguous)
+
+
+def bind(inputs: AttentionInputs, params: AttentionParams):
+    """A runner of this decision for DotProductAttention's remembered dense calls, or None.
+
+    The calls it serves share the key of the call memo: shapes, strides, dtypes, grad and
+    deterministic modes, the module's settings and every variable that run() reads (the
+    NVTE_* switches and kernel families). So the plan and the stride half of the alignment
+    checks are made here once; per call, runner(q, k, v) checks the data pointers (16-byte
+    boundaries) and calls the binding, or hands a misaligned call to run() (which copies).
+    Dense calls without dropout or ALiBi (the decode step, plain forwards and training)."""
+    p = params
+    q, k, v = inputs.q, inputs.k, inputs.v
+    if (_ext is None or p.is_varlen or p.is_compiling or p.attention_dropout > 0.0
+            or p.core_attention_bias_type != "no_bias"
+            or not (strides_aligned(q) and strides_aligned(k) and strides_aligned(v))):
+        return None
+    need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                             or v.requires_grad)
+    call, decode = _remembered_plan(p, need_grad)
+
+    def runner(q, k, v):
+        if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+            return run(AttentionInputs(q, k, v), p)
+        return _eager_forward(q, k, v, None, None, None, None, None, call, decode, need_grad,
+                              ready=_as_is)
+
+    return runner
+
+
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 # --------------------------------------------------------------------------------------------

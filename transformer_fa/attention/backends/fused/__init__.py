@@ -119,8 +119,36 @@ def run(inputs: AttentionInputs, params: AttentionParams) -> torch.Tensor:
     call = FusedCall.from_params(p, return_stats=need_grad)
     if p.is_compiling or torch.compiler.is_compiling():
         out = torch.ops.transformer_fa.fused_attn_fwd(q, k, v, bias, cu_q, cu_kv, rng, *call)[0]
-    elif need_grad:
+        return out.flatten(-2)  # heads merged (out is contiguous)
+    return _eager_forward(q, k, v, bias, cu_q, cu_kv, rng, call, need_grad)
+
+
+def _eager_forward(q, k, v, bias, cu_q, cu_kv, rng, call: FusedCall,
+                   need_grad: bool) -> torch.Tensor:
+    """The call outside torch.compile (the autograd.Function or the plain forward); heads
+    merged."""
+    if need_grad:
         out = ops.FusedAttnFunction.apply(q, k, v, bias, cu_q, cu_kv, rng, call)
     else:
         out = ops.fwd_core(q, k, v, bias, cu_q, cu_kv, rng, call)[0]  # no stats to make
     return out.flatten(-2)  # heads merged (out is contiguous)
+
+
+def bind(inputs: AttentionInputs, params: AttentionParams):
+    """A runner of this decision for DotProductAttention's remembered dense calls (the key
+    of its call memo fixes everything run() derives from the params and modes), or None:
+    runner(q, k, v) is run(AttentionInputs(q, k, v), params) without rebuilding the call.
+    Dense calls without dropout or a bias."""
+    p = params
+    q, k, v = inputs.q, inputs.k, inputs.v
+    if (p.is_varlen or p.is_compiling or p.attention_dropout > 0.0
+            or p.core_attention_bias_type != "no_bias"):
+        return None
+    need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                             or v.requires_grad)
+    call = FusedCall.from_params(p, return_stats=need_grad)
+
+    def runner(q, k, v):
+        return _eager_forward(q, k, v, None, None, None, None, call, need_grad)
+
+    return runner
