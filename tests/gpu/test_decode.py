@@ -135,8 +135,8 @@ def test_bad_arguments_are_clear_errors():
 
 def test_dot_product_attention_runs_forward_only_decode_on_the_decode_kernel(monkeypatch):
     calls = []
-    real = flash._decode
-    monkeypatch.setattr(flash, "_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = flash._decode_ext  # the binding's decode call, on run()'s path and a bound runner's
+    monkeypatch.setattr(flash, "_decode_ext", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     monkeypatch.setenv("NVTE_FLASH_ATTN", "1")
     monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
     monkeypatch.setenv("NVTE_UNFUSED_ATTN", "0")
@@ -151,9 +151,12 @@ def test_dot_product_attention_runs_forward_only_decode_on_the_decode_kernel(mon
     assert calls and dpa.last_backend == flash.NAME
     expected = reference(q, k, v, [700, 700], False, (-1, -1)).flatten(-2)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+    with torch.no_grad():  # the same call again: the remembered call's bound runner
+        again = dpa(q, k, v)
+    assert len(calls) == 2 and torch.equal(again, out)
     q.requires_grad_(True)  # a call that needs gradients stays on the forward kernels
     dpa(q, k, v).sum().backward()
-    assert len(calls) == 1
+    assert len(calls) == 2
 
 
 def test_overlapped_merge_reads_this_calls_partials(monkeypatch):

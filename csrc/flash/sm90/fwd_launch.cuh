@@ -98,14 +98,17 @@ template <class Element, FwdMask kMask> struct FwdShortTile<Element, 256, kMask>
 // batch * s = 16k, 2026-11-28, TFLOPS short / other tile): d128 unmasked 479 / 357 at
 // s = 512, 585 / 481 at 1k, 633 / 570 at 2k, 638 / 616 at 4k, 654 / 648 at 8k, 16k about even
 // (645-668 on 128 x 176); d64 causal 204 / 187 at 512, 237 / 227 at 1k, then 315 / 343 at 2k
-// and behind from there; d256 unmasked 432 / 371 at 512, 549 / 522 at 1k, even at 2k-4k,
-// behind from 8k; d256 causal 257 / 204 at 512, 380 / 330 at 1k, 480 / 445 at 2k, 552 / 566
-// at 4k.
+// and behind from there. d256 re-measured on 2026-12-01 (H200), after O was stored from
+// registers and 128 x 80 ran the persistent grid: unmasked 490-492 / 488-493 at s = 512,
+// 558-563 / 553-580 at 1k, 579-603 / 594-630 at 2k; causal 314-318 / 309 at 512, 424-425 /
+// 427-435 at 1k, 491-498 / 500-518 at 2k (cuDNN 518 / 593 / 638 and 339 / 446 / 523). So
+// 128 x 64 only up to 512 (before: unmasked 1k, causal 2k). d128 and d64 re-measured the same
+// day: the limits below still pick the faster tile (d128 unmasked 2k-8k within 2%).
 inline int short_rows_limit(int head_dim, bool causal) {
   switch (head_dim) {
     case 64: return causal ? 1024 : 0;
     case 128: return causal ? 0 : 8192;
-    default: return causal ? 2048 : 1024;
+    default: return 512;
   }
 }
 // Whether the call takes the short-row tile; TRANSFORMER_FA_SM90_SHORT_TILES=0 / 1 (tests and
