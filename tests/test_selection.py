@@ -276,8 +276,9 @@ def sm90_rule(monkeypatch):
 CAUSAL = dict(attn_mask_type="causal", window_size=(-1, 0))
 
 
-@pytest.mark.parametrize("d,mask,shortest", [(64, {}, 2048), (64, CAUSAL, 8192),
-                                             (256, CAUSAL, 16384)])
+@pytest.mark.parametrize("d,mask,shortest", [(64, {}, 2048), (64, CAUSAL, 4096),
+                                             (128, {}, 16384), (128, CAUSAL, 2048),
+                                             (256, CAUSAL, 4096)])
 def test_flash_goes_first_on_hopper_from_the_measured_length(sm90_rule, d, mask, shortest):
     from transformer_fa.attention.backends import flash, fused
     for s, first in ((shortest // 2, fused), (shortest, flash), (2 * shortest, flash)):
@@ -286,7 +287,7 @@ def test_flash_goes_first_on_hopper_from_the_measured_length(sm90_rule, d, mask,
         assert (flash.faster_than_cudnn(p) is None) == (first is fused)
 
 
-@pytest.mark.parametrize("d,mask,shortest", [(64, {}, 4096), (64, CAUSAL, 8192),
+@pytest.mark.parametrize("d,mask,shortest", [(64, {}, 2048), (64, CAUSAL, 512),
                                              (256, {}, 8192), (256, CAUSAL, 16384)],
                          ids=["d64-no_mask", "d64-causal", "d256-no_mask", "d256-causal"])
 def test_flash_goes_first_on_hopper_for_training_from_the_measured_length(sm90_rule, d, mask,
@@ -319,7 +320,7 @@ def test_training_keeps_cudnn_first_when_the_sm80_backward_would_run(sm90_rule):
 
 
 @pytest.mark.parametrize("change", [
-    dict(requires_grad=True, max_seqlen_q=2048, max_seqlen_kv=2048),  # training: from 4k
+    dict(requires_grad=True, max_seqlen_q=1024, max_seqlen_kv=1024),  # training: from 2k
     dict(dtype=torch.float16),                      # measured in bf16 only
     dict(num_gqa_groups=2),                         # GQA
     dict(max_seqlen_kv=8192),                       # sq != skv
@@ -387,9 +388,9 @@ def test_the_hopper_preference_is_in_the_debug_log(sm90_rule, log_lines):
     assert log_lines[-1] == (
         "Preferring FlashAttention to FusedAttention on Hopper: its sm90 forward was measured "
         "faster than cuDNN for forward-only bf16 calls at head dim 64 from s = 2048 (H200, "
-        "2026-11-28)")
+        "2026-12-01)")
     selection._log_hopper_preference(
-        hopper_params(requires_grad=True, max_seqlen_q=2048, max_seqlen_kv=2048), both)
+        hopper_params(requires_grad=True, max_seqlen_q=1024, max_seqlen_kv=1024), both)
     assert log_lines[-1].startswith("Preferring FusedAttention to FlashAttention on Hopper: "
                                     "cuDNN was measured faster for this call shape")
     count = len(log_lines)
