@@ -8,6 +8,7 @@
   changed between two calls changes what runs, a bad input still raises after good calls,
   and the debug log still says what was selected whenever a decision is made.
 """
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -248,3 +249,23 @@ def test_remembered_calls_run_bound_and_copy_misaligned_pointers(ext, grad):
     assert len(dpa._dense_calls) == 1  # the same key
     given_k = ext.last[1][1]
     assert given_k is not k_off and given_k.data_ptr() % 16 == 0 and torch.equal(given_k, k_off)
+
+
+@pytest.mark.parametrize("change", [dict(attention_dropout=0.1), dict(softmax_type="off-by-one"),
+                                    dict(core_attention_bias_type="alibi"),
+                                    dict(is_compiling=True)],
+                         ids=["dropout", "softmax_offset", "alibi", "compiling"])
+def test_calls_a_runner_could_not_serve_are_not_bound(change):
+    """bind() declines the calls whose runner would need more than q, k, v (a dropout draw,
+    a bias, the softmax offset) or that are traced: those keep going through run()."""
+    from test_flash_support import gpu_params
+    from transformer_fa.attention.backends import flash, fused
+    from transformer_fa.attention.backends.support import bindable
+    from transformer_fa.attention.params import AttentionInputs
+    p = gpu_params(head_dim_qk=64, head_dim_v=64, max_seqlen_q=128, max_seqlen_kv=128)
+    assert bindable(p)
+    changed = dataclasses.replace(p, **change)
+    assert not bindable(changed)
+    q = k = v = torch.zeros(1, 128, 4, 64, dtype=torch.bfloat16)
+    for backend in (flash, fused):
+        assert backend.bind(AttentionInputs(q, k, v), changed) is None

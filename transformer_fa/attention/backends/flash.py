@@ -34,8 +34,9 @@ from .. import environment, masks
 from ..constants import (ENV_FLASH_BWD_FAMILY, ENV_FLASH_FAMILY, ENV_FLASH_KERNELS,
                          FLASH_FAMILIES, FLASH_FORMAT_CODES, FLASH_MAX_HEAD_DIM, MAX_GRID_YZ)
 from ..params import AttentionInputs, AttentionParams
-from .support import (aligned, dropout_rng_state, fresh, grads_like, never_raises, op_schema,
-                      packed_extent, reference_only_reasons, strides_aligned)
+from .support import (aligned, bindable, dropout_rng_state, fresh, grads_like, needs_grad,
+                      never_raises, op_schema, packed_extent, reference_only_reasons,
+                      strides_aligned)
 
 NAME = "FlashAttention"
 EXTENSION = "transformer_fa_flash"
@@ -493,8 +494,7 @@ def run(inputs: AttentionInputs, params: AttentionParams) -> torch.Tensor:
         cu_q = cu_kv = None
     rng = dropout_rng_state(q.device) if p.attention_dropout > 0.0 else None
     slopes = _alibi_slopes(inputs, p, q.device) if p.core_attention_bias_type == "alibi" else None
-    need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                             or v.requires_grad)
+    need_grad = needs_grad(q, k, v)
     compiling = p.is_compiling or torch.compiler.is_compiling()
     # Traced code builds the plan anew, as it did before the memo (no dict for the tracer).
     call, decode = _plan(p, need_grad) if compiling else _remembered_plan(p, need_grad)
@@ -532,12 +532,10 @@ def bind(inputs: AttentionInputs, params: AttentionParams):
     Dense calls without dropout or ALiBi (the decode step, plain forwards and training)."""
     p = params
     q, k, v = inputs.q, inputs.k, inputs.v
-    if (_ext is None or p.is_varlen or p.is_compiling or p.attention_dropout > 0.0
-            or p.core_attention_bias_type != "no_bias"
+    if (_ext is None or not bindable(p)
             or not (strides_aligned(q) and strides_aligned(k) and strides_aligned(v))):
         return None
-    need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                             or v.requires_grad)
+    need_grad = needs_grad(q, k, v)
     call, decode = _remembered_plan(p, need_grad)
 
     def runner(q, k, v):

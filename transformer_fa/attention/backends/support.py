@@ -49,6 +49,24 @@ def fresh(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+def needs_grad(*tensors) -> bool:
+    """Whether autograd will want gradients of any of the call's tensors (None: absent)."""
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:  # (a loop, not any() over a generator: the calls' hot path)
+        if t is not None and t.requires_grad:
+            return True
+    return False
+
+
+def bindable(p: AttentionParams) -> bool:
+    """Whether a backend's bind() may serve the call: the dense calls of DotProductAttention's
+    memo whose runner needs only q, k and v (no lengths, dropout draw, bias, softmax offset),
+    outside a trace."""
+    return not (p.is_varlen or p.is_compiling or p.attention_dropout > 0.0
+                or p.core_attention_bias_type != "no_bias" or p.softmax_type != "vanilla")
+
+
 def dropout_rng_state(device: torch.device) -> torch.Tensor:
     """int64 ``[2]`` = (Philox seed, offset) for a dropout kernel, drawn from torch's generator
     on ``device`` so that ``torch.manual_seed`` reproduces a run; saved for the backward,

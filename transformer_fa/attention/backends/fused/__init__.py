@@ -40,7 +40,7 @@ import torch
 
 from ... import masks, padding
 from ...params import AttentionInputs, AttentionParams
-from ..support import dropout_rng_state, never_raises
+from ..support import bindable, dropout_rng_state, needs_grad, never_raises
 from . import cudnn_lib, ops, reasons
 from .cudnn_lib import versions
 from .plans import CACHE, GraphCache
@@ -113,9 +113,7 @@ def run(inputs: AttentionInputs, params: AttentionParams) -> torch.Tensor:
     if p.attention_dropout > 0.0:
         # Philox seed and offset for cuDNN's dropout; saved for the backward.
         rng = dropout_rng_state(q.device)
-    need_grad = torch.is_grad_enabled() and (
-        q.requires_grad or k.requires_grad or v.requires_grad
-        or (bias is not None and bias.requires_grad))
+    need_grad = needs_grad(q, k, v, bias)
     call = FusedCall.from_params(p, return_stats=need_grad)
     if p.is_compiling or torch.compiler.is_compiling():
         out = torch.ops.transformer_fa.fused_attn_fwd(q, k, v, bias, cu_q, cu_kv, rng, *call)[0]
@@ -141,11 +139,9 @@ def bind(inputs: AttentionInputs, params: AttentionParams):
     Dense calls without dropout or a bias."""
     p = params
     q, k, v = inputs.q, inputs.k, inputs.v
-    if (p.is_varlen or p.is_compiling or p.attention_dropout > 0.0
-            or p.core_attention_bias_type != "no_bias"):
+    if not bindable(p):
         return None
-    need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                             or v.requires_grad)
+    need_grad = needs_grad(q, k, v)
     call = FusedCall.from_params(p, return_stats=need_grad)
 
     def runner(q, k, v):
