@@ -68,14 +68,15 @@ template <class Element> struct FwdTile<Element, 256, FwdMask::kLocal> {
 
 // Tiles for short rows, where a tile's few key blocks leave its prologue (Q and the first K)
 // and epilogue (O) exposed, or where a tile's last query or key block is mostly empty: d128
-// unmasked on 128 x 128 (measured on 2026-11-28, when 128 x 176 ran one CTA per tile; not
-// measured since both run the persistent grid); d64 causal on 64 x 128 (below); d256 on
-// 128 x 64 (s = 512 in 8 key blocks, not 7 of 80 with the last 48 keys empty; causal: less of
-// the diagonal masked). Other cases keep their tile (FwdShortTile = FwdTile). Tried and not kept (H200, bf16, batch * s = 16k,
-// forward TFLOPS, short tile / the other): d64 unmasked on 128 x 128 ran 0.87-0.94x its
-// 192 x 128 at every length (2026-11-28), and on the one-consumer 64 x 128 below 336 / 343 at
-// s = 512, 378 / 387 at 1k (2026-12-01); d128 causal on a one-consumer 64 x 64 (two CTAs an
-// SM) 284 / 313 at 512, 375 / 422 at 1k, behind at every length (2026-12-01).
+// unmasked on 128 x 128 (re-measured on 2026-12-01 with both tiles persistent: ahead up to
+// 1k, within 2% from 2k to 8k); d64 causal on 64 x 128 (below); d256 on 128 x 64 (s = 512 in
+// 8 key blocks, not 7 of 80 with the last 48 keys empty; causal: less of the diagonal
+// masked). Other cases keep their tile (FwdShortTile = FwdTile). Tried and not kept (H200,
+// bf16, batch * s = 16k, forward TFLOPS, short tile / the other): d64 unmasked on 128 x 128
+// ran 0.87-0.94x its 192 x 128 at every length (2026-11-28), and on the one-consumer 64 x 128
+// below 336 / 343 at s = 512, 378 / 387 at 1k (2026-12-01); d128 causal on a one-consumer
+// 64 x 64 (two CTAs an SM) 284 / 313 at 512, 375 / 422 at 1k, behind at every length
+// (2026-12-01).
 template <class Element, int kHeadDim, FwdMask kMask> struct FwdShortTile
     : FwdTile<Element, kHeadDim, kMask> {};
 template <class Element> struct FwdShortTile<Element, 128, FwdMask::kNone> {
