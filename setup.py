@@ -107,12 +107,15 @@ def extensions():
                         for name, f in generate.FAMILIES.items())
     cutlass = cutlass_include() if wants_cutlass else None
     kernels, macros = flash_instantiations(generate, archs, cutlass is not None)
+    # source lines in the kernels' SASS, for Nsight Compute's source view (tools/flash_ncu.py
+    # --source); the code is the same
+    lineinfo = ["-lineinfo"] if os.environ.get("TRANSFORMER_FA_LINEINFO") == "1" else []
     ext = CUDAExtension(
         EXTENSION, sorted(glob.glob(os.path.join("csrc", "*.cpp"))) + sorted(kernels),
         include_dirs=[os.path.join(ROOT, "csrc")] + ([cutlass] if cutlass else []),
         extra_compile_args={"cxx": ["-O3", "-std=c++17"] + macros,
                             "nvcc": ["-O3", "-std=c++17", "--use_fast_math",
-                                     "--expt-relaxed-constexpr"]})
+                                     "--expt-relaxed-constexpr"] + lineinfo})
 
     class PerFileGencode(BuildExtension):
         """torch's CUDAExtension has one nvcc flag list for every file; a kernel family's files

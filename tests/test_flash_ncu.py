@@ -41,3 +41,39 @@ def test_summary_of_the_raw_csv():
     assert first["sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active"] == 63.2
     assert first["top stalls"] == "wait 1.25, barrier 0.31, math_pipe_throttle 0.07"
     assert second["duration us"] == 5.0 and second["top stalls"] == "wait 0.50"
+
+
+# ncu's source page (--page source --print-source cuda,sass), cut down: two files of one
+# kernel, each with its source lines and the kernel's SASS repeated under it
+SOURCE = '''"File Path","/work/csrc/flash/sm90/fwd_kernel.cuh"
+"Function Name","void fwd_kernel<Cfg>(Params)"
+"Line No","Source","Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_wait","stall_mio","stall_barrier","stall_wait (Not Issued)"
+"439","s = fast_exp2(s);","-","-","60","300","40","20","0","7"
+"","","0x10","      MUFU.EX2 R1, R2","50","200","35","15","0","5"
+"","","0x20","      FFMA R3, R1, R4, R5","10","100","5","5","0","2"
+"88","m_block = tile % n;","-","-","10","50","10","0","0","1"
+"","","0x30","  @P0 IMAD.HI.U32 R6, R7, R8, RZ","10","50","10","0","0","1"
+"","","...","...","-","-","-","-","-","-"
+"File Path","/cute/arch/mma_sm90_gmma.hpp"
+"Function Name","void fwd_kernel<Cfg>(Params)"
+"Line No","Source","Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_wait","stall_mio","stall_barrier","stall_wait (Not Issued)"
+"67","asm volatile(wgmma.fence);","-","-","30","10","0","0","30","0"
+"","","0x10","      MUFU.EX2 R1, R2","50","200","35","15","0","5"
+"","","0x40","      WARPGROUP.ARRIVE","30","10","0","0","30","0"
+'''
+
+
+def test_summary_of_the_source_view():
+    (name, view), = flash_ncu.summarize_source(SOURCE, top=2).items()
+    assert name == "void fwd_kernel<Cfg>(Params)"
+    # shares of the kernel's SASS totals (100 samples, 360 instructions; 0x10 counted once)
+    where, samples, executed, stalls = view["lines"][0]
+    assert where == "fwd_kernel.cuh:439"
+    assert samples == pytest.approx(60) and executed == pytest.approx(100 * 300 / 360)
+    assert [reason for reason, _ in stalls] == ["wait", "mio"]  # a zero share is left out
+    assert stalls[0][1] == pytest.approx(40)
+    assert [line[0] for line in view["lines"]] == ["fwd_kernel.cuh:439", "mma_sm90_gmma.hpp:67"]
+    ops = {op: (millions, share, samples) for op, millions, share, samples in view["opcodes"]}
+    assert list(ops)[0] == "MUFU"  # by instructions executed; a predicate is not the opcode
+    assert ops["MUFU"][0] == pytest.approx(200e-6) and ops["IMAD"][1] == pytest.approx(100 * 50 / 360)
+    assert ops["WARPGROUP"][2] == pytest.approx(30)

@@ -19,7 +19,14 @@ duration, SM / memory / DRAM / L1 throughput, registers, achieved occupancy, iss
 tensor-pipe metrics that ncu reports, and the six largest warp stall reasons (cycles per issued
 instruction). The raw CSV of each case goes to DIR (default: none). --metrics adds raw metric
 names (an unknown name makes ncu fail).
+
+--source N adds the SourceCounters section and ncu's source view: per kernel, the N source
+lines with the most warp-stall samples (their share of samples and of executed instructions,
+and their largest stall reasons) and the SASS opcodes by executed instructions. Source lines
+need a build with TRANSFORMER_FA_LINEINFO=1 (setup.py adds -lineinfo; the code is the same);
+without it the opcodes still show. The report (.ncu-rep) and the source CSV go to DIR too.
 """
+import collections
 import argparse
 import csv
 import io
@@ -28,6 +35,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis",
@@ -158,21 +166,97 @@ def decode_call(case):
     return call
 
 
-def profile(text, metrics):
-    """ncu over the child: the raw CSV (one row per kernel), or None with ncu's output."""
-    cmd = ["ncu", "--profile-from-start", "off", "--csv", "--page", "raw",
-           "--print-units", "base"]
-    for section in SECTIONS:
+def profile(text, metrics, report=None):
+    """ncu over the child: the raw CSV (one row per kernel), or None with ncu's output. With a
+    report path (the source view) ncu writes the report with the source counters and the
+    sources, and the raw CSV is read back from it."""
+    sections = SECTIONS + (("SourceCounters",) if report else ())
+    cmd = ["ncu", "--profile-from-start", "off"]
+    cmd += ["-f", "-o", str(report), "--import-source", "yes"] if report else [
+        "--csv", "--page", "raw", "--print-units", "base"]
+    for section in sections:
         cmd += ["--section", section]
     if metrics:
         cmd += ["--metrics", metrics]
     cmd += [sys.executable, os.path.abspath(__file__), "--run", text]
     done = subprocess.run(cmd, capture_output=True, text=True)
+    if report and done.returncode == 0:
+        done = subprocess.run(["ncu", "-i", f"{report}.ncu-rep", "--csv", "--page", "raw",
+                               "--print-units", "base"], capture_output=True, text=True)
     lines = done.stdout.splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
     if done.returncode != 0 or start is None:
         return None, done.stdout[-3000:] + done.stderr[-3000:]
     return "\n".join(lines[start:]), None
+
+
+def source_view(report):
+    """ncu's source page of a report, every kernel's CUDA lines and SASS (CSV)."""
+    done = subprocess.run(["ncu", "-i", f"{report}.ncu-rep", "--csv", "--page", "source",
+                           "--print-source", "cuda,sass"], capture_output=True, text=True)
+    return done.stdout if done.returncode == 0 else None
+
+
+def _count(text):
+    text = text.replace(",", "")
+    try:
+        return float(text)
+    except ValueError:
+        return 0.0
+
+
+def summarize_source(text, top):
+    """Per kernel of ncu's source page CSV (blocks of "File Path", "Function Name", a header,
+    then source-line rows and SASS rows, the SASS repeated under each file): the `top` source
+    lines by warp-stall samples as (file:line, share of samples %, share of executed
+    instructions %, its three largest stall reasons with their shares %), and the SASS opcodes
+    by executed instructions as (opcode, millions executed, share %, share of samples %).
+    Shares are of the kernel's totals (its SASS rows)."""
+    kernels = {}
+    path = function = header = None
+    for row in csv.reader(io.StringIO(text)):
+        if not row:
+            continue
+        if row[0] == "File Path":
+            path = row[1]
+        elif row[0] == "Function Name":
+            function = row[1]
+        elif row[0] == "Line No":
+            header = row
+        elif header and function and len(row) == len(header):
+            values = dict(zip(header, row))
+            k = kernels.setdefault(function, dict(lines=[], ops=collections.Counter(),
+                                                  op_samples=collections.Counter(), seen=set()))
+            samples = _count(values.get("Warp Stall Sampling (All Samples)", ""))
+            executed = _count(values.get("Instructions Executed", ""))
+            if row[0]:  # a source line
+                stalls = {name[len("stall_"):]: _count(v) for name, v in values.items()
+                          if name.startswith("stall_") and "Not Issued" not in name}
+                k["lines"].append((f"{Path(path or '?').name}:{row[0]}", samples, executed,
+                                   stalls))
+            elif row[2].startswith("0x") and row[2] not in k["seen"]:  # a SASS instruction
+                k["seen"].add(row[2])
+                words = row[3].split()
+                words = words[1:] if words and words[0].startswith("@") else words
+                opcode = words[0].split(".")[0] if words else "?"
+                k["ops"][opcode] += executed
+                k["op_samples"][opcode] += samples
+    out = {}
+    for function, k in kernels.items():
+        # shares of the kernel's totals, the SASS rows' (a line's count includes the code
+        # inlined into it, which its own lines count again: lines overlap, SASS rows do not)
+        samples = sum(k["op_samples"].values()) or sum(line[1] for line in k["lines"]) or 1.0
+        executed = sum(k["ops"].values()) or sum(line[2] for line in k["lines"]) or 1.0
+        op_samples = samples
+        lines = sorted(k["lines"], key=lambda line: -line[1])[:top]
+        out[function] = dict(
+            lines=[(where, 100 * s / samples, 100 * e / executed,
+                    [(reason, 100 * v / samples) for reason, v in
+                     sorted(stalls.items(), key=lambda item: -item[1])[:3] if v])
+                   for where, s, e, stalls in lines],
+            opcodes=[(op, n / 1e6, 100 * n / executed, 100 * k["op_samples"][op] / op_samples)
+                     for op, n in k["ops"].most_common(12)])
+    return out
 
 
 def summarize(raw):
@@ -204,6 +288,9 @@ def main():
     ap.add_argument("--run", help=argparse.SUPPRESS)  # the child: one case
     ap.add_argument("--out", help="directory for each case's raw CSV")
     ap.add_argument("--metrics", default="", help="extra raw metric names, comma separated")
+    ap.add_argument("--source", type=int, default=0, metavar="N",
+                    help="also the source view: the N lines with the most stall samples and "
+                         "the SASS opcodes, per kernel (lines need TRANSFORMER_FA_LINEINFO=1)")
     args = ap.parse_args()
     try:
         if args.run:
@@ -214,22 +301,47 @@ def main():
         ap.error(str(exc))
     if not cases:
         ap.error("give at least one case, e.g. fwd:256:nc:4096")
+    out = Path(args.out) if args.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
     for text, case in cases:
-        raw, error = profile(text, args.metrics)
+        report = None
+        if args.source:
+            report = (out or Path(tempfile.mkdtemp())) / f"ncu-{text.replace(':', '-')}"
+        raw, error = profile(text, args.metrics, report)
         shape = (f"b={case['b']}, 32 / 8 heads, d128" if case["direction"] == "decode"
                  else f"b={16384 // case['s']}, h={2048 // case['d']}")
         print(f"== {text} ({shape})", flush=True)
         if raw is None:
             print("ncu failed:\n" + error)
             continue
-        if args.out:
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            (Path(args.out) / f"ncu-{text.replace(':', '-')}.csv").write_text(raw)
+        if out:
+            (out / f"ncu-{text.replace(':', '-')}.csv").write_text(raw)
         for kernel, summary in summarize(raw):
             print(f"  {kernel}")
             for label, value in summary.items():
                 shown = f"{value:.1f}" if isinstance(value, float) else value
                 print(f"    {label}: {shown}")
+        if report:
+            print_source(report, out, text, args.source)
+
+
+def print_source(report, out, text, top):
+    source = source_view(report)
+    if source is None:
+        print("  (ncu gave no source view)")
+        return
+    if out:
+        (out / f"ncu-{text.replace(':', '-')}-source.csv").write_text(source)
+    for function, summary in summarize_source(source, top).items():
+        print(f"  source view: {function[:100]}")
+        print("    line: samples % / instructions %, largest stalls")
+        for where, samples, executed, stalls in summary["lines"]:
+            reasons = ", ".join(f"{reason} {share:.1f}" for reason, share in stalls)
+            print(f"      {where}: {samples:.1f} / {executed:.1f}  ({reasons})")
+        print("    SASS opcode: million executed, instructions %, samples %")
+        for op, millions, share, samples in summary["opcodes"]:
+            print(f"      {op}: {millions:.2f}M, {share:.1f}, {samples:.1f}")
 
 
 if __name__ == "__main__":
