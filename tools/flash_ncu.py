@@ -26,8 +26,8 @@ and their largest stall reasons) and the SASS opcodes by executed instructions. 
 need a build with TRANSFORMER_FA_LINEINFO=1 (setup.py adds -lineinfo; the code is the same);
 without it the opcodes still show. The report (.ncu-rep) and the source CSV go to DIR too.
 """
-import collections
 import argparse
+import collections
 import csv
 import io
 import math
@@ -247,14 +247,13 @@ def summarize_source(text, top):
         # inlined into it, which its own lines count again: lines overlap, SASS rows do not)
         samples = sum(k["op_samples"].values()) or sum(line[1] for line in k["lines"]) or 1.0
         executed = sum(k["ops"].values()) or sum(line[2] for line in k["lines"]) or 1.0
-        op_samples = samples
         lines = sorted(k["lines"], key=lambda line: -line[1])[:top]
         out[function] = dict(
             lines=[(where, 100 * s / samples, 100 * e / executed,
                     [(reason, 100 * v / samples) for reason, v in
                      sorted(stalls.items(), key=lambda item: -item[1])[:3] if v])
                    for where, s, e, stalls in lines],
-            opcodes=[(op, n / 1e6, 100 * n / executed, 100 * k["op_samples"][op] / op_samples)
+            opcodes=[(op, n / 1e6, 100 * n / executed, 100 * k["op_samples"][op] / samples)
                      for op, n in k["ops"].most_common(12)])
     return out
 
