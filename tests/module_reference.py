@@ -117,10 +117,11 @@ def _norm_of(mod, x):
 
 
 def mha(mha, x, enc=None, causal=True, positions=None, rope_dim=None, kv_lens=None,
-        with_ln_out=False):
+        with_ln_out=False, qk_norm=None):
     """A MultiheadAttention's function by formula, read from its separate query/key/value
-    weights (fuse_qkv_params=False); x and enc [b, s, hidden]. Returns out (bias added), and
-    the input norm's output too if with_ln_out."""
+    weights (fuse_qkv_params=False); x and enc [b, s, hidden]. qk_norm: a function applied to
+    the query and key heads, after RoPE or before it (mha.qk_norm_before_rope). Returns out
+    (bias added), and the input norm's output too if with_ln_out."""
     hn = mha.hidden_size_per_attention_head
     heads, groups = mha.num_attention_heads, mha.num_gqa_groups
     if mha.attention_type == "self":
@@ -142,9 +143,13 @@ def mha(mha, x, enc=None, causal=True, positions=None, rope_dim=None, kv_lens=No
     q = _linear(xq, wq, bq).view(b, s, heads, hn)
     k = _linear(src, wk, bk).view(b, src.shape[1], groups, hn)
     v = _linear(src, wv, bv).view(b, src.shape[1], groups, hn)
+    if qk_norm is not None and mha.qk_norm_before_rope:
+        q, k = qk_norm(q), qk_norm(k)
     if positions is not None:
         q = rope(q, positions, rot_dim=rope_dim)
         k = rope(k, positions, rot_dim=rope_dim)
+    if qk_norm is not None and not mha.qk_norm_before_rope:
+        q, k = qk_norm(q), qk_norm(k)
     ctx = attention(q, k, v, causal=causal, kv_lens=kv_lens)
     out = _linear(ctx, mha.proj.weight, mha.proj.bias)
     return (out, ln_out) if with_ln_out else out

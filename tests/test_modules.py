@@ -379,6 +379,26 @@ def test_mha_qk_norm():
     assert not torch.allclose(mha(x), out)
 
 
+def test_mha_l2_qk_norm_matches_formula():
+    # TE's qk_norm_type="L2Normalization": q and k heads scaled to unit L2 norm (eps inside the
+    # root), no parameters (before or after RoPE alike: a rotation keeps the norm)
+    torch.manual_seed(0)
+    mha = ref.randomize(make_mha(qk_norm_type="L2Normalization", qk_norm_eps=1e-2,
+                                 qkv_format="bshd"))
+    assert not list(mha.q_norm.parameters()) and not list(mha.k_norm.parameters())
+    x = torch.randn(2, 6, 32)
+    freqs = RotaryPositionEmbedding(4)(6).cpu()
+    def l2(t):
+        return t / torch.sqrt(t.square().sum(-1, keepdim=True) + 1e-2)
+    expected = ref.mha(mha, x, positions=torch.arange(6).expand(2, 6), rope_dim=4, qk_norm=l2)
+    close(mha(x, rotary_pos_emb=freqs), expected)
+    # bf16 heads are normalized in float32 and come back in bf16
+    q = torch.randn(3, 2, 8, dtype=torch.bfloat16) * 40
+    out = mha.q_norm(q)
+    assert out.dtype == torch.bfloat16
+    close(out, l2(q.double()), atol=1e-2, rtol=1e-2)
+
+
 def test_checkpoint_core_attention_gives_same_gradients():
     torch.manual_seed(0)
     mha = ref.randomize(make_mha(num_gqa_groups=2))

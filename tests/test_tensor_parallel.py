@@ -167,6 +167,10 @@ for _sp in (False, True):
         te.TransformerLayer, _sp, args=(HIDDEN, 2 * HIDDEN, HEADS), num_gqa_groups=GROUPS,
         hidden_dropout=0.0, attention_dropout=0.0, fuse_qkv_params=_sp, activation="swiglu")
 CASES["layernorm_linear-rms-sp"] = layernorm_linear_case(True, "RMSNorm")
+# L2Normalization of q and k (no weights) splits with the heads
+CASES["mha-l2-qk-norm-tp"] = layer_case(te.MultiheadAttention, False, args=(HIDDEN, HEADS),
+                                        num_gqa_groups=GROUPS, attention_dropout=0.0,
+                                        qk_norm_type="L2Normalization")
 
 
 def errors_case(world, rank, group):
@@ -185,6 +189,9 @@ def errors_case(world, rank, group):
                        tp_group=group, set_parallel_mode=True)),
         (ValueError, "parallel_mode must be one of",
          lambda: build(te.Linear, HIDDEN, HIDDEN, parallel_mode="columns")),
+        (ValueError, "qk_norm_type with tensor parallelism is not supported",
+         lambda: build(te.MultiheadAttention, HIDDEN, HEADS, tp_group=group,
+                       set_parallel_mode=True, qk_norm_type="RMSNorm")),
         (ValueError, "sequence_parallel=True and tp_size=2 need a tp_group",
          lambda: build(te.Linear, HIDDEN, HIDDEN, parallel_mode="column", tp_size=2,
                        sequence_parallel=True)),

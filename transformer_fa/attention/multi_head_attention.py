@@ -25,7 +25,7 @@ from ..module._common import (
     pack_outputs,
     resolve_dtype,
 )
-from ..module.layernorm import LayerNorm, RMSNorm
+from ..module.layernorm import L2Normalization, LayerNorm, RMSNorm
 from ..module.linear import LayerNormLinear, Linear
 from .. import parallel
 from . import context_parallel, inference, masks
@@ -34,7 +34,14 @@ from .dot_product_attention import DotProductAttention, check_unsupported_forwar
 from .params import BIAS_TYPES
 from .rope import apply_rotary_pos_emb
 
-_QK_NORMS = {"RMSNorm": RMSNorm, "LayerNorm": LayerNorm}
+# qk_norm_type -> the norm of the query / key heads (head size, eps, params dtype, device)
+_QK_NORMS = {
+    "L2Normalization": lambda size, eps, dtype, device: L2Normalization(eps),
+    "RMSNorm": lambda size, eps, dtype, device: RMSNorm(size, eps, params_dtype=dtype,
+                                                        device=device),
+    "LayerNorm": lambda size, eps, dtype, device: LayerNorm(size, eps, params_dtype=dtype,
+                                                            device=device),
+}
 
 
 class _SplitViews(torch.autograd.Function):
@@ -194,9 +201,10 @@ class MultiheadAttention(FollowsParamsDtype, torch.nn.Module):
             num_attention_heads, tp_size, "num_attention_heads", owner)
         self.num_gqa_groups_per_partition = parallel.divide(
             num_gqa_groups, tp_size, "num_gqa_groups", owner)
-        if tp_size > 1 and qk_norm_type is not None:
+        if tp_size > 1 and qk_norm_type not in (None, "L2Normalization"):
             raise ValueError("MultiheadAttention: qk_norm_type with tensor parallelism is not "
-                             "supported (its weights would see a part of the heads per rank)")
+                             "supported (its weights would see a part of the heads per rank; "
+                             "L2Normalization, which has none, is)")
         self.sequence_parallel = tp["sequence_parallel"] and self.tp_size > 1
 
         self.hidden_size = hidden_size
@@ -266,10 +274,9 @@ class MultiheadAttention(FollowsParamsDtype, torch.nn.Module):
 
         self.q_norm = self.k_norm = None
         if qk_norm_type is not None:
-            norm_cls = _QK_NORMS[qk_norm_type]
-            norm_args = dict(eps=qk_norm_eps, params_dtype=self.params_dtype, device=device)
-            self.q_norm = norm_cls(kv_channels, **norm_args)
-            self.k_norm = norm_cls(kv_channels, **norm_args)
+            make_norm = _QK_NORMS[qk_norm_type]
+            self.q_norm, self.k_norm = (make_norm(kv_channels, qk_norm_eps, self.params_dtype,
+                                                  device) for _ in range(2))
 
         self.core_attention = DotProductAttention(
             self.num_attention_heads_per_partition,

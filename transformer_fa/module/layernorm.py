@@ -187,3 +187,20 @@ class RMSNorm(_Norm):
     r"""y = x / sqrt(mean(x^2) + eps) * gamma; gamma -> 1 + gamma if zero_centered_gamma."""
 
     normalization = "RMSNorm"
+
+
+class L2Normalization(torch.nn.Module):
+    r"""TE's L2Normalization (``transformer_engine.pytorch.ops``): y = x / sqrt(sum(x^2) + eps)
+    over the last dimension, in float32, no parameters; MultiheadAttention's query / key norm
+    for ``qk_norm_type="L2Normalization"``."""
+
+    def __init__(self, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        x = inp.float()
+        return (x * torch.rsqrt(x.square().sum(-1, keepdim=True) + self.eps)).to(inp.dtype)
+
+    def extra_repr(self) -> str:
+        return f"eps={self.eps}"
