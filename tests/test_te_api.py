@@ -526,6 +526,8 @@ def test_padding_mask_type_without_mask_names_attention_mask():
     lambda: te.Linear(H, H),
     lambda: te.LayerNormLinear(H, H),
     lambda: te.LayerNormMLP(H, FFN),
+    lambda: te.LayerNorm(H),
+    lambda: te.RMSNorm(normalized_shape=H),
 ])
 def test_cuda_device_without_cuda_is_named(make):
     with pytest.raises(ValueError, match="device='cuda'.*CUDA is not available.*device='cpu'"):
@@ -650,3 +652,51 @@ def test_transformer_layer_thd_with_padding_between_sequences_and_rope():
                 rotary_pos_emb=freqs, pad_between_seqs=True)
     ref = layer(x[rows], cu_seqlens_q=cu(lens), max_seqlen_q=5, rotary_pos_emb=freqs)
     torch.testing.assert_close(out[rows], ref)
+
+
+def test_gemm_modules_refuse_fp8_tensors_between_modules():
+    # TE's forward flags for FP8 outputs / gradients: False runs, True is refused by name (the
+    # modules hand 16/32-bit tensors on), and a misspelt keyword is a TypeError, as in TE
+    x = torch.randn(3, H)
+    for module in (te.Linear(H, H, device="cpu"), te.LayerNormLinear(H, H, device="cpu")):
+        name = type(module).__name__
+        assert module(x, is_first_microbatch=None, fp8_output=False, fp8_grad=False).shape == (3, H)
+        for flag in ("fp8_output", "fp8_grad"):
+            with pytest.raises(ValueError, match=rf"{name}.forward: {flag}=True .*not supported"):
+                module(x, **{flag: True})
+        with pytest.raises(TypeError, match="fp8_outptu"):
+            module(x, fp8_outptu=True)
+    with pytest.raises(TypeError, match="fp8_output"):
+        te.LayerNormMLP(H, FFN, device="cpu")(x, fp8_output=False)  # not TE's either
+
+
+@pytest.mark.parametrize("make", [
+    lambda **kw: te.Linear(H, H, device="cpu", **kw),
+    lambda **kw: te.LayerNormMLP(H, FFN, device="cpu", **kw),
+    lambda **kw: layer(**kw),
+])
+def test_delay_wgrad_compute_is_refused_where_it_would_matter(make):
+    # TE's backward leaves the weight gradients to backward_dw(), which these modules lack
+    make(delay_wgrad_compute=False)
+    with pytest.raises(ValueError, match="delay_wgrad_compute=True is not supported.*backward_dw"):
+        make(delay_wgrad_compute=True)
+
+
+def test_norms_take_sm_margin():
+    x = torch.randn(3, H)
+    for cls in (te.LayerNorm, te.RMSNorm):
+        plain = cls(H, device="cpu")
+        assert torch.equal(cls(H, device="cpu", sm_margin=4)(x), plain(x))
+
+
+def test_recipes_take_te_backward_override_and_power_2_scales_at_their_defaults():
+    assert DelayedScaling().backward_override is None
+    recipe = Float8CurrentScaling(backward_override=None, use_power_2_scales=False)
+    assert recipe.backward_override is None and recipe.use_power_2_scales is False
+    for cls in (DelayedScaling, Float8CurrentScaling):
+        with pytest.raises(ValueError, match=r"backward_override='dequantized'\) is not supported"):
+            cls(backward_override="dequantized")
+        with pytest.raises(ValueError, match="backward_override must be one of"):
+            cls(backward_override="fp32")
+    with pytest.raises(ValueError, match="use_power_2_scales=True.*not supported"):
+        Float8CurrentScaling(use_power_2_scales=True)

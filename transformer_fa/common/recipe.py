@@ -1,6 +1,7 @@
 """TE's FP8 recipe classes, as plain dataclasses with TE's fields and defaults; autocast /
 fp8_autocast (transformer_fa.fp8) run the modules' GEMMs in FP8 with them."""
 import dataclasses
+import os
 from enum import Enum
 from typing import Callable, NamedTuple, Optional, Union
 
@@ -41,6 +42,23 @@ class QParams:
     amax_epsilon: float = 0.0
 
 
+# TE's environment defaults of the fields below, read when this module is imported (as TE's)
+_BACKWARD_OVERRIDE_DEFAULT = os.getenv("NVTE_BACKWARD_OVERRIDE", None)
+_POWER_2_SCALES_DEFAULT = os.getenv("NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES", "0") == "1"
+_BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
+
+
+def _check_backward_override(recipe) -> None:
+    """TE's backward_override (None: FP8 backward GEMMs; 'high_precision' / 'dequantized':
+    other backward GEMMs): only None is served."""
+    value = recipe.backward_override
+    if value not in _BACKWARD_OVERRIDES:
+        raise ValueError(f"backward_override must be one of {_BACKWARD_OVERRIDES}, got {value!r}")
+    if value is not None:
+        raise ValueError(f"{type(recipe).__name__}(backward_override={value!r}) is not supported "
+                         f"yet (only None: the backward GEMMs in FP8); check NVTE_BACKWARD_OVERRIDE")
+
+
 def _check_format(fp8_format: Format) -> None:
     if not isinstance(fp8_format, Format):
         raise TypeError(f"fp8_format must be a recipe.Format, got {fp8_format!r}")
@@ -60,9 +78,11 @@ class DelayedScaling(Recipe):
     reduce_amax: bool = True
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    backward_override: Optional[str] = _BACKWARD_OVERRIDE_DEFAULT
 
     def __post_init__(self) -> None:
         _check_format(self.fp8_format)
+        _check_backward_override(self)
 
 
 # The GEMMs' accumulation where a recipe does not say (DelayedScaling): TE's modules' constants
@@ -86,9 +106,16 @@ class Float8CurrentScaling(Recipe):
     fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    backward_override: Optional[str] = _BACKWARD_OVERRIDE_DEFAULT
+    use_power_2_scales: bool = _POWER_2_SCALES_DEFAULT
 
     def __post_init__(self) -> None:
         _check_format(self.fp8_format)
+        _check_backward_override(self)
+        if self.use_power_2_scales:
+            raise ValueError("Float8CurrentScaling(use_power_2_scales=True): power-of-2 scales "
+                             "are not supported yet; check "
+                             "NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES")
         for name in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"):
             value = getattr(self, name)
             if not isinstance(value, QParams):

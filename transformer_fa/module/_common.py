@@ -7,11 +7,14 @@ import torch
 # has none, e.g. DotProductAttention; userbuffers; FP8 bookkeeping): accepted for drop-in
 # compatibility at values that mean "single device"; anything else would silently change what
 # the user asked for. Modules with tensor parallelism take tp_group/tp_size themselves.
-_TE_ONLY_NEUTRAL = {
-    "tp_group": None,
-    "tp_size": 1,
-    "fuse_wgrad_accumulation": False,
-    "ub_tp_comm_overlap": False,
+_TE_ONLY_NEUTRAL = {  # name: (the value that means it, why another is refused)
+    "tp_group": (None, "transformer_fa runs on a single device"),
+    "tp_size": (1, "transformer_fa runs on a single device"),
+    "fuse_wgrad_accumulation": (False, "weight gradients go to .grad, not into main_grad"),
+    "ub_tp_comm_overlap": (False, "transformer_fa runs on a single device"),
+    # TE's backward would leave the weight gradients to backward_dw(), which ours lacks
+    "delay_wgrad_compute": (False, "the backward computes the weight gradients itself; there "
+                                   "is no backward_dw()"),
 }
 # Accepted and ignored: they select an implementation strategy, not the function computed.
 _TE_ONLY_IGNORED = {
@@ -27,7 +30,6 @@ _TE_ONLY_IGNORED = {
     "ub_bulk_dgrad",
     "ub_bulk_wgrad",
     "ub_name",
-    "delay_wgrad_compute",
     "symmetric_ar_type",
     "save_original_input",
 }
@@ -37,14 +39,23 @@ def check_te_only_kwargs(kwargs: Dict[str, Any], owner: str) -> None:
     """Validate TE-only keyword arguments that transformer_fa accepts but does not implement."""
     for key, value in kwargs.items():
         if key in _TE_ONLY_NEUTRAL:
-            neutral = _TE_ONLY_NEUTRAL[key]
+            neutral, why = _TE_ONLY_NEUTRAL[key]
             if value is not neutral and value != neutral:
                 raise ValueError(
-                    f"{owner}: {key}={value!r} is not supported (transformer_fa runs on a "
-                    f"single device); leave it at {neutral!r}"
+                    f"{owner}: {key}={value!r} is not supported ({why}); leave it at {neutral!r}"
                 )
         elif key not in _TE_ONLY_IGNORED:
             raise TypeError(f"{owner}.__init__() got an unexpected keyword argument {key!r}")
+
+
+def check_no_fp8_tensors(owner: str, fp8_output, fp8_grad) -> None:
+    """TE's forward flags for FP8 tensors out of a GEMM (fp8_output) and FP8 gradients into its
+    backward (fp8_grad): refused where set, as the GEMMs here take and give 16/32-bit tensors."""
+    for name, value in (("fp8_output", fp8_output), ("fp8_grad", fp8_grad)):
+        if value:
+            raise ValueError(f"{owner}.forward: {name}=True (an FP8 tensor between modules) is "
+                             f"not supported; the module's inputs and outputs stay in the "
+                             f"activation dtype")
 
 
 def default_init_method() -> Callable[[torch.Tensor], torch.Tensor]:

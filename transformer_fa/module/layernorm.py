@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels, parallel
-from ._common import check_positive_int, resolve_dtype
+from ._common import check_device, check_positive_int, resolve_dtype
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
@@ -129,8 +129,10 @@ class _Norm(torch.nn.Module):
         *,
         normalized_shape: Optional[int] = None,  # newer TE's name for hidden_size
         dtype: Optional[torch.dtype] = None,  # newer TE's name for params_dtype
+        sm_margin: int = 0,  # TE's: SMs its kernels leave to communication; no effect here
     ) -> None:
         super().__init__()
+        check_device(device)
         if (hidden_size is None) == (normalized_shape is None):
             raise TypeError("pass exactly one of hidden_size and normalized_shape")
         if hidden_size is None:

@@ -16,6 +16,7 @@ from ._common import (
     FollowsParamsDtype,
     check_device,
     check_hidden_states,
+    check_no_fp8_tensors,
     check_positive_int,
     check_te_only_kwargs,
     default_init_method,
@@ -358,7 +359,9 @@ class Linear(_FP8State, _TensorParallel, FollowsParamsDtype, torch.nn.Module):
         if self.parallel_mode == "row" and self.sequence_parallel:
             parallel.check_first_dim(inp, self.tp_size, type(self).__name__)
 
-    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, **_):
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None,
+                fp8_output: Optional[bool] = False, fp8_grad: Optional[bool] = False):
+        check_no_fp8_tensors(type(self).__name__, fp8_output, fp8_grad)
         self._check_input(inp)
         out, bias = self._project(inp)
         return pack_outputs(out, bias, return_bias=self.return_bias)
@@ -408,14 +411,16 @@ class LayerNormLinear(Linear):
         self.zero_centered_gamma = zero_centered_gamma
         self.return_layernorm_output = return_layernorm_output
 
-    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, *,
-                _pass_input: bool = False, **_):
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None,
+                fp8_output: Optional[bool] = False, fp8_grad: Optional[bool] = False, *,
+                _pass_input: bool = False):
         """With sequence_parallel the norm runs on this rank's part of the sequence and its
         output is gathered for the GEMM; the layernorm output returned is this rank's part
         unless return_layernorm_output_gathered (TE's). ``_pass_input`` (not TE's):
         ``(outputs, inp)`` for a caller that uses inp again (TransformerLayer's residual), inp
         handed back out of the norm, whose backward then adds that use's gradient into its
         own (apply_norm's ``pass_input``)."""
+        check_no_fp8_tensors(type(self).__name__, fp8_output, fp8_grad)
         self._check_input(inp)
         ln_out = apply_norm(inp, self.normalization, self.layer_norm_weight,
                             self.layer_norm_bias, self.eps, self.zero_centered_gamma,
@@ -516,7 +521,7 @@ class LayerNormMLP(_FP8State, _TensorParallel, FollowsParamsDtype, torch.nn.Modu
         if self.sequence_parallel:  # the norm sees this rank's part of the sequence
             parallel.mark_sequence_parallel(self.layer_norm_weight, self.layer_norm_bias)
 
-    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, **_):
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         check_hidden_states(inp, self.hidden_size, self.params_dtype, "inp")
         self._check_fp8_shapes(inp, *self.fc1_weight.shape[:1], *self.fc2_weight.shape)
         if self.checkpoint and torch.is_grad_enabled():
