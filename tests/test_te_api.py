@@ -700,3 +700,13 @@ def test_recipes_take_te_backward_override_and_power_2_scales_at_their_defaults(
             cls(backward_override="fp32")
     with pytest.raises(ValueError, match="use_power_2_scales=True.*not supported"):
         Float8CurrentScaling(use_power_2_scales=True)
+
+
+def test_recipes_answer_tes_kind_predicates():
+    for recipe, kind in ((DelayedScaling(), "delayed"),
+                         (Float8CurrentScaling(), "float8_current_scaling")):
+        answers = {name: getattr(recipe, name)() for name in (
+            "delayed", "float8_current_scaling", "float8_per_tensor_scaling", "mxfp8",
+            "float8_block_scaling", "nvfp4", "custom")}
+        assert answers == {name: name in (kind, "float8_per_tensor_scaling") for name in answers}
+    assert DelayedScaling.delayed() and not Float8CurrentScaling.delayed()  # TE's: classmethods

@@ -21,7 +21,37 @@ class Format(Enum):
 
 
 class Recipe:
-    """Base class of the recipes (TE's)."""
+    """Base class of the recipes (TE's), with TE's predicates of a recipe's kind (code written
+    for TE branches on them: ``recipe.delayed()``, ``recipe.float8_current_scaling()``, ...).
+    The block-scaling, NVFP4 and custom recipes do not exist here, so those are False."""
+
+    @classmethod
+    def delayed(cls) -> bool:
+        return issubclass(cls, DelayedScaling)
+
+    @classmethod
+    def float8_current_scaling(cls) -> bool:
+        return issubclass(cls, Float8CurrentScaling)
+
+    @classmethod
+    def float8_per_tensor_scaling(cls) -> bool:
+        return issubclass(cls, (DelayedScaling, Float8CurrentScaling))
+
+    @classmethod
+    def mxfp8(cls) -> bool:
+        return False
+
+    @classmethod
+    def float8_block_scaling(cls) -> bool:
+        return False
+
+    @classmethod
+    def nvfp4(cls) -> bool:
+        return False
+
+    @classmethod
+    def custom(cls) -> bool:
+        return False
 
 
 @dataclasses.dataclass(frozen=True)
