@@ -35,7 +35,8 @@ try:
 except ImportError:  # running from a checkout without installing: use the repo root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from transformer_fa import fp8_autocast, parallel
+import transformer_fa
+from transformer_fa import parallel
 from transformer_fa.common.recipe import DelayedScaling, Float8CurrentScaling
 from transformer_fa.attention.rope import RotaryPositionEmbedding
 from transformer_fa.module import LayerNorm, RMSNorm
@@ -155,7 +156,7 @@ def loss_on_batch(model, x, y):
     rank holds as many tokens, so the mean of these means is the whole batch's loss)."""
     x, y = cp_part(x, model.cp_group), cp_part(y, model.cp_group)
     recipe = getattr(model, "fp8_recipe", None)
-    with autocast(x.device), fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
+    with autocast(x.device), transformer_fa.autocast(enabled=recipe is not None, recipe=recipe):
         logits = model(x)
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 

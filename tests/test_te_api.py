@@ -710,3 +710,15 @@ def test_recipes_answer_tes_kind_predicates():
             "float8_block_scaling", "nvfp4", "custom")}
         assert answers == {name: name in (kind, "float8_per_tensor_scaling") for name in answers}
     assert DelayedScaling.delayed() and not Float8CurrentScaling.delayed()  # TE's: classmethods
+
+
+def test_older_fp8_names_warn_as_tes_do():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # the current names are quiet
+        with te.autocast(enabled=False), te.quantized_model_init(enabled=False):
+            pass
+    for old, new in ((lambda: te.fp8_autocast(enabled=False), "autocast"),
+                     (lambda: te.fp8_model_init(enabled=False), "quantized_model_init")):
+        with pytest.warns(DeprecationWarning, match=rf"is deprecated.*Use {new}\("):
+            with old():
+                pass

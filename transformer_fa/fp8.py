@@ -24,6 +24,7 @@ import functools
 import importlib
 import io
 import os
+import warnings
 from typing import Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
 import torch
@@ -165,10 +166,13 @@ class fp8_autocast(autocast):  # noqa: N801 (TE's name)
     def __init__(self, enabled: bool = True, calibrating: bool = False,
                  fp8_recipe: Optional[Recipe] = None, fp8_group=None,
                  _graph: bool = False) -> None:
+        warnings.warn("fp8_autocast is deprecated and will be removed in a future release. Use "
+                      "autocast(enabled=..., calibrating=..., recipe=..., "
+                      "amax_reduction_group=...) instead.", DeprecationWarning, stacklevel=2)
         super().__init__(enabled, calibrating, fp8_recipe, fp8_group, _graph)
 
 
-class fp8_model_init:  # noqa: N801 (TE's name)
+class quantized_model_init:  # noqa: N801 (TE's name)
     """TE's FP8 parameter creation. Parameters stay in high precision here (the FP8 GEMMs
     cast the weights once per step), so this accepts TE's arguments and changes nothing."""
 
@@ -183,7 +187,16 @@ class fp8_model_init:  # noqa: N801 (TE's name)
         pass
 
 
-quantized_model_init = fp8_model_init  # TE 2.x's name
+class fp8_model_init(quantized_model_init):  # noqa: N801 (TE's name)
+    """TE's older name of ``quantized_model_init``."""
+
+    def __init__(self, enabled: bool = True, recipe=None,
+                 preserve_high_precision_init_val: bool = False) -> None:
+        warnings.warn("fp8_model_init is deprecated and will be removed in a future release. Use "
+                      "quantized_model_init(enabled=..., recipe=..., "
+                      "preserve_high_precision_init_val=...) instead.", DeprecationWarning,
+                      stacklevel=2)
+        super().__init__(enabled, recipe, preserve_high_precision_init_val)
 
 
 def compute_scale(amax: torch.Tensor, scale: torch.Tensor, fp8_max: float,
