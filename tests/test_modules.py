@@ -50,6 +50,23 @@ def test_norm_keeps_input_dtype_and_te_aliases():
         LayerNorm(device="cpu")
 
 
+@pytest.mark.parametrize("cls", [LayerNorm, RMSNorm])
+def test_norm_over_a_multi_dim_normalized_shape(cls):
+    # torch.nn.LayerNorm's and TE's normalized_shape: the last dims normalized together, the
+    # parameters of that shape
+    torch.manual_seed(0)
+    norm = ref.randomize(cls((4, 8), eps=1e-3, device="cpu", dtype=torch.float64))
+    assert norm.weight.shape == (4, 8)
+    x = torch.randn(3, 5, 4, 8, dtype=torch.float64)
+    beta = None if norm.bias is None else norm.bias.reshape(-1)
+    expected = ref.norm(x.reshape(3, 5, 32), cls.__name__, norm.weight.reshape(-1), beta, 1e-3)
+    close(norm(x), expected.reshape(x.shape))
+    with pytest.raises(ValueError, match=r"last dims \[8, 4\] are not normalized_shape=\[4, 8\]"):
+        norm(torch.randn(3, 8, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="normalized_shape must be an int or a shape of ints"):
+        cls((4, 8.0), device="cpu")
+
+
 # ---------------------------------------------------------------- linear layers
 
 

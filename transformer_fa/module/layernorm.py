@@ -7,6 +7,7 @@ applied is ``1 + gamma``, which keeps weight decay from pulling the scale to 0.
 On CUDA with triton installed, a fused kernel (transformer_fa.kernels.norm) computes the same
 thing in one pass forward and one backward; this PyTorch code is the path everywhere else.
 """
+import math
 from typing import Optional, Tuple, Union
 
 import torch
@@ -137,14 +138,15 @@ class _Norm(torch.nn.Module):
             raise TypeError("pass exactly one of hidden_size and normalized_shape")
         if hidden_size is None:
             hidden_size = normalized_shape
-        if isinstance(hidden_size, (tuple, list, torch.Size)):
-            if len(hidden_size) != 1:
-                raise ValueError(
-                    f"hidden_size must be an int or a 1-element shape, got {tuple(hidden_size)}"
-                )
-            hidden_size = int(hidden_size[0])
+        # (torch.nn.LayerNorm's and TE's normalized_shape: the last dims normalized together)
+        shape = (tuple(hidden_size) if isinstance(hidden_size, (tuple, list, torch.Size))
+                 else (hidden_size,))
+        if not shape or not all(isinstance(n, int) and not isinstance(n, bool) for n in shape):
+            raise ValueError(f"normalized_shape must be an int or a shape of ints, got {shape}")
+        hidden_size = math.prod(shape)
         if params_dtype is not None and dtype is not None:
             raise TypeError("pass at most one of params_dtype and dtype")
+        self.normalized_shape = shape
         self.hidden_size = hidden_size
         self.eps = eps
         self.zero_centered_gamma = zero_centered_gamma
@@ -152,9 +154,10 @@ class _Norm(torch.nn.Module):
         weight, bias = make_norm_params(
             hidden_size, self.normalization, zero_centered_gamma, params_dtype or dtype, device
         )
-        self.weight = weight
+        # parameters of the normalized shape (TE's); the norm runs over their flat view
+        self.weight = torch.nn.Parameter(weight.detach().view(shape))
         if bias is not None:
-            self.bias = bias
+            self.bias = torch.nn.Parameter(bias.detach().view(shape))
         else:
             self.register_parameter("bias", None)
         if sequence_parallel:
@@ -169,14 +172,22 @@ class _Norm(torch.nn.Module):
                 self.bias.zero_()
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
-        return apply_norm(
-            inp, self.normalization, self.weight, self.bias, self.eps, self.zero_centered_gamma
-        )
+        shape = self.normalized_shape
+        if len(shape) == 1:
+            return apply_norm(inp, self.normalization, self.weight, self.bias, self.eps,
+                              self.zero_centered_gamma)
+        if tuple(inp.shape[inp.dim() - len(shape):]) != shape:
+            raise ValueError(f"inp's last dims {list(inp.shape)[-len(shape):]} are not "
+                             f"normalized_shape={list(shape)}")
+        flat = inp.reshape(*inp.shape[:inp.dim() - len(shape)], self.hidden_size)
+        bias = None if self.bias is None else self.bias.view(-1)
+        out = apply_norm(flat, self.normalization, self.weight.view(-1), bias, self.eps,
+                         self.zero_centered_gamma)
+        return out.view(inp.shape)
 
     def extra_repr(self) -> str:
-        return (
-            f"{self.hidden_size}, eps={self.eps}, zero_centered_gamma={self.zero_centered_gamma}"
-        )
+        size = self.hidden_size if len(self.normalized_shape) == 1 else self.normalized_shape
+        return f"{size}, eps={self.eps}, zero_centered_gamma={self.zero_centered_gamma}"
 
 
 class LayerNorm(_Norm):
