@@ -4,9 +4,9 @@ from typing import Any, Callable, Dict, Optional
 import torch
 
 # TE arguments for features a module does not implement (tensor parallelism where the module
-# has none, e.g. DotProductAttention; userbuffers; FP8 bookkeeping): accepted for drop-in
-# compatibility at values that mean "single device"; anything else would silently change what
-# the user asked for. Modules with tensor parallelism take tp_group/tp_size themselves.
+# has none, e.g. DotProductAttention; userbuffers; FP8 bookkeeping; deferred weight
+# gradients): accepted for drop-in compatibility at their neutral values; anything else would
+# silently change what the user asked for. Modules with tensor parallelism take tp_group/tp_size themselves.
 _TE_ONLY_NEUTRAL = {  # name: (the value that means it, why another is refused)
     "tp_group": (None, "transformer_fa runs on a single device"),
     "tp_size": (1, "transformer_fa runs on a single device"),
