@@ -46,8 +46,13 @@ def test_norm_keeps_input_dtype_and_te_aliases():
     x = torch.randn(2, 8, dtype=torch.bfloat16)
     assert norm(x).dtype == torch.bfloat16
     assert RMSNorm(8, device="cpu").weight.dtype == torch.get_default_dtype()
-    with pytest.raises(TypeError, match="hidden_size"):
+    with pytest.raises(TypeError, match="normalized_shape and hidden_size"):
         LayerNorm(device="cpu")
+    # TE's signature: hidden_size (deprecated, warned as TE warns) is the sixth, device a keyword
+    with pytest.warns(DeprecationWarning, match="renamed to `normalized_shape`"):
+        assert LayerNorm(hidden_size=8, device="cpu").weight.shape == (8,)
+    with pytest.raises(TypeError):
+        LayerNorm(8, 1e-5, None, None, False, "cpu")  # the sixth is hidden_size, as in TE
 
 
 @pytest.mark.parametrize("cls", [LayerNorm, RMSNorm])

@@ -8,6 +8,7 @@ On CUDA with triton installed, a fused kernel (transformer_fa.kernels.norm) comp
 thing in one pass forward and one backward; this PyTorch code is the path everywhere else.
 """
 import math
+import warnings
 from typing import Optional, Tuple, Union
 
 import torch
@@ -119,33 +120,38 @@ def make_norm_params(
 class _Norm(torch.nn.Module):
     normalization = "LayerNorm"
 
+    # TE's signature: normalized_shape first, the older hidden_size (deprecated) sixth, the
+    # device, dtype and sm_margin by keyword
     def __init__(
         self,
-        hidden_size: Optional[int] = None,
+        normalized_shape: Union[int, Tuple[int, ...], None] = None,
         eps: float = 1e-5,
         sequence_parallel: Optional[bool] = None,  # TE's: marks the parameters (see below)
-        params_dtype: Optional[torch.dtype] = None,
+        params_dtype: Optional[torch.dtype] = None,  # TE's older name of dtype
         zero_centered_gamma: bool = False,
-        device: Union[torch.device, str] = "cuda",
+        hidden_size: Optional[int] = None,  # TE's older name of normalized_shape
         *,
-        normalized_shape: Optional[int] = None,  # newer TE's name for hidden_size
-        dtype: Optional[torch.dtype] = None,  # newer TE's name for params_dtype
+        device: Union[torch.device, str] = "cuda",
+        dtype: Optional[torch.dtype] = None,
         sm_margin: int = 0,  # TE's: SMs its kernels leave to communication; no effect here
     ) -> None:
         super().__init__()
-        check_device(device)
         if (hidden_size is None) == (normalized_shape is None):
-            raise TypeError("pass exactly one of hidden_size and normalized_shape")
-        if hidden_size is None:
-            hidden_size = normalized_shape
+            raise TypeError("pass exactly one of normalized_shape and hidden_size")
+        if hidden_size is not None:
+            warnings.warn("`hidden_size` arg has been renamed to `normalized_shape` for "
+                          "compatibility with `torch.nn.LayerNorm`.", DeprecationWarning,
+                          stacklevel=2)
+            normalized_shape = hidden_size
         # (torch.nn.LayerNorm's and TE's normalized_shape: the last dims normalized together)
-        shape = (tuple(hidden_size) if isinstance(hidden_size, (tuple, list, torch.Size))
-                 else (hidden_size,))
+        shape = (tuple(normalized_shape) if isinstance(normalized_shape, (tuple, list, torch.Size))
+                 else (normalized_shape,))
         if not shape or not all(isinstance(n, int) and not isinstance(n, bool) for n in shape):
             raise ValueError(f"normalized_shape must be an int or a shape of ints, got {shape}")
         hidden_size = math.prod(shape)
         if params_dtype is not None and dtype is not None:
             raise TypeError("pass at most one of params_dtype and dtype")
+        check_device(device)
         self.normalized_shape = shape
         self.hidden_size = hidden_size
         self.eps = eps
