@@ -77,3 +77,32 @@ def test_summary_of_the_source_view():
     assert list(ops)[0] == "MUFU"  # by instructions executed; a predicate is not the opcode
     assert ops["MUFU"][0] == pytest.approx(200e-6) and ops["IMAD"][1] == pytest.approx(100 * 50 / 360)
     assert ops["WARPGROUP"][2] == pytest.approx(30)
+
+
+def test_source_mode_runs_ncu_to_a_report_and_reads_it_back(monkeypatch, tmp_path, capsys):
+    # the --source flow without a GPU: ncu (a stand-in) profiles into a report, then the raw
+    # and source pages are read from it; both summaries are printed and the CSVs kept
+    calls = []
+
+    def fake_run(cmd, capture_output, text):
+        calls.append(cmd)
+        page = cmd[cmd.index("--page") + 1] if "--page" in cmd else None
+        stdout = {"raw": "==PROF== noise\n" + RAW, "source": SOURCE}.get(page, "==PROF== done\n")
+        return argparse.Namespace(returncode=0, stdout=stdout, stderr="")
+
+    monkeypatch.setattr(flash_ncu.subprocess, "run", fake_run)
+    monkeypatch.setattr("sys.argv", ["flash_ncu.py", "--source", "2", "--out", str(tmp_path),
+                                     "fwd:64:nc:512"])
+    flash_ncu.main()
+    profile, raw_page, source_page = calls
+    report = str(tmp_path / "ncu-fwd-64-nc-512")
+    assert profile[profile.index("-o") + 1] == report and "SourceCounters" in profile
+    assert profile[profile.index("--import-source") + 1] == "yes" and "--csv" not in profile
+    assert raw_page[:3] == ["ncu", "-i", report + ".ncu-rep"] and "raw" in raw_page
+    assert source_page[:3] == ["ncu", "-i", report + ".ncu-rep"]
+    assert source_page[source_page.index("--print-source") + 1] == "cuda,sass"
+    printed = capsys.readouterr().out
+    assert "duration us: 1234.0" in printed and "fwd_kernel.cuh:439: 60.0 / 83.3" in printed
+    assert "MUFU: 0.00M" in printed
+    assert (tmp_path / "ncu-fwd-64-nc-512.csv").exists()
+    assert (tmp_path / "ncu-fwd-64-nc-512-source.csv").read_text() == SOURCE
