@@ -159,8 +159,13 @@ inline TileScheduler make_scheduler(const FwdParams& p, const Device& device, in
   const int per_group = int(std::max<int64_t>(
       1, std::min<int64_t>(heads_batches, l2_budget / kv_bytes_per_head)));
   const int num_m_blocks = (p.seqlen_q + block_m - 1) / block_m;
+  // (no tile when num_m_blocks is 0: a divisor of 1 then, as FastDivmod cannot take 0)
   return TileScheduler{num_m_blocks, heads_batches, p.h, per_group, num_m_blocks * heads_batches,
-                       counter};
+                       counter,
+                       cutlass::FastDivmod(std::max(1, num_m_blocks)),
+                       cutlass::FastDivmod(std::max(1, p.h)),
+                       cutlass::FastDivmod(std::max(1, per_group * num_m_blocks)),
+                       cutlass::FastDivmod(per_group)};
 }
 
 // A call's tensor as the TMA descriptors see it, (rows, d, heads, batch) (V^T: (d, rows, heads,
