@@ -79,6 +79,32 @@ def test_summary_of_the_source_view():
     assert ops["WARPGROUP"][2] == pytest.approx(30)
 
 
+# ncu's SASS-only page (--print-source sass), cut down: the one view with kernels built without
+# line info (cuDNN's); a kernel's block at times comes twice
+SASS = '''"Kernel Name","cudnn_generated_sdpa_bprop_kernel0",
+"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_barrier","stall_long_sb","stall_wait","stall_long_sb (Not Issued)"
+"0x7f00","      LDC R1, c[0x0][0x28]","5","40","0","0","5","0"
+"0x7f10","      HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ","20","100","0","0","20","0"
+"0x7f20","      WARPGROUP.DEPBAR.LE gsb0, 0x0","60","100","55","0","5","0"
+"0x7f30","  @!P0 BRA 0x7f60","15","60","0","15","0","9"
+"Kernel Name","cudnn_generated_sdpa_bprop_kernel0",
+"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_barrier","stall_long_sb","stall_wait","stall_long_sb (Not Issued)"
+"0x7f00","      LDC R1, c[0x0][0x28]","5","40","0","0","5","0"
+'''
+
+
+def test_summary_of_the_sass_view():
+    (name, view), = flash_ncu.summarize_source(SASS, top=3).items()
+    assert name == "cudnn_generated_sdpa_bprop_kernel0" and view["lines"] == []
+    # totals 100 samples, 300 instructions: the repeated block counted once
+    ops = {op: (millions, share, samples) for op, millions, share, samples in view["opcodes"]}
+    assert ops["HGMMA"][1] == pytest.approx(100 / 3) and ops["BRA"][2] == pytest.approx(15)
+    index, instruction, share, stalls = view["hottest"][0]
+    assert (index, instruction, share) == (2, "WARPGROUP.DEPBAR.LE gsb0, 0x0", 60)
+    assert stalls == [("barrier", 55), ("wait", 5)]
+    assert [row[0] for row in view["hottest"]] == [2, 1, 3]
+
+
 def test_source_mode_runs_ncu_to_a_report_and_reads_it_back(monkeypatch, tmp_path, capsys):
     # the --source flow without a GPU: ncu (a stand-in) profiles into a report, then the raw
     # and source pages are read from it; both summaries are printed and the CSVs kept
@@ -87,22 +113,28 @@ def test_source_mode_runs_ncu_to_a_report_and_reads_it_back(monkeypatch, tmp_pat
     def fake_run(cmd, capture_output, text):
         calls.append(cmd)
         page = cmd[cmd.index("--page") + 1] if "--page" in cmd else None
-        stdout = {"raw": "==PROF== noise\n" + RAW, "source": SOURCE}.get(page, "==PROF== done\n")
+        view = cmd[cmd.index("--print-source") + 1] if "--print-source" in cmd else None
+        stdout = {"raw": "==PROF== noise\n" + RAW, "source": SOURCE if view == "cuda,sass" else
+                  SASS}.get(page, "==PROF== done\n")
         return argparse.Namespace(returncode=0, stdout=stdout, stderr="")
 
     monkeypatch.setattr(flash_ncu.subprocess, "run", fake_run)
     monkeypatch.setattr("sys.argv", ["flash_ncu.py", "--source", "2", "--out", str(tmp_path),
                                      "fwd:64:nc:512"])
     flash_ncu.main()
-    profile, raw_page, source_page = calls
+    profile, raw_page, source_page, sass_page = calls
     report = str(tmp_path / "ncu-fwd-64-nc-512")
     assert profile[profile.index("-o") + 1] == report and "SourceCounters" in profile
     assert profile[profile.index("--import-source") + 1] == "yes" and "--csv" not in profile
     assert raw_page[:3] == ["ncu", "-i", report + ".ncu-rep"] and "raw" in raw_page
     assert source_page[:3] == ["ncu", "-i", report + ".ncu-rep"]
     assert source_page[source_page.index("--print-source") + 1] == "cuda,sass"
+    assert sass_page[:3] == source_page[:3] and sass_page[-1] == "sass"
     printed = capsys.readouterr().out
     assert "duration us: 1234.0" in printed and "fwd_kernel.cuh:439: 60.0 / 83.3" in printed
-    assert "MUFU: 0.00M" in printed
+    # the SASS views come from the SASS page: its kernel has no line info
+    assert "HGMMA: 0.00M, 33.3, 20.0" in printed and "(no line info: no source lines)" in printed
+    assert "WARPGROUP.DEPBAR.LE gsb0, 0x0  (barrier 55.0, wait 5.0)" in printed
     assert (tmp_path / "ncu-fwd-64-nc-512.csv").exists()
     assert (tmp_path / "ncu-fwd-64-nc-512-source.csv").read_text() == SOURCE
+    assert (tmp_path / "ncu-fwd-64-nc-512-sass.csv").read_text() == SASS

@@ -22,9 +22,11 @@ names (an unknown name makes ncu fail).
 
 --source N adds the SourceCounters section and ncu's source view: per kernel, the N source
 lines with the most warp-stall samples (their share of samples and of executed instructions,
-and their largest stall reasons) and the SASS opcodes by executed instructions. Source lines
-need a build with TRANSFORMER_FA_LINEINFO=1 (setup.py adds -lineinfo; the code is the same);
-without it the opcodes still show. The report (.ncu-rep) and the source CSV go to DIR too.
+and their largest stall reasons), the SASS opcodes by executed instructions, and the N SASS
+instructions with the most samples (their place in the kernel's code and their two largest
+stall reasons). Source lines need a build with TRANSFORMER_FA_LINEINFO=1 (setup.py adds
+-lineinfo; the code is the same); without it (cuDNN's kernels) the SASS views still show, from
+ncu's SASS-only page. The report (.ncu-rep) and both source CSVs go to DIR too.
 """
 import argparse
 import collections
@@ -53,7 +55,9 @@ SUMMARY = (
     ("cycles / issued inst", "smsp__average_warp_latency_per_inst_issued.ratio"),
 )
 STALL = re.compile(r"smsp__average_warps?(?:_latency)?_issue_stalled_(\w+?)_per_issue_active\.ratio")
-TENSOR = re.compile(r"pipe_tensor")
+# the tensor pipes' use; a report read back has every sub-metric (min, max, sum, elapsed), the
+# average over active cycles says it
+TENSOR = re.compile(r"pipe_tensor.*\.avg\.pct_of_peak_sustained_active$")
 
 
 def parse_decode_case(text):
@@ -190,10 +194,11 @@ def profile(text, metrics, report=None):
     return "\n".join(lines[start:]), None
 
 
-def source_view(report):
-    """ncu's source page of a report, every kernel's CUDA lines and SASS (CSV)."""
+def source_view(report, view):
+    """ncu's source page of a report as CSV: view "cuda,sass" (every kernel with line info:
+    its CUDA lines, the SASS under each) or "sass" (every kernel's SASS alone)."""
     done = subprocess.run(["ncu", "-i", f"{report}.ncu-rep", "--csv", "--page", "source",
-                           "--print-source", "cuda,sass"], capture_output=True, text=True)
+                           "--print-source", view], capture_output=True, text=True)
     return done.stdout if done.returncode == 0 else None
 
 
@@ -205,13 +210,25 @@ def _count(text):
         return 0.0
 
 
+def _largest(stalls, total, n):
+    """The n largest stall reasons as (reason, share of total %), zero ones left out."""
+    return [(reason, 100 * v / total) for reason, v in
+            sorted(stalls.items(), key=lambda item: -item[1])[:n] if v]
+
+
 def summarize_source(text, top):
-    """Per kernel of ncu's source page CSV (blocks of "File Path", "Function Name", a header,
-    then source-line rows and SASS rows, the SASS repeated under each file): the `top` source
-    lines by warp-stall samples as (file:line, share of samples %, share of executed
-    instructions %, its three largest stall reasons with their shares %), and the SASS opcodes
-    by executed instructions as (opcode, millions executed, share %, share of samples %).
-    Shares are of the kernel's totals (its SASS rows)."""
+    """Per kernel of ncu's source page CSV, either view: "cuda,sass" (blocks of "File Path",
+    "Function Name", a header from "Line No", then source-line rows and SASS rows, the SASS
+    repeated under each file) or "sass" (blocks of "Kernel Name", a header from "Address", SASS
+    rows, a kernel's block at times repeated). Gives
+    - lines: the `top` source lines by warp-stall samples as (file:line, share of samples %,
+      share of executed instructions %, its three largest stall reasons with their shares %);
+      none from the SASS view;
+    - opcodes: the SASS opcodes by executed instructions as (opcode, millions executed,
+      share %, share of samples %);
+    - hottest: the `top` SASS instructions by samples as (its index in the kernel's code,
+      the instruction, share of samples %, its two largest stall reasons).
+    Shares are of the kernel's totals (its SASS rows, each address counted once)."""
     kernels = {}
     path = function = header = None
     for row in csv.reader(io.StringIO(text)):
@@ -219,42 +236,46 @@ def summarize_source(text, top):
             continue
         if row[0] == "File Path":
             path = row[1]
-        elif row[0] == "Function Name":
+        elif row[0] in ("Function Name", "Kernel Name"):
             function = row[1]
-        elif row[0] == "Line No":
+        elif row[0] in ("Line No", "Address"):
             header = row
         elif header and function and len(row) == len(header):
             values = dict(zip(header, row))
-            k = kernels.setdefault(function, dict(lines=[], ops=collections.Counter(),
-                                                  op_samples=collections.Counter(), seen=set()))
+            k = kernels.setdefault(function, dict(lines=[], sass={}))
             samples = _count(values.get("Warp Stall Sampling (All Samples)", ""))
             executed = _count(values.get("Instructions Executed", ""))
-            if row[0]:  # a source line
-                stalls = {name[len("stall_"):]: _count(v) for name, v in values.items()
-                          if name.startswith("stall_") and "Not Issued" not in name}
+            stalls = {name[len("stall_"):]: _count(v) for name, v in values.items()
+                      if name.startswith("stall_") and "Not Issued" not in name}
+            at = header.index("Address")
+            if header[0] == "Line No" and row[0]:  # a source line
                 k["lines"].append((f"{Path(path or '?').name}:{row[0]}", samples, executed,
                                    stalls))
-            elif row[2].startswith("0x") and row[2] not in k["seen"]:  # a SASS instruction
-                k["seen"].add(row[2])
-                words = row[3].split()
-                words = words[1:] if words and words[0].startswith("@") else words
-                opcode = words[0].split(".")[0] if words else "?"
-                k["ops"][opcode] += executed
-                k["op_samples"][opcode] += samples
+            elif row[at].startswith("0x") and row[at] not in k["sass"]:  # a SASS instruction
+                k["sass"][row[at]] = (row[at + 1].strip(), samples, executed, stalls)
     out = {}
     for function, k in kernels.items():
+        sass = list(k["sass"].values())
+        ops, op_samples = collections.Counter(), collections.Counter()
+        for instruction, samples, executed, _ in sass:
+            words = instruction.split()
+            words = words[1:] if words and words[0].startswith("@") else words
+            opcode = words[0].split(".")[0] if words else "?"
+            ops[opcode] += executed
+            op_samples[opcode] += samples
         # shares of the kernel's totals, the SASS rows' (a line's count includes the code
         # inlined into it, which its own lines count again: lines overlap, SASS rows do not)
-        samples = sum(k["op_samples"].values()) or sum(line[1] for line in k["lines"]) or 1.0
-        executed = sum(k["ops"].values()) or sum(line[2] for line in k["lines"]) or 1.0
+        samples = sum(op_samples.values()) or sum(line[1] for line in k["lines"]) or 1.0
+        executed = sum(ops.values()) or sum(line[2] for line in k["lines"]) or 1.0
         lines = sorted(k["lines"], key=lambda line: -line[1])[:top]
+        hottest = sorted(range(len(sass)), key=lambda i: -sass[i][1])[:top]
         out[function] = dict(
-            lines=[(where, 100 * s / samples, 100 * e / executed,
-                    [(reason, 100 * v / samples) for reason, v in
-                     sorted(stalls.items(), key=lambda item: -item[1])[:3] if v])
+            lines=[(where, 100 * s / samples, 100 * e / executed, _largest(stalls, samples, 3))
                    for where, s, e, stalls in lines],
-            opcodes=[(op, n / 1e6, 100 * n / executed, 100 * k["op_samples"][op] / samples)
-                     for op, n in k["ops"].most_common(12)])
+            opcodes=[(op, n / 1e6, 100 * n / executed, 100 * op_samples[op] / samples)
+                     for op, n in ops.most_common(12)],
+            hottest=[(i, sass[i][0], 100 * sass[i][1] / samples,
+                      _largest(sass[i][3], samples, 2)) for i in hottest if sass[i][1]])
     return out
 
 
@@ -326,21 +347,37 @@ def main():
 
 
 def print_source(report, out, text, top):
-    source = source_view(report)
-    if source is None:
+    """Each kernel's source lines (from the cuda,sass view, kernels with line info) and SASS
+    views (from the SASS view, every kernel)."""
+    pages = {}
+    for view, suffix in (("cuda,sass", "source"), ("sass", "sass")):
+        pages[view] = source_view(report, view)
+        if out and pages[view] is not None:
+            (out / f"ncu-{text.replace(':', '-')}-{suffix}.csv").write_text(pages[view])
+    if pages["cuda,sass"] is None and pages["sass"] is None:
         print("  (ncu gave no source view)")
         return
-    if out:
-        (out / f"ncu-{text.replace(':', '-')}-source.csv").write_text(source)
-    for function, summary in summarize_source(source, top).items():
+    lines = summarize_source(pages["cuda,sass"] or "", top)
+    sass = summarize_source(pages["sass"] or "", top)
+    for function in list(sass) + [f for f in lines if f not in sass]:
+        summary = sass.get(function) or lines[function]
         print(f"  source view: {function[:100]}")
-        print("    line: samples % / instructions %, largest stalls")
-        for where, samples, executed, stalls in summary["lines"]:
-            reasons = ", ".join(f"{reason} {share:.1f}" for reason, share in stalls)
-            print(f"      {where}: {samples:.1f} / {executed:.1f}  ({reasons})")
+        if lines.get(function, {}).get("lines"):
+            print("    line: samples % / instructions %, largest stalls")
+            for where, samples, executed, stalls in lines[function]["lines"]:
+                print(f"      {where}: {samples:.1f} / {executed:.1f}  ({_reasons(stalls)})")
+        else:
+            print("    (no line info: no source lines)")
         print("    SASS opcode: million executed, instructions %, samples %")
         for op, millions, share, samples in summary["opcodes"]:
             print(f"      {op}: {millions:.2f}M, {share:.1f}, {samples:.1f}")
+        print("    hottest SASS: index in the code, samples %, instruction, largest stalls")
+        for index, instruction, samples, stalls in summary["hottest"]:
+            print(f"      {index:6d} {samples:5.1f}  {instruction[:64]}  ({_reasons(stalls)})")
+
+
+def _reasons(stalls):
+    return ", ".join(f"{reason} {share:.1f}" for reason, share in stalls)
 
 
 if __name__ == "__main__":
