@@ -34,7 +34,8 @@ def test_cpu_needs_the_opt_in(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("checks the answer without CUDA")
     assert te.is_fp8_available(return_reason=True)[0] is False
-    with pytest.raises(ValueError, match="fp8_autocast.*compute capability 8.9"):
+    with pytest.raises(ValueError, match="fp8_autocast.*compute capability 8.9"), \
+            pytest.deprecated_call():
         te.fp8_autocast(enabled=True)
 
 
@@ -47,7 +48,7 @@ def test_delayed_scaling_bookkeeping_follows_te_formulas():
     amaxes = []
     for step, gain in enumerate((4.0, 1.0)):
         x = torch.randn(16, 32) * gain
-        with te.fp8_autocast(fp8_recipe=recipe):
+        with te.autocast(recipe=recipe):
             if step == 0:
                 out = lin(x)
                 w_amax = lin.weight.abs().max()
@@ -150,7 +151,7 @@ def test_gradient_format_follows_the_recipe(monkeypatch, fmt, grad_dtype):
     calls = _scaled_mm_calls(monkeypatch)
     lin = _linear()
     x = torch.randn(16, 32, requires_grad=True)
-    with te.fp8_autocast(fp8_recipe=DelayedScaling(fp8_format=fmt)):
+    with te.autocast(recipe=DelayedScaling(fp8_format=fmt)):
         out = lin(x)
     out.sum().backward()
     e4m3 = torch.float8_e4m3fn
@@ -229,8 +230,8 @@ def test_nested_autocast_takes_the_inner_settings():
 def test_calibration_records_amaxes_in_high_precision():
     lin = _linear()
     x = torch.randn(16, 32) * 3
-    with te.fp8_autocast(enabled=False, calibrating=True,
-                         fp8_recipe=DelayedScaling(amax_history_len=2)):
+    with te.autocast(enabled=False, calibrating=True,
+                     recipe=DelayedScaling(amax_history_len=2)):
         out = lin(x)
     assert torch.equal(out, torch.nn.functional.linear(x, lin.weight, lin.bias))
     torch.testing.assert_close(lin.fp8_meta.scale_fwd[0], E4M3_MAX / x.abs().max())
@@ -274,7 +275,7 @@ def test_extra_state_round_trip():
 
 
 def test_bad_recipes_and_shapes_are_named():
-    with pytest.raises(TypeError, match="fp8_recipe must be"):
+    with pytest.raises(TypeError, match="fp8_recipe must be"), pytest.deprecated_call():
         te.fp8_autocast(fp8_recipe="delayed")
     with pytest.raises(ValueError, match="E5M2"):
         DelayedScaling(fp8_format=Format.E5M2)
@@ -317,7 +318,7 @@ def test_transformer_layer_trains_close_to_high_precision():
         target = torch.randn(16, 2, 64)
         losses = []
         for _ in range(6):
-            with te.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
+            with te.autocast(enabled=recipe is not None, recipe=recipe):
                 out = layer(x)
             loss = torch.nn.functional.mse_loss(out, target)
             loss.backward()

@@ -893,7 +893,7 @@ def test_calibration_amax_through_the_kernel(fp8_kernels_on_cpu):
         lin = te.Linear(40, 32, device="cpu")
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(kernels, "kernels_enabled", lambda *tensors: enabled)
-            with te.fp8_autocast(enabled=False, calibrating=True):
+            with te.autocast(enabled=False, calibrating=True):
                 lin(x)
         results.append(lin.fp8_meta.scale_fwd)
     assert torch.equal(*results)
@@ -1405,8 +1405,8 @@ def test_fp8_gemms_keep_their_path(recipe, functions_called, monkeypatch):
     x = torch.randn(16, 2, 64, dtype=torch.bfloat16)
     for cls in (te.Linear, te.LayerNormMLP):
         module = cls(64, 64, device="cpu", params_dtype=torch.bfloat16)
-        context = te.fp8_autocast(enabled=recipe is not None, calibrating=recipe is None,
-                                  fp8_recipe=recipe)
+        context = te.autocast(enabled=recipe is not None, calibrating=recipe is None,
+                              recipe=recipe)
         assert _forward_calls(module, x, functions_called, context) == []
 
 

@@ -17,7 +17,7 @@ def test_fp8_close_to_bf16(recipe, module):
     mod = getattr(te, module)(256, 512, params_dtype=torch.bfloat16, device="cuda")
     for step in range(3):  # delayed: the first step runs at scale 1 (TE's)
         x = torch.randn(4, 64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        with te.fp8_autocast(fp8_recipe=recipe):
+        with te.autocast(recipe=recipe):
             out = mod(x)
         out.float().square().sum().backward()
         got = [out, x.grad] + [p.grad for p in mod.parameters()]
@@ -275,7 +275,7 @@ def test_fp8_linear_backward_sums_the_bias_in_the_cast(recipe, casts, frozen, mo
     dy = torch.randn(4, 256, 768, device="cuda", dtype=torch.bfloat16)
 
     def forward():
-        with te.fp8_autocast(fp8_recipe=recipe):
+        with te.autocast(recipe=recipe):
             return lin(x)
 
     forward().backward(dy)  # compiles the kernels
@@ -476,7 +476,7 @@ def test_fp8_gemm_kernels_match_pytorch(params_dtype, recipe, monkeypatch, cast_
             lin.weight.requires_grad_(step != 3)
             x = (torch.randn(3, 256, 1024, device="cuda") * 4).to(params_dtype)
             x.requires_grad_(step != 4)
-            with te.fp8_autocast(fp8_recipe=recipe):
+            with te.autocast(recipe=recipe):
                 out = lin(x)
             dy = torch.randn_like(out)
             out.backward(dy)
@@ -592,7 +592,7 @@ def test_bias_in_the_fp8_gemm_epilogue_on_cuda(params_dtype, monkeypatch):
             lin.bias.normal_(0, 3)
         for _ in range(2):
             inp = x.clone().requires_grad_()
-            with te.fp8_autocast(fp8_recipe=DelayedScaling()):
+            with te.autocast(recipe=DelayedScaling()):
                 out = lin(inp)
             out.backward(dy)
         results.append((out, inp.grad, lin.weight.grad, lin.bias.grad))
@@ -893,7 +893,7 @@ def test_fp8_mlp_runs_no_gelu(recipe, monkeypatch, cast_impl):
     x = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 
     def forward():
-        with te.fp8_autocast(fp8_recipe=recipe):
+        with te.autocast(recipe=recipe):
             return mlp(x)
 
     forward().sum().backward()  # compiles the kernels
@@ -929,7 +929,7 @@ def test_fp8_mlp_fused_gelu_trains_like_the_unfused_path(params_dtype, rtol, rec
         outputs = []
         for _ in range(3):
             x = torch.randn(4, 256, 512, device="cuda", dtype=params_dtype)
-            with te.fp8_autocast(fp8_recipe=recipe):
+            with te.autocast(recipe=recipe):
                 out = mlp(x)
             out.float().square().sum().backward()
             opt.step()
