@@ -16,7 +16,9 @@ namespace sm80 {
 // (d256: one) where the grid has more CTAs than SMs; one CTA alone keeps enough K/V reads in
 // flight to stream at about full speed (choose_decode_splits). The count hardly matters past
 // that: at d128, 2 / 3 / 4 stages (three, two and one CTA per SM) ran b=1 sk=32k in
-// 50.0 / 50.1 / 48.6 us and b=8 sk=32k in 355 / 351 / 354 us (kernel times, H100, 2026-11-24).
+// 50.0 / 50.1 / 48.6 us and b=8 sk=32k in 355 / 351 / 354 us (kernel times, H100, 2026-11-24);
+// on the H200 (2026-12-01) 4 / 5 / 6 stages read 0-2% slower than 3 at every split row (b = 1,
+// 8, 16: one CTA an SM, where more reads in flight could have helped).
 template <typename T, int kHeadDim>
 struct DecodeConfig;
 template <typename T> struct DecodeConfig<T, 64> { using Traits = DecodeTraits<T, 64, 6>; };
