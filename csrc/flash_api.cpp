@@ -514,7 +514,7 @@ at::Tensor fwd_kvcache(const at::Tensor& q, const at::Tensor& k, const at::Tenso
               num(plan.smem_bytes), " bytes of shared memory per block; this GPU has ",
               num(dev.smem_optin));
   at::Tensor o_accum, lse_accum;
-  if (p.num_splits > 1) {
+  if (plan.accum_floats > 0) {
     const auto f32 = q.options().dtype(at::kFloat);
     o_accum = at::empty({plan.accum_floats}, f32);
     lse_accum = at::empty({plan.lse_floats}, f32);

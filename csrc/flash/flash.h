@@ -154,11 +154,14 @@ struct DecodeParams : FwdParams {
   // to [0, seqlen_k] so that a bad length cannot read past the cache.
   const int* __restrict__ seqlens_k;
   // Split-KV: num_splits CTAs share the keys of each (sequence, KV head, row tile) (0: the
-  // planner chooses). With more than one, each writes its normalized partial O to o_accum
-  // (float32 [num_splits, accum_rows, kernel head dim]) and its LSE in log2 units to
-  // lse_accum ([num_splits, accum_rows]); row = token * h + head, token = the packed index
+  // planner chooses). With more than one, each writes normalized partial O to o_accum
+  // (float32 [num_partials, accum_rows, kernel head dim]) and their LSE in log2 units to
+  // lse_accum ([num_partials, accum_rows]); row = token * h + head, token = the packed index
   // (thd q) or b * seqlen_q + t. A second kernel merges them into o.
   int num_splits;
+  // Partials per row in o_accum (set by the planner): num_splits times the CTA's warps where
+  // each warp of a split writes its own, else num_splits (one per CTA; 1: o written directly).
+  int num_partials;
   float* __restrict__ o_accum;
   float* __restrict__ lse_accum;
   int64_t accum_rows;  // tokens * h

@@ -6,9 +6,14 @@
 // one read of a K/V row serves every query head of the group. Its split is a contiguous run of
 // 16-key chunks of the sequence's key range; inside it, warp w takes chunks w, w + 4, ...
 // through its own cp.async pipeline of kStages chunks in its own shared memory (no CTA barrier
-// in the main loop), with its own running max, sum and O accumulator. At the end the warps'
-// partials are merged in shared memory; with one split the CTA writes O, else the normalized
-// partial and its LSE go to a float32 workspace and decode_combine_kernel merges the splits.
+// in the main loop), with its own running max, sum and O accumulator. At the end, with one
+// split, the warps' partials are merged in shared memory and the CTA writes O; with more,
+// each warp writes its normalized partial and LSE to a float32 workspace (num_partials per
+// row) and decode_combine_kernel merges them. (The warps' merge in the CTA, three barriers
+// and 32 KB of float32 through shared memory, cost 1-2% of the split rows: H200, 2026-12-01,
+// b = 8 4k 0.98x of cuDNN with it, 1.00x without; b = 1 4k 1.04x -> 1.07-1.09x. Without a
+// split, the combine kernel it would need costs more than the merge: b = 16 4k 0.96x
+// against 0.99x. Past kMaxDecodeSplits / 4 splits, the CTAs merge their warps too.)
 #pragma once
 
 #include "flash/sm80/common.cuh"
@@ -17,7 +22,7 @@ namespace transformer_fa {
 namespace flash {
 namespace sm80 {
 
-constexpr int kMaxDecodeSplits = 128;  // the combine kernel holds one split per thread
+constexpr int kMaxDecodeSplits = 128;  // the combine kernel holds one partial per thread
 
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
@@ -300,8 +305,34 @@ __global__ void __launch_bounds__(Tr::kNThreads) decode_kernel(const DecodeParam
     }
   }
 
-  // Merge the warps. Their stages become float32 O partials [warp][row][D].
   cp_async_wait<0>();
+  if (p.num_partials > p.num_splits) {
+    // Each warp writes its own normalized partial and LSE (partial split * NW + warp). Rows of
+    // the tile past the sequence's (token, head) pairs, or that saw no key, get zeros and
+    // LSE -inf: every partial of a row in a sequence is written.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int rr = g + 8 * r;
+      const int row = r0 + rr;
+      const float sum = quad_sum(row_sum[r]);
+      if (row >= si.rows_q * group) continue;  // the next sequence's (packed q)
+      const bool live = rr < live_rows && sum > 0.f;
+      const float inv = live ? 1.f / sum : 0.f;
+      const int t = row / group, head = kvh * group + row % group;
+      const int64_t token = p.q_packed ? int64_t(si.start_q) + t : int64_t(bidb) * p.seqlen_q + t;
+      const int64_t acc_row = int64_t(split * NW + warp) * p.accum_rows + token * p.h + head;
+      float* const dst = p.o_accum + acc_row * D + 2 * tq;
+#pragma unroll
+      for (int nf = 0; nf < NF_O; ++nf) {
+        *reinterpret_cast<float2*>(dst + nf * 8) =
+            make_float2(acc_o[nf][2 * r] * inv, acc_o[nf][2 * r + 1] * inv);
+      }
+      if (tq == 0) p.lse_accum[acc_row] = live ? row_max[r] * sl2 + __log2f(sum) : -INFINITY;
+    }
+    return;
+  }
+
+  // Merge the warps. Their stages become float32 O partials [warp][row][D].
   __syncthreads();  // every warp is done with its stages
   float* sO = reinterpret_cast<float*>(sStages);
 #pragma unroll
@@ -360,12 +391,13 @@ __global__ void __launch_bounds__(Tr::kNThreads) decode_kernel(const DecodeParam
   }
 }
 
-// Merges the splits of decode_kernel: one CTA per (token, head) row of the workspace. Thread s
-// holds split s's LSE; the partials are summed kGroups splits at a time (each group of threads
-// reads one split's row with float4 loads), so a row's loads are all in flight at once: with one
-// warp per row, looping over the splits, the merge took 10 us at 33 splits on an H100. Tokens of
-// no sequence (packed q past cu_seqlens_q[b]) and rows whose splits all saw no key get zeros.
-// Every split of a row in a sequence wrote its partial (zeros, LSE -inf when it saw no key).
+// Merges the partials of decode_kernel (num_partials: a split's, or a split's warp's): one CTA
+// per (token, head) row of the workspace. Thread s holds partial s's LSE; the partials are
+// summed kGroups at a time (each group of threads reads one partial's row with float4 loads),
+// so a row's loads are all in flight at once: with one warp per row, looping over the splits,
+// the merge took 10 us at 33 splits on an H100. Tokens of no sequence (packed q past
+// cu_seqlens_q[b]) and rows whose partials all saw no key get zeros. Every partial of a row in
+// a sequence was written (zeros, LSE -inf when it saw no key).
 template <typename T, int kD>
 __global__ void __launch_bounds__(kMaxDecodeSplits) decode_combine_kernel(const DecodeParams p) {
   constexpr int kThreads = kMaxDecodeSplits;
@@ -391,10 +423,10 @@ __global__ void __launch_bounds__(kMaxDecodeSplits) decode_combine_kernel(const 
   }
   out += int64_t(head) * p.o_head_stride;
 
-  // This thread's partials (group g sums splits g, g + kGroups, ...): the first kAhead of them
+  // This thread's partials (group g sums partials g, g + kGroups, ...): the first kAhead of them
   // are loaded before the LSEs' reduction, so that both reads are in flight at once (one
-  // round trip to L2 for up to 40 splits instead of three); the rest in the loop below.
-  constexpr int kAhead = (40 + kGroups - 1) / kGroups;
+  // round trip to L2 for up to 64 partials instead of three); the rest in the loop below.
+  constexpr int kAhead = (64 + kGroups - 1) / kGroups;
   const int group = tid / kColThreads, col = tid % kColThreads;
   const float* part = p.o_accum + row * kD + col * 4;
   const int64_t split_stride = int64_t(p.accum_rows) * kD;
@@ -402,13 +434,13 @@ __global__ void __launch_bounds__(kMaxDecodeSplits) decode_combine_kernel(const 
 #pragma unroll
   for (int i = 0; i < kAhead; ++i) {
     const int s = group + i * kGroups;
-    ahead[i] = in_sequence && group < kGroups && s < p.num_splits
+    ahead[i] = in_sequence && group < kGroups && s < p.num_partials
                    ? *reinterpret_cast<const float4*>(part + s * split_stride)
                    : make_float4(0.f, 0.f, 0.f, 0.f);
   }
 
   // The weights exp2(lse - max) of the splits, and their sum.
-  const float lse = in_sequence && tid < p.num_splits
+  const float lse = in_sequence && tid < p.num_partials
                         ? p.lse_accum[int64_t(tid) * p.accum_rows + row] : -INFINITY;
   float m = lse;
 #pragma unroll
@@ -440,10 +472,10 @@ __global__ void __launch_bounds__(kMaxDecodeSplits) decode_combine_kernel(const 
     if (l > 0.f) {
 #pragma unroll
       for (int i = 0; i < kAhead; ++i) {
-        if (group + i * kGroups < p.num_splits) add(group + i * kGroups, ahead[i]);
+        if (group + i * kGroups < p.num_partials) add(group + i * kGroups, ahead[i]);
       }
 #pragma unroll 4
-      for (int s = group + kAhead * kGroups; s < p.num_splits; s += kGroups) {
+      for (int s = group + kAhead * kGroups; s < p.num_partials; s += kGroups) {
         add(s, *reinterpret_cast<const float4*>(part + s * split_stride));
       }
     }

@@ -64,10 +64,14 @@ DecodePlan plan_decode(DecodeParams& p, const Device& device) {
     p.num_splits = choose_decode_splits(units, device.sms, p.seqlen_k, Tr::kNWarps);
   }
   p.num_splits = std::min(p.num_splits, kMaxDecodeSplits);
+  // Split rows: each warp writes its own partial (decode_kernel), where the combine kernel
+  // has a thread for each.
+  const bool per_warp = p.num_splits > 1 && p.num_splits * Tr::kNWarps <= kMaxDecodeSplits;
+  p.num_partials = per_warp ? p.num_splits * Tr::kNWarps : p.num_splits;
   DecodePlan plan{};
   plan.smem_bytes = smem;
-  plan.accum_floats = p.num_splits > 1 ? int64_t(p.num_splits) * p.accum_rows * kHeadDim : 0;
-  plan.lse_floats = p.num_splits > 1 ? int64_t(p.num_splits) * p.accum_rows : 0;
+  plan.accum_floats = p.num_partials > 1 ? int64_t(p.num_partials) * p.accum_rows * kHeadDim : 0;
+  plan.lse_floats = p.num_partials > 1 ? int64_t(p.num_partials) * p.accum_rows : 0;
   return plan;
 }
 
@@ -79,7 +83,7 @@ void launch_decode(const DecodeParams& p, const Device& device, cudaStream_t str
   allow_dynamic_smem<&decode_kernel<Tr>>(smem);
   const dim3 grid(p.num_splits, p.h_k * decode_row_tiles(p), p.b);
   decode_kernel<Tr><<<grid, Tr::kNThreads, smem, stream>>>(p);
-  if (p.num_splits > 1) {
+  if (p.num_partials > 1) {
     // Overlapped on sm_90+: the merge's launch and start hide under the decode kernel's tail
     // (as its own launch after it, it cost 2.5-3.5 us of a 50 us call at b = 1, 32k keys).
     launch_overlapped(decode_combine_kernel<T, kHeadDim>, dim3(unsigned(p.accum_rows)),
