@@ -306,6 +306,13 @@ __global__ void __launch_bounds__(Tr::kNThreads) decode_kernel(const DecodeParam
   }
 
   cp_async_wait<0>();
+  // The workspace row of partial `partial` for the tile's row `row` (split rows): token *
+  // h + head, token the packed index (thd q) or b * seqlen_q + t.
+  auto accum_row = [&](int partial, int row) {
+    const int t = row / group, head = kvh * group + row % group;
+    const int64_t token = p.q_packed ? int64_t(si.start_q) + t : int64_t(bidb) * p.seqlen_q + t;
+    return int64_t(partial) * p.accum_rows + token * p.h + head;
+  };
   if (p.num_partials > p.num_splits) {
     // Each warp writes its own normalized partial and LSE (partial split * NW + warp). Rows of
     // the tile past the sequence's (token, head) pairs, or that saw no key, get zeros and
@@ -318,9 +325,7 @@ __global__ void __launch_bounds__(Tr::kNThreads) decode_kernel(const DecodeParam
       if (row >= si.rows_q * group) continue;  // the next sequence's (packed q)
       const bool live = rr < live_rows && sum > 0.f;
       const float inv = live ? 1.f / sum : 0.f;
-      const int t = row / group, head = kvh * group + row % group;
-      const int64_t token = p.q_packed ? int64_t(si.start_q) + t : int64_t(bidb) * p.seqlen_q + t;
-      const int64_t acc_row = int64_t(split * NW + warp) * p.accum_rows + token * p.h + head;
+      const int64_t acc_row = accum_row(split * NW + warp, row);
       float* const dst = p.o_accum + acc_row * D + 2 * tq;
 #pragma unroll
       for (int nf = 0; nf < NF_O; ++nf) {
@@ -375,16 +380,15 @@ __global__ void __launch_bounds__(Tr::kNThreads) decode_kernel(const DecodeParam
     const bool live = l > 0.f;  // false for padding tokens and rows with no key
     const float inv = live ? 1.f / l : 0.f;
     o.x *= inv; o.y *= inv; o.z *= inv; o.w *= inv;
-    const int t = row / group, head = kvh * group + row % group;
     if (p.num_splits == 1) {
+      const int t = row / group, head = kvh * group + row % group;
       if (col < p.d) {
         *reinterpret_cast<uint2*>(o_seq + int64_t(t) * p.o_row_stride +
                                   int64_t(head) * p.o_head_stride + col) =
             make_uint2(pack2<T>(o.x, o.y), pack2<T>(o.z, o.w));
       }
     } else {
-      const int64_t token = p.q_packed ? int64_t(si.start_q) + t : int64_t(bidb) * p.seqlen_q + t;
-      const int64_t acc_row = int64_t(split) * p.accum_rows + token * p.h + head;
+      const int64_t acc_row = accum_row(split, row);
       *reinterpret_cast<float4*>(p.o_accum + acc_row * D + col) = o;
       if (col == 0) p.lse_accum[acc_row] = live ? m + __log2f(l) : -INFINITY;
     }
@@ -439,7 +443,7 @@ __global__ void __launch_bounds__(kMaxDecodeSplits) decode_combine_kernel(const 
                    : make_float4(0.f, 0.f, 0.f, 0.f);
   }
 
-  // The weights exp2(lse - max) of the splits, and their sum.
+  // The weights exp2(lse - max) of the partials, and their sum.
   const float lse = in_sequence && tid < p.num_partials
                         ? p.lse_accum[int64_t(tid) * p.accum_rows + row] : -INFINITY;
   float m = lse;
