@@ -105,15 +105,22 @@ def test_decode_kernel_matches_reference(case, dtype):
 
 # 2-32 splits: each warp writes its own partial (24 and 32: 96 and 128 partials, past the 64 the
 # merge loads ahead; the shorter sequence leaves the last splits without keys); 1, 33 and 64:
-# the CTA merges its warps (33: a partial per CTA, one past the per-warp limit).
+# the CTA merges its warps (33: a partial per CTA, one past the per-warp limit). Paged too, in
+# 48-key pages (not a power of 2; the last one partly filled), read through the block table.
+@pytest.mark.parametrize("page_size", [None, 48], ids=["contiguous", "paged48"])
 @pytest.mark.parametrize("splits", [1, 2, 5, 24, 32, 33, 64])
-def test_every_split_count_gives_the_same_result(splits):
+def test_every_split_count_gives_the_same_result(splits, page_size):
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(2, 1, 8, 128, generator=gen).to("cuda", torch.bfloat16)
     k, v = (torch.randn(2, 3000, 2, 128, generator=gen).to("cuda", torch.bfloat16)
             for _ in range(2))
     lens = torch.tensor([3000, 1234], dtype=torch.int32, device="cuda")
-    out = te.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, num_splits=splits)
+    if page_size is None:
+        out = te.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, num_splits=splits)
+    else:
+        pool_k, pool_v, table = paged(k, v, page_size, gen)
+        out = te.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=lens,
+                                         block_table=table, num_splits=splits)
     expected = reference(q, k, v, [3000, 1234], False, (-1, -1))
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
