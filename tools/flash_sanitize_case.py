@@ -108,8 +108,11 @@ if args.sm90_backward:
                    for n, h in ((lens_q, 4), (lens_k, hk), (lens_k, hk))]
             bshd = [torch.randn(2, s, h, d, device="cuda", dtype=dtype)
                     for s, h in ((170, 4), (300, hk), (300, hk))]
+            # sq = sk: deterministic mode's rotation (a multiple of the key blocks in query blocks)
+            square = [torch.randn(2, 300, h, d, device="cuda", dtype=dtype) for h in (4, hk, hk)]
             for (q, k, v), fmt, cu, sq, sk in ((thd, "thd", (cu_q, cu_k), 200, 129),
-                                               (bshd, "bshd", (None, None), 170, 300)):
+                                               (bshd, "bshd", (None, None), 170, 300),
+                                               (square, "bshd", (None, None), 300, 300)):
                 # (window_left, window_right, bottom_right): no mask, causal both ways, windows
                 # (key blocks that no query sees, masked steps on both sides of the band)
                 for left, right, br in ((-1, -1, False), (-1, 0, False), (-1, 0, True),

@@ -86,6 +86,7 @@ struct BwdGlobalTiles {
     ShapeRows shape_q;
     ShapeRows shape_k;
     BwdParams args;  // the call: lengths (common/sequence.cuh), LSE, dsum, dq_accum, dK, dV
+    int dq_rotation;  // deterministic mode's rotation (dq_rotation below), or 0
   };
 
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
@@ -236,6 +237,9 @@ __host__ __device__ inline KvAccum kv_accum(const BwdParams& p) {
 // backward went from 0.31-0.56x of cuDNN to 0.90-1.03x, with the dQ writer warp). Unmasked,
 // all start at m = 0 and the turns form a wavefront of one addition's latency per key block
 // (0.80-0.98 of the default backward).
+// Unmasked dense calls rotate instead (dq_rotation, bwd_launch.cuh): key block n visits its
+// query blocks from n * dq_rotation on, and block m takes the key blocks in the order they reach
+// it, rank (m / dq_rotation - n) mod N.
 // GQA / MQA adds dK and dV into its accumulators (kv_accum) in turns too: a count per
 // (sequence, KV head, key block) after the dQ counts, and the query heads of a group add in
 // the order of their index (their CTAs have larger blockIdx.y the later they come: dispatched
@@ -267,18 +271,42 @@ __device__ __forceinline__ void pass_dq_turn(int* turn) {
   sm90::release_flag_inc(turn);
 }
 
-// Query blocks [m_begin, m_end) of a sequence with some row that sees a key of block n_block
-// (none past the sequence's keys): from the band (common/sequence.cuh) where the kernel's mask
-// case has one (kBand), else every block of the sequence.
+// The query blocks [begin, end) that a key block visits, in the order begin + first, ...,
+// end - 1, begin, ..., begin + first - 1 where kRotates (deterministic mode's rotation, see
+// dq_rotation; the unmasked kernels), else in order. Every loop over them (the loads, the
+// LSE / dsum rows, the consumers, the dQ writer) walks them by start() and next(). (Kernels
+// without the rotation keep no more values live than a plain loop: the producer thread has 24
+// registers.)
+template <bool kRotates>
+struct QueryBlocks {
+  int begin, end;
+  int first;  // read where kRotates
+  __device__ __forceinline__ int count() const { return end - begin; }
+  __device__ __forceinline__ int start() const { return kRotates ? begin + first : begin; }
+  __device__ __forceinline__ int next(int m) const {
+    if constexpr (kRotates) {
+      return m + 1 == end ? begin : m + 1;
+    } else {
+      return m + 1;
+    }
+  }
+};
+
+// Query blocks of a sequence with some row that sees a key of block n_block (none past the
+// sequence's keys): from the band (common/sequence.cuh) where the kernel's mask case has one
+// (kBand), else every block of the sequence; visited from the first.
 template <class Cfg, bool kBand>
-__device__ __forceinline__ void query_blocks(SeqInfo const& si, Band const& band, int n_block,
-                                             int& m_begin, int& m_end) {
+__device__ __forceinline__ QueryBlocks<false> query_blocks(SeqInfo const& si, Band const& band,
+                                                           int n_block) {
   constexpr int kBlockM = Cfg::kBlockM;
   int const key0 = n_block * Cfg::kBlockN;
   RowRange rows{0, si.len_q};
   if constexpr (kBand) { rows = band_queries(band, si.len_q, key0, key0 + Cfg::kBlockN - 1); }
-  m_end = key0 < si.len_k && rows.hi > rows.lo ? (rows.hi + kBlockM - 1) / kBlockM : 0;
-  m_begin = min(rows.lo / kBlockM, m_end);
+  QueryBlocks<false> qb;
+  qb.end = key0 < si.len_k && rows.hi > rows.lo ? (rows.hi + kBlockM - 1) / kBlockM : 0;
+  qb.begin = min(rows.lo / kBlockM, qb.end);
+  qb.first = 0;
+  return qb;
 }
 
 // The band as mask case (kCausal, kLocal) sees it: the sides it lacks as the constants they
@@ -352,14 +380,15 @@ __device__ __forceinline__ typename PipelineRows::Params rows_pipe_params(int wa
 // Producer warp 1: each query block's LSE (log2 units) and dsum into shared memory, stage by
 // stage of pipe_rows: rows past the sequence get LSE = +inf (P = 0) and dsum = 0, so their dS
 // is 0 too. lse_offset: the LSE (and dsum) of this sequence's query row 0 and head.
-template <int kBlockM, class PipelineRows>
+template <int kBlockM, class PipelineRows, class QueryBlocksT>
 __device__ __forceinline__ void store_query_rows(PipelineRows& pipe_rows, float* lse_log2_smem,
                                                  float* dsum_smem, BwdParams const& args,
                                                  SeqInfo const& si, int64_t lse_offset,
-                                                 int m_begin, int m_end) {
+                                                 QueryBlocksT const& qb) {
   int const lane = threadIdx.x % 32;
   auto write = cutlass::make_producer_start_state<PipelineRows>();
-  for (int m_block = m_begin; m_block < m_end; ++m_block) {
+  int m_block = qb.start();
+  for (int i = 0; i < qb.count(); ++i, m_block = qb.next(m_block)) {
     pipe_rows.producer_acquire(write);
     float* lse_log2 = lse_log2_smem + write.index() * kBlockM;
     float* dsum = dsum_smem + write.index() * kBlockM;
@@ -386,12 +415,12 @@ __device__ __forceinline__ auto& first_if(A& a, B& b) {
 }
 
 // The producer thread: K and V of key block n_block (barrier_kv), then the Q and dO tiles of
-// query blocks [m_begin, m_end) through their pipelines (each with its own stages).
-template <class Cfg, class PipeQ, class PipeDo, class Shared>
+// query blocks of qb, in its order, through their pipelines (each with its own stages).
+template <class Cfg, class PipeQ, class PipeDo, class Shared, class QueryBlocksT>
 __device__ __forceinline__ void load_tiles(typename Cfg::Params const& params, Shared& shared,
                                            PipeQ& pipe_q, PipeDo& pipe_do, SeqInfo const& si,
                                            int head, int kv_head, int batch, int n_block,
-                                           int m_begin, int m_end) {
+                                           QueryBlocksT const& qb) {
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
   Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Cfg::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Cfg::SmemLayoutDo{});
@@ -435,7 +464,8 @@ __device__ __forceinline__ void load_tiles(typename Cfg::Params const& params, S
   auto write_q = cutlass::make_producer_start_state<PipeQ>();
   [[maybe_unused]] auto write_do_own = cutlass::make_producer_start_state<PipeDo>();
   auto& write_do = first_if<kOneState>(write_q, write_do_own);
-  for (int m_block = m_begin; m_block < m_end; ++m_block) {
+  int m_block = qb.start();
+  for (int i = 0; i < qb.count(); ++i, m_block = qb.next(m_block)) {
     pipe_q.producer_acquire(write_q);
     copy(params.tma_q.with(*pipe_q.producer_get_barrier(write_q)), get<0>(q_parts)(_, m_block),
          get<1>(q_parts)(_, write_q.index()));
@@ -507,8 +537,13 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   Band const band = kernel_band<kCausal, kLocal>(args, si);
   int const key0 = n_block * kBlockN;
   if (key0 >= si.rows_k) { return; }  // past this (packed) sequence: the whole CTA leaves
-  int m_begin, m_end;
-  query_blocks<Cfg, kBand>(si, band, n_block, m_begin, m_end);
+  QueryBlocks<!kBand> qb;
+  {
+    QueryBlocks<false> const blocks = query_blocks<Cfg, kBand>(si, band, n_block);
+    qb.begin = blocks.begin;
+    qb.end = blocks.end;
+    qb.first = n_block * params.dq_rotation;  // (0 but for the rotation: unmasked)
+  }
 
   if (threadIdx.x == 0) { prefetch_and_init(params, shared); }
 
@@ -564,7 +599,7 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
     if (warp_idx == 1) {
       // Warp 1: each query block's LSE and dsum rows into shared memory.
       store_query_rows<kBlockM>(pipe_rows, shared.lse_log2.data(), shared.dsum.data(), args, si,
-                                lse_offset, m_begin, m_end);
+                                lse_offset, qb);
       return;
     }
     if (warp_idx == 2) {
@@ -575,12 +610,19 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
       // source read).
       if (cute::elect_one_sync()) {
         typename PipelineDq::PipelineState read;
-        for (int m = m_begin; m < m_end; ++m) {
+        int m = qb.start();
+        for (int i = 0; i < qb.count(); ++i, m = qb.next(m)) {
           pipe_dq.consumer_wait(read);
           if (args.deterministic) {
-            int const last_query = min(m * kBlockM + kBlockM - 1, si.len_q - 1);
-            int const last = (band_keys(band, m * kBlockM, last_query).hi - 1) / kBlockN;
-            sm90::wait_flag_eq(dq_turn(m), last - n_block);
+            int rank;
+            if (!kBand && params.dq_rotation > 0) {
+              rank = m / params.dq_rotation - n_block;  // (dq_rotation)
+              rank += rank < 0 ? int(gridDim.x) : 0;
+            } else {
+              int const last_query = min(m * kBlockM + kBlockM - 1, si.len_q - 1);
+              rank = (band_keys(band, m * kBlockM, last_query).hi - 1) / kBlockN - n_block;
+            }
+            sm90::wait_flag_eq(dq_turn(m), rank);
             sm90::fence_proxy_async_global();  // the acquire before the reduction (async proxy)
           }
           int const query = m * kBlockM;
@@ -601,8 +643,7 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
       return;
     }
     if (threadIdx.x != 0) { return; }
-    load_tiles<Cfg>(params, shared, pipe_q, pipe_do, si, head, kv_head, batch, n_block, m_begin,
-                    m_end);
+    load_tiles<Cfg>(params, shared, pipe_q, pipe_do, si, head, kv_head, batch, n_block, qb);
     return;
   }
 
@@ -664,7 +705,8 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
 
   shared.barrier_kv.wait(0);
   PipelineState read;  // Q and dO stages advance together
-  for (int m_block = m_begin; m_block < m_end; ++m_block) {
+  int m_block = qb.start();
+  for (int i = 0; i < qb.count(); ++i, m_block = qb.next(m_block)) {
     int const query0 = m_block * kBlockM;
     Tensor tSrS = partition_fragment_C(mma_sdp, select<0, 1>(typename Cfg::TileSdP{}));
     Tensor tdPrdP = partition_fragment_C(mma_sdp, select<0, 1>(typename Cfg::TileSdP{}));
@@ -745,7 +787,7 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
     pipe_dq.producer_commit(dq_write);
     ++dq_write;
   }
-  if (m_end > m_begin) {
+  if (qb.count() > 0) {
     // both warpgroups past their last GEMM: Q's and dO's buffers take dK and dV (MHA)
     named_barrier_sync(Cfg::kConsumerThreads, kBarDsFree);
   }

@@ -159,8 +159,7 @@ bwd_kernel_d256(__grid_constant__ const typename Cfg::Params params) {
   Band const band = kernel_band<kCausal, kLocal>(args, si);
   int const key0 = n_block * kBlockN;
   if (key0 >= si.rows_k) { return; }  // past this (packed) sequence: the whole CTA leaves
-  int m_begin, m_end;
-  query_blocks<Cfg, kBand>(si, band, n_block, m_begin, m_end);
+  QueryBlocks<false> const qb = query_blocks<Cfg, kBand>(si, band, n_block);  // (first = 0)
 
   if (threadIdx.x == 0) { prefetch_and_init(params, shared); }
   Pipeline pipe_q(shared.pipe_q,
@@ -181,12 +180,11 @@ bwd_kernel_d256(__grid_constant__ const typename Cfg::Params params) {
       int64_t const lse_offset = si.q_off(args.lse_batch_stride, args.lse_row_stride) +
                                  int64_t(head) * args.lse_head_stride;
       store_query_rows<kBlockM>(pipe_rows, shared.lse_log2.data(), shared.dsum.data(), args, si,
-                                lse_offset, m_begin, m_end);
+                                lse_offset, qb);
       return;
     }
     if (threadIdx.x != 0) { return; }
-    load_tiles<Cfg>(params, shared, pipe_q, pipe_do, si, head, kv_head, batch, n_block, m_begin,
-                    m_end);
+    load_tiles<Cfg>(params, shared, pipe_q, pipe_do, si, head, kv_head, batch, n_block, qb);
     return;
   }
 
@@ -278,7 +276,7 @@ bwd_kernel_d256(__grid_constant__ const typename Cfg::Params params) {
   shared.barrier_kv.wait(0);
   typename Pipeline::PipelineState read_q;  // Q and the LSE / dsum rows
   typename PipelineDo::PipelineState read_do;
-  for (int m_block = m_begin; m_block < m_end; ++m_block) {
+  for (int m_block = qb.begin; m_block < qb.end; ++m_block) {
     int const query0 = m_block * kBlockM;
     Tensor tSrS = partition_fragment_C(mma_sdp, select<0, 1>(typename Cfg::TileSdP{}));
     Tensor tdPrdP = partition_fragment_C(mma_sdp, select<0, 1>(typename Cfg::TileSdP{}));

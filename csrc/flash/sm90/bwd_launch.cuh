@@ -7,6 +7,8 @@
 
 #include "flash/sm90/cute_config.h"  // first: before any CuTe header
 
+#include <cstdlib>
+
 #include "flash/common/launch.cuh"
 #include "flash/flash.h"
 #include "flash/sm80/bwd_launch.cuh"
@@ -84,9 +86,29 @@ void convert(const BwdParams& p, cudaStream_t stream) {
   }
 }
 
+// Deterministic mode's rotation (bwd_kernel's Params): unmasked and dense (no cu_seqlens),
+// every key block sees every query block; in order, all N would start at query block 0 and
+// each wait there for the one before it (a wavefront of one addition's latency per key block:
+// 0.80-0.84 of the default backward at d64 512-4k, H200, 2026-11-28). Rotated, key block n
+// starts at query block n * (M / N) (M query blocks, a multiple of N) and waits only on blocks
+// that reached its query block (M / N) steps or more before it. Those may have been launched
+// after it, so the N key blocks of a head must be resident together: taken where N is at most
+// half the SMs (one CTA an SM), else 0 (the order of turns_of).
+inline int dq_rotation(const BwdParams& a, int block_m, int block_n, const Device& device) {
+  if (!a.deterministic || a.window_left >= 0 || a.window_right >= 0 ||
+      a.cu_seqlens_q != nullptr || a.cu_seqlens_k != nullptr) {
+    return 0;
+  }
+  if (const char* env = std::getenv("TRANSFORMER_FA_DQ_ROTATION"); env && env[0] == '0') {
+    return 0;  // (A/B only; not to land)
+  }
+  int const m = (a.seqlen_q + block_m - 1) / block_m, n = (a.seqlen_k + block_n - 1) / block_n;
+  return n > 1 && m % n == 0 && 2 * n <= device.sms ? m / n : 0;
+}
+
 // kCausal, kLocal: the kernel's mask cases (bwd_kernel).
 template <class Cfg, bool kCausal, bool kLocal>
-void launch_main(const BwdParams& a, cudaStream_t stream) {
+void launch_main(const BwdParams& a, const Device& device, cudaStream_t stream) {
   using Element = typename Cfg::Element;
   // (rows, d, heads, batch) tensors (tma_rows, fwd_launch.cuh); d at most the kernel's head
   // dim: TMA zero-fills the tiles' columns past it
@@ -113,7 +135,8 @@ void launch_main(const BwdParams& a, cudaStream_t stream) {
                          make_tma_copy(SM90_TMA_LOAD{}, mdO, smem_q, tile_q, _1{}),
                          make_tma_copy(SM90_TMA_LOAD{}, mK, smem_k, tile_k, _1{}),
                          make_tma_copy(SM90_TMA_LOAD{}, mV, smem_k, tile_k, _1{}),
-                         mQ.shape(), mK.shape(), a};
+                         mQ.shape(), mK.shape(), a,
+                         dq_rotation(a, Cfg::kBlockM, Cfg::kBlockN, device)};
 
   constexpr auto kernel = [] {
     if constexpr (Cfg::kDqFromRegisters) {
@@ -147,11 +170,11 @@ void launch_bwd(const BwdParams& params, const Device& device, cudaStream_t stre
   if (params.seqlen_k > 0) {
     // A left window bound (with or without a right one), a right bound alone (causal: 0), none.
     if (params.window_left >= 0) {
-      launch_main<Cfg, false, true>(params, stream);
+      launch_main<Cfg, false, true>(params, device, stream);
     } else if (params.window_right >= 0) {
-      launch_main<Cfg, true, false>(params, stream);
+      launch_main<Cfg, true, false>(params, device, stream);
     } else {
-      launch_main<Cfg, false, false>(params, stream);
+      launch_main<Cfg, false, false>(params, device, stream);
     }
   }
   convert<T>(params, stream);
