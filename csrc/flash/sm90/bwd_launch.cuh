@@ -7,8 +7,6 @@
 
 #include "flash/sm90/cute_config.h"  // first: before any CuTe header
 
-#include <cstdlib>
-
 #include "flash/common/launch.cuh"
 #include "flash/flash.h"
 #include "flash/sm80/bwd_launch.cuh"
@@ -98,9 +96,6 @@ inline int dq_rotation(const BwdParams& a, int block_m, int block_n, const Devic
   if (!a.deterministic || a.window_left >= 0 || a.window_right >= 0 ||
       a.cu_seqlens_q != nullptr || a.cu_seqlens_k != nullptr) {
     return 0;
-  }
-  if (const char* env = std::getenv("TRANSFORMER_FA_DQ_ROTATION"); env && env[0] == '0') {
-    return 0;  // (A/B only; not to land)
   }
   int const m = (a.seqlen_q + block_m - 1) / block_m, n = (a.seqlen_k + block_n - 1) / block_n;
   return n > 1 && m % n == 0 && 2 * n <= device.sms ? m / n : 0;
