@@ -235,11 +235,11 @@ __host__ __device__ inline KvAccum kv_accum(const BwdParams& p) {
 // to m by the time n gets there; in the order of n, n waited for n - 1, which reached m later,
 // and the waits added up along the blocks (H200, 2026-11-28: the causal deterministic
 // backward went from 0.31-0.56x of cuDNN to 0.90-1.03x, with the dQ writer warp). Unmasked,
-// all start at m = 0 and the turns form a wavefront of one addition's latency per key block
-// (0.80-0.98 of the default backward).
-// Unmasked dense calls rotate instead (dq_rotation, bwd_launch.cuh): key block n visits its
-// query blocks from n * dq_rotation on, and block m takes the key blocks in the order they reach
-// it, rank (m / dq_rotation - n) mod N.
+// all would start at m = 0 and the turns form a wavefront of one addition's latency per key
+// block (0.80-0.93 of the default backward), so unmasked dense calls rotate instead
+// (dq_rotation, bwd_launch.cuh): key block n visits its query blocks from n * dq_rotation on,
+// and block m takes the key blocks in the order they reach it, rank (m / dq_rotation - n) mod
+// N (0.94-1.03 of the default, H200, 2026-12-02).
 // GQA / MQA adds dK and dV into its accumulators (kv_accum) in turns too: a count per
 // (sequence, KV head, key block) after the dQ counts, and the query heads of a group add in
 // the order of their index (their CTAs have larger blockIdx.y the later they come: dispatched

@@ -87,7 +87,8 @@ void convert(const BwdParams& p, cudaStream_t stream) {
 // Deterministic mode's rotation (bwd_kernel's Params): unmasked and dense (no cu_seqlens),
 // every key block sees every query block; in order, all N would start at query block 0 and
 // each wait there for the one before it (a wavefront of one addition's latency per key block:
-// 0.80-0.84 of the default backward at d64 512-4k, H200, 2026-11-28). Rotated, key block n
+// 0.80-0.84 of the default backward at d64 512-4k, H200, 2026-11-28; 0.94-0.99 rotated,
+// 2026-12-02). Rotated, key block n
 // starts at query block n * (M / N) (M query blocks, a multiple of N) and waits only on blocks
 // that reached its query block (M / N) steps or more before it. Those may have been launched
 // after it, so the N key blocks of a head must be resident together: taken where N is at most
