@@ -19,9 +19,13 @@ def test_case_syntax():
     assert flash_ncu.parse_case("decode:8:32768") == dict(direction="decode", b=8, sk=32768,
                                                           who="ours")
     assert flash_ncu.parse_case("decode:32:4096:cudnn")["who"] == "cudnn"
+    assert flash_ncu.parse_case("decode:1:4096:nolens")["who"] == "nolens"
+    assert flash_ncu.parse_case("decode:1:4096:paged64")["who"] == "paged64"
     for bad in ("fwd:128:c", "up:128:c:4096", "fwd:100:c:4096", "fwd:128:x:4096",
                 "fwd:128:c:3000", "fwd:128:c:4096:cublas", "fwd:x:c:4096", "fwd:128:c:4k",
-                "decode:8", "decode:0:4096", "decode:8:4k", "decode:8:4096:fa2"):
+                "decode:8", "decode:0:4096", "decode:8:4k", "decode:8:4096:fa2",
+                "decode:1:4096:paged", "decode:1:4096:paged24", "decode:1:4000:paged64",
+                "decode:1:4096:pagedx"):
         with pytest.raises(argparse.ArgumentTypeError, match="case"):
             flash_ncu.parse_case(bad)
 

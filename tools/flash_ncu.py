@@ -4,12 +4,16 @@ that a benchmark cannot answer. For the GPU machine:
 
     python tools/flash_ncu.py fwd:256:nc:4096 bwd:128:c:4096 fwd:256:nc:4096:cudnn [--out DIR]
     python tools/flash_ncu.py decode:8:32768 decode:8:32768:cudnn
+    python tools/flash_ncu.py decode:1:4096:nolens decode:1:4096:paged64
 
 A case is direction:head_dim:mask:seqlen[:who]: direction fwd or bwd; mask nc (no mask) or c
 (causal); who sm90 (default), sm80, cudnn or fa2. The shape is the benchmark grid's (bf16,
 batch * seqlen = 16k, hidden 2048). A decode case is decode:batch:cache_len[:who], who ours
-(default: flash_attn_with_kvcache, the split-KV decode kernel and its merge) or cudnn: one query
-token, 32 query / 8 KV heads, d128, bf16, a contiguous cache (the benchmark's decode rows). Each case runs in a child process under ncu, which
+(default: flash_attn_with_kvcache with cache_seqlens, the split-KV decode kernel and its merge),
+nolens (ours without cache_seqlens: the lengths known on the host), pagedN (ours through a block
+table of N-key pages in a shuffled order, N a multiple of 16 dividing cache_len: the benchmark's
+paged rows) or cudnn: one query token, 32 query / 8 KV heads, d128, bf16, a contiguous cache
+(the benchmark's decode rows). Each case runs in a child process under ncu, which
 profiles every kernel of one call after a warm-up call (the backward's dsum and conversion
 kernels too), between cudaProfilerStart and Stop: process-wide, since torch's backward
 launches from autograd's own thread, outside the caller's NVTX range (where ncu found no
@@ -66,9 +70,14 @@ def parse_decode_case(text):
         raise argparse.ArgumentTypeError(
             f"case {text!r}: expected decode:batch:cache_len[:who], e.g. decode:8:32768")
     who = parts[3] if len(parts) == 4 else "ours"
-    if who not in ("ours", "cudnn"):
-        raise argparse.ArgumentTypeError(f"case {text!r}: a decode case's who is ours or cudnn")
-    return dict(direction="decode", b=int(parts[1]), sk=int(parts[2]), who=who)
+    sk = int(parts[2])
+    page = who[len("paged"):] if who.startswith("paged") else ""
+    paged_ok = page.isdigit() and int(page) > 0 and int(page) % 16 == 0 and sk % int(page) == 0
+    if who not in ("ours", "nolens", "cudnn") and not paged_ok:
+        raise argparse.ArgumentTypeError(
+            f"case {text!r}: a decode case's who is ours, nolens, pagedN (N a multiple of 16 "
+            "dividing cache_len) or cudnn")
+    return dict(direction="decode", b=int(parts[1]), sk=sk, who=who)
 
 
 def parse_case(text):
@@ -146,18 +155,28 @@ def profile_second_call(call):
 
 
 def decode_call(case):
-    """One decode step of a decode case: ours through flash_attn_with_kvcache, or torch's
-    cuDNN SDPA on [b, h, s, d] views of the same bshd tensors (GQA)."""
+    """One decode step of a decode case: ours through flash_attn_with_kvcache (with or without
+    cache_seqlens, or through a block table), or torch's cuDNN SDPA on [b, h, s, d] views of the
+    same bshd tensors (GQA)."""
     import torch
 
     b, sk = case["b"], case["sk"]
     q = torch.randn(b, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(b, sk, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    if case["who"] == "ours":
+    who = case["who"]
+    if who != "cudnn":
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         import transformer_fa as tfa
 
+        if who == "nolens":
+            return lambda: tfa.flash_attn_with_kvcache(q, k, v)
         lens = torch.full((b,), sk, dtype=torch.int32, device="cuda")
+        if who.startswith("paged"):
+            from benchmarks.bench_attention import shuffled_page_pools
+
+            (pool_k, pool_v), table = shuffled_page_pools(k, v, int(who[len("paged"):]))
+            return lambda: tfa.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=lens,
+                                                       block_table=table)
         return lambda: tfa.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens)
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
