@@ -20,7 +20,8 @@ def test_case_syntax():
                                                           who="ours")
     assert flash_ncu.parse_case("decode:32:4096:cudnn")["who"] == "cudnn"
     assert flash_ncu.parse_case("decode:1:4096:nolens")["who"] == "nolens"
-    assert flash_ncu.parse_case("decode:1:4096:paged64")["who"] == "paged64"
+    assert flash_ncu.parse_case("decode:1:4096:paged64") == dict(
+        direction="decode", b=1, sk=4096, who="paged64", page_size=64)
     for bad in ("fwd:128:c", "up:128:c:4096", "fwd:100:c:4096", "fwd:128:x:4096",
                 "fwd:128:c:3000", "fwd:128:c:4096:cublas", "fwd:x:c:4096", "fwd:128:c:4k",
                 "decode:8", "decode:0:4096", "decode:8:4k", "decode:8:4096:fa2",

@@ -72,12 +72,16 @@ def parse_decode_case(text):
     who = parts[3] if len(parts) == 4 else "ours"
     sk = int(parts[2])
     page = who[len("paged"):] if who.startswith("paged") else ""
-    paged_ok = page.isdigit() and int(page) > 0 and int(page) % 16 == 0 and sk % int(page) == 0
+    page_size = int(page) if page.isdigit() else 0  # 0: a contiguous cache
+    paged_ok = page_size > 0 and page_size % 16 == 0 and sk % page_size == 0
     if who not in ("ours", "nolens", "cudnn") and not paged_ok:
         raise argparse.ArgumentTypeError(
             f"case {text!r}: a decode case's who is ours, nolens, pagedN (N a multiple of 16 "
             "dividing cache_len) or cudnn")
-    return dict(direction="decode", b=int(parts[1]), sk=sk, who=who)
+    case = dict(direction="decode", b=int(parts[1]), sk=sk, who=who)
+    if paged_ok:
+        case["page_size"] = page_size
+    return case
 
 
 def parse_case(text):
@@ -171,10 +175,10 @@ def decode_call(case):
         if who == "nolens":
             return lambda: tfa.flash_attn_with_kvcache(q, k, v)
         lens = torch.full((b,), sk, dtype=torch.int32, device="cuda")
-        if who.startswith("paged"):
+        if "page_size" in case:
             from benchmarks.bench_attention import shuffled_page_pools
 
-            (pool_k, pool_v), table = shuffled_page_pools(k, v, int(who[len("paged"):]))
+            (pool_k, pool_v), table = shuffled_page_pools(k, v, case["page_size"])
             return lambda: tfa.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=lens,
                                                        block_table=table)
         return lambda: tfa.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens)
