@@ -86,7 +86,7 @@ struct BwdGlobalTiles {
     ShapeRows shape_q;
     ShapeRows shape_k;
     BwdParams args;  // the call: lengths (common/sequence.cuh), LSE, dsum, dq_accum, dK, dV
-    int dq_rotation;  // deterministic mode's rotation (dq_rotation below), or 0
+    bool dq_rotate;  // deterministic mode's rotation (Rotation below; unmasked calls)
   };
 
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
@@ -236,10 +236,8 @@ __host__ __device__ inline KvAccum kv_accum(const BwdParams& p) {
 // and the waits added up along the blocks (H200, 2026-11-28: the causal deterministic
 // backward went from 0.31-0.56x of cuDNN to 0.90-1.03x, with the dQ writer warp). Unmasked,
 // all would start at m = 0 and the turns form a wavefront of one addition's latency per key
-// block (0.80-0.93 of the default backward), so unmasked dense calls rotate instead
-// (dq_rotation, bwd_launch.cuh): key block n visits its query blocks from n * dq_rotation on,
-// and block m takes the key blocks in the order they reach it, rank (m / dq_rotation - n) mod
-// N (0.94-1.03 of the default, H200, 2026-12-02).
+// block (0.80-0.93 of the default backward), so unmasked calls rotate instead (Rotation
+// below; dq_rotates, bwd_launch.cuh: 0.94-1.03 of the default, H200, 2026-12-02).
 // GQA / MQA adds dK and dV into its accumulators (kv_accum) in turns too: a count per
 // (sequence, KV head, key block) after the dQ counts, and the query heads of a group add in
 // the order of their index (their CTAs have larger blockIdx.y the later they come: dispatched
@@ -264,6 +262,21 @@ __host__ __device__ inline Turns turns_of(const BwdParams& p) {
   return t;
 }
 
+// Deterministic mode's rotation (unmasked calls, dq_rotates) in a sequence of M query blocks
+// and N key blocks: key block n visits its query blocks from floor(n M / N) on, wrapping, and
+// query block m takes the key blocks in the order they reach it, the larger n first where two
+// reach it in the same step: n0, n0 - 1, ..., 0, N - 1, ..., n0 + 1, n0 the last key block that
+// starts at or before m. Every wait is on a key block that got there in an earlier step (or in
+// the same step, a larger n): no cycle. (32-bit products: N is at most half the SMs.)
+struct Rotation {
+  int m_blocks, n_blocks;
+  __device__ __forceinline__ int first(int n) const { return n * m_blocks / n_blocks; }
+  __device__ __forceinline__ int rank(int m, int n) const {
+    int const n0 = ((m + 1) * n_blocks + m_blocks - 1) / m_blocks - 1;
+    return n0 >= n ? n0 - n : n0 - n + n_blocks;
+  }
+};
+
 // Deterministic mode: this thread's bulk reductions have completed (bulk_wait_all); their
 // writes are made visible, then the count is raised (release).
 __device__ __forceinline__ void pass_dq_turn(int* turn) {
@@ -273,7 +286,7 @@ __device__ __forceinline__ void pass_dq_turn(int* turn) {
 
 // The query blocks [begin, end) that a key block visits, in the order begin + first, ...,
 // end - 1, begin, ..., begin + first - 1 where kRotates (deterministic mode's rotation, see
-// dq_rotation; the unmasked kernels), else in order. Every loop over them (the loads, the
+// Rotation; the unmasked kernels), else in order. Every loop over them (the loads, the
 // LSE / dsum rows, the consumers, the dQ writer) walks them by start() and next(). (Kernels
 // without the rotation keep no more values live than a plain loop: the producer thread has 24
 // registers.)
@@ -542,8 +555,11 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
     QueryBlocks<false> const blocks = query_blocks<Cfg, kBand>(si, band, n_block);
     qb.begin = blocks.begin;
     qb.end = blocks.end;
-    qb.first = n_block * params.dq_rotation;  // (0 but for the rotation: unmasked)
   }
+  // (unmasked: qb.begin = 0; a key block with query blocks has n_block < n_blocks)
+  Rotation const rotation{qb.count(), (si.len_k + kBlockN - 1) / kBlockN};
+  bool const rotates = !kBand && params.dq_rotate && qb.count() > 0;
+  qb.first = rotates ? rotation.first(n_block) : 0;
 
   if (threadIdx.x == 0) { prefetch_and_init(params, shared); }
 
@@ -615,9 +631,8 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
           pipe_dq.consumer_wait(read);
           if (args.deterministic) {
             int rank;
-            if (!kBand && params.dq_rotation > 0) {
-              rank = m / params.dq_rotation - n_block;  // (dq_rotation)
-              rank += rank < 0 ? int(gridDim.x) : 0;
+            if (rotates) {
+              rank = rotation.rank(m, n_block);
             } else {
               int const last_query = min(m * kBlockM + kBlockM - 1, si.len_q - 1);
               rank = (band_keys(band, m * kBlockM, last_query).hi - 1) / kBlockN - n_block;

@@ -84,22 +84,19 @@ void convert(const BwdParams& p, cudaStream_t stream) {
   }
 }
 
-// Deterministic mode's rotation (bwd_kernel's Params): unmasked and dense (no cu_seqlens),
-// every key block sees every query block; in order, all N would start at query block 0 and
-// each wait there for the one before it (a wavefront of one addition's latency per key block:
-// 0.80-0.84 of the default backward at d64 512-4k, H200, 2026-11-28; 0.94-0.99 rotated,
-// 2026-12-02). Rotated, key block n
-// starts at query block n * (M / N) (M query blocks, a multiple of N) and waits only on blocks
-// that reached its query block (M / N) steps or more before it. Those may have been launched
-// after it, so the N key blocks of a head must be resident together: taken where N is at most
-// half the SMs (one CTA an SM), else 0 (the order of turns_of).
-inline int dq_rotation(const BwdParams& a, int block_m, int block_n, const Device& device) {
-  if (!a.deterministic || a.window_left >= 0 || a.window_right >= 0 ||
-      a.cu_seqlens_q != nullptr || a.cu_seqlens_k != nullptr) {
-    return 0;
-  }
-  int const m = (a.seqlen_q + block_m - 1) / block_m, n = (a.seqlen_k + block_n - 1) / block_n;
-  return n > 1 && m % n == 0 && 2 * n <= device.sms ? m / n : 0;
+// Deterministic mode's rotation (bwd_kernel's Params, Rotation): unmasked, every key block of a
+// sequence sees every query block; in order, all N would start at query block 0 and each wait
+// there for the one before it (a wavefront of one addition's latency per key block: 0.80-0.84
+// of the default backward at d64 512-4k, H200, 2026-11-28; 0.94-0.99 rotated, 2026-12-02).
+// Rotated, key block n starts at query block n * M / N (M query blocks) and waits only on
+// blocks that reached its query block before it. Those may have been launched after it, so the
+// N key blocks of a sequence and head must be resident together: taken where N (the most of a
+// sequence: seqlen_k is the bound) is at most half the SMs (one CTA an SM), else the order
+// of turns_of.
+inline bool dq_rotates(const BwdParams& a, int block_n, const Device& device) {
+  int const n = (a.seqlen_k + block_n - 1) / block_n;
+  return a.deterministic && a.window_left < 0 && a.window_right < 0 && n > 1 &&
+         2 * n <= device.sms;
 }
 
 // kCausal, kLocal: the kernel's mask cases (bwd_kernel).
@@ -132,7 +129,7 @@ void launch_main(const BwdParams& a, const Device& device, cudaStream_t stream) 
                          make_tma_copy(SM90_TMA_LOAD{}, mK, smem_k, tile_k, _1{}),
                          make_tma_copy(SM90_TMA_LOAD{}, mV, smem_k, tile_k, _1{}),
                          mQ.shape(), mK.shape(), a,
-                         dq_rotation(a, Cfg::kBlockM, Cfg::kBlockN, device)};
+                         dq_rotates(a, Cfg::kBlockN, device)};
 
   constexpr auto kernel = [] {
     if constexpr (Cfg::kDqFromRegisters) {
