@@ -59,6 +59,19 @@ inline int heads_per_group(int64_t bytes_per_head, int l2_bytes, int heads, int 
   return group < 1 ? 1 : int(group);
 }
 
+// The backward's group size: under a causal-like mask the first key blocks see the most query
+// rows, so the CTAs go heavy first (grid_tile, key block 0 first) in groups of `heads` (the
+// heads a CTA is of: query or KV heads) whose Q, dO and float32 dQ accumulator rows fit in
+// heads_per_group's share of L2; 1 (the launch order) otherwise and in deterministic mode,
+// whose turns rely on the launch order.
+inline int bwd_group_heads(const BwdParams& p, const Device& device, int heads, int head_dim,
+                           int element_bytes) {
+  if (!work_grows(p) || p.deterministic) return 1;
+  const int64_t per_head = int64_t(p.seqlen_q) * head_dim * (p.h / heads) *
+                           (2 * element_bytes + int(sizeof(float)));
+  return heads_per_group(per_head, device.l2_bytes, heads, p.b * heads);
+}
+
 // ---------------------------------------------------------------------------------------
 // Overlapped launches (programmatic dependent launch, sm_90+)
 // ---------------------------------------------------------------------------------------

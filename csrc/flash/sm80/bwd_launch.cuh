@@ -130,15 +130,10 @@ void launch_bwd_traits(const BwdParams& params, const Device& device, cudaStream
   launch_dot_do_o<T, kHeadDim>(params, stream);
   const int num_n = (params.seqlen_k + Tr::BN - 1) / Tr::BN;
   if (num_n > 0) {
-    // Under a causal-like mask the first key blocks see the most query rows: heavy first
-    // across groups of kv heads whose Q, dO and dQ rows fit in a third of L2.
-    // (causal backward +1-4%, H100; the deterministic splits keep the launch order.)
-    const int pairs = params.b * params.h_k;
-    const int64_t per_head = int64_t(params.seqlen_q) * kHeadDim * (params.h / params.h_k) *
-                             (2 * int(sizeof(T)) + int(sizeof(float)));
-    const int group_heads = Tr::kGridOrder && work_grows(params) && !params.deterministic
-                                ? heads_per_group(per_head, device.l2_bytes, params.h_k, pairs)
-                                : 1;
+    // Causal-like masks: heavy first in groups of kv heads (bwd_group_heads; causal backward
+    // +1-4%, H100).
+    const int group_heads =
+        Tr::kGridOrder ? bwd_group_heads(params, device, params.h_k, kHeadDim, sizeof(T)) : 1;
     dim3 grid(params.deterministic ? params.num_splits : num_n, params.h_k, params.b);
     const int smem = Tr::smem_bytes(runs_sm90a(device));  // as plan_bwd's
     allow_dynamic_smem<&bwd_kernel<Tr>>(smem);

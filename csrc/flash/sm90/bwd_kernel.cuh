@@ -87,6 +87,7 @@ struct BwdGlobalTiles {
     ShapeRows shape_k;
     BwdParams args;  // the call: lengths (common/sequence.cuh), LSE, dsum, dq_accum, dK, dV
     bool dq_rotate;  // deterministic mode's rotation (Rotation below; unmasked calls)
+    int group_heads;  // grid_tile's group size (bwd_group_heads; 1: the launch order)
   };
 
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
@@ -282,6 +283,20 @@ struct Rotation {
 __device__ __forceinline__ void pass_dq_turn(int* turn) {
   sm90::fence_proxy_async_global();  // async-proxy writes before the generic release
   sm90::release_flag_inc(turn);
+}
+
+// This CTA's (key block, head, batch) of the (key blocks, heads, batch) grid: in grid_tile's
+// order where the launch groups heads (causal-like masks: key block 0, which sees the most
+// query blocks, first; an unmasked grid's CTAs all have the same work), else the launch order;
+// deterministic mode, the last key blocks first (turns_of).
+__device__ __forceinline__ GridTile bwd_grid_tile(BwdParams const& args, int group_heads) {
+  GridTile gt{int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
+  if (group_heads > 1) {
+    gt = grid_tile(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z), gridDim.x,
+                   args.h, args.b, group_heads);
+  }
+  if (args.deterministic) { gt.tile = int(gridDim.x) - 1 - gt.tile; }
+  return gt;
 }
 
 // The query blocks [begin, end) that a key block visits, in the order begin + first, ...,
@@ -541,10 +556,9 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
 
   int const warp_idx = cutlass::canonical_warp_idx_sync();
   int const warpgroup_idx = cutlass::canonical_warp_group_idx();
-  // (deterministic mode: the last key blocks first, see turns_of)
-  int const n_block = params.args.deterministic ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  int const head = blockIdx.y, batch = blockIdx.z;
   BwdParams const& args = params.args;
+  GridTile const gt = bwd_grid_tile(args, params.group_heads);
+  int const n_block = gt.tile, head = gt.head, batch = gt.batch;
   int const kv_head = head / (args.h / args.h_k);
   SeqInfo const si = seq_info(args, batch);
   Band const band = kernel_band<kCausal, kLocal>(args, si);

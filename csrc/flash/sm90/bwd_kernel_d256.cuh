@@ -152,8 +152,9 @@ bwd_kernel_d256(__grid_constant__ const typename Cfg::Params params) {
 
   int const warp_idx = cutlass::canonical_warp_idx_sync();
   int const warpgroup_idx = cutlass::canonical_warp_group_idx();
-  int const n_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
   BwdParams const& args = params.args;
+  GridTile const gt = bwd_grid_tile(args, params.group_heads);  // (not deterministic)
+  int const n_block = gt.tile, head = gt.head, batch = gt.batch;
   int const kv_head = head / (args.h / args.h_k);
   SeqInfo const si = seq_info(args, batch);
   Band const band = kernel_band<kCausal, kLocal>(args, si);

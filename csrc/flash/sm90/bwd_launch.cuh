@@ -129,7 +129,8 @@ void launch_main(const BwdParams& a, const Device& device, cudaStream_t stream) 
                          make_tma_copy(SM90_TMA_LOAD{}, mK, smem_k, tile_k, _1{}),
                          make_tma_copy(SM90_TMA_LOAD{}, mV, smem_k, tile_k, _1{}),
                          mQ.shape(), mK.shape(), a,
-                         dq_rotates(a, Cfg::kBlockN, device)};
+                         dq_rotates(a, Cfg::kBlockN, device),
+                         bwd_group_heads(a, device, a.h, Cfg::kHeadDim, sizeof(Element))};
 
   constexpr auto kernel = [] {
     if constexpr (Cfg::kDqFromRegisters) {
