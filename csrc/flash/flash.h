@@ -149,6 +149,9 @@ struct DecodeParams : FwdParams {
   const int* __restrict__ block_table;
   int64_t block_table_batch_stride;
   int page_size;
+  // log2(page_size) where it is a power of two, else -1 (set by the planner): the page of a
+  // key and its row in the page by shifts instead of two integer divisions a chunk.
+  int page_shift;
   // Keys per sequence (int32 [b]), FlashAttention's cache_seqlens: null, or it overrides the
   // lengths of cu_seqlens_k / seqlen_k (the K/V rows stay where FwdParams puts them), clamped
   // to [0, seqlen_k] so that a bad length cannot read past the cache.

@@ -152,12 +152,17 @@ __global__ void __launch_bounds__(Tr::kNThreads) decode_kernel(const DecodeParam
   auto chunk_key = [&](int i) { return range.first + (c_begin + warp + i * NW) * CH; };
   // The page of chunk i (paged caches): read an iteration before its loads need it, so that
   // the block table's latency is not in the loop's critical path.
-  auto page_of = [&](int i) { return i < mine ? pages[chunk_key(i) / p.page_size] : 0; };
+  const int page_shift = p.page_shift;
+  auto page_of = [&](int i) {
+    const int j = chunk_key(i);
+    return i < mine ? pages[page_shift >= 0 ? j >> page_shift : j / p.page_size] : 0;
+  };
   auto load_chunk = [&](int i, int page) {
     const int j0 = chunk_key(i);
     T* sK = sWarp + (i % S) * 2 * Tr::kChunkElems;
     T* sV = sK + Tr::kChunkElems;
-    const int row0 = paged ? j0 % p.page_size : j0;  // the chunk's first row in its rows
+    // the chunk's first row in its rows
+    const int row0 = !paged ? j0 : page_shift >= 0 ? j0 & (p.page_size - 1) : j0 % p.page_size;
     const T* k_rows = k_head + (paged ? int64_t(page) * p.k_batch_stride : 0) +
                       int64_t(row0) * p.k_row_stride;
     const T* v_rows = v_head + (paged ? int64_t(page) * p.v_batch_stride : 0) +

@@ -59,6 +59,9 @@ DecodePlan plan_decode(DecodeParams& p, const Device& device) {
   using Tr = typename DecodeConfig<T, kHeadDim>::Traits;
   constexpr int smem = Tr::kSmemBytes;
   allow_dynamic_smem<&decode_kernel<Tr>>(smem);
+  int shift = 0;  // page_shift: log2(page_size) where it is a power of two
+  while (shift < 30 && (1 << shift) < p.page_size) ++shift;
+  p.page_shift = (1 << shift) == p.page_size ? shift : -1;
   const int units = p.b * p.h_k * decode_row_tiles(p);
   if (p.num_splits <= 0) {
     p.num_splits = choose_decode_splits(units, device.sms, p.seqlen_k, Tr::kNWarps);
