@@ -782,7 +782,28 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
         convert_fragment<Element>(tSrS, tOrP);
         scale_rows(tOrO_rc, o_scale);
       };
+      // A step of a warpgroup whose 64 rows (WarpgroupsAlongM) hold no query of the sequence
+      // (the last tile of a sequence that ends inside it: s = 2k and 4k end 128 and 64 rows
+      // into d64's 192-row tiles; ragged varlen tails): no GEMM and no softmax, only its place in the
+      // pipelines and the turns, so that the others run the tile alone. Its rows get O = 0
+      // and LSE = +inf from the epilogue's select. Three-warpgroup tiles only: in the
+      // two-warpgroup ones (d128, d256) this loop raised ptxas's spills from 8-88 to 20-136
+      // bytes (nvcc 13.0), for ragged tails alone.
+      auto idle_step = [&] {
+        PipelineState read_v = read_k;
+        ++read_k;
+        pipe_k.consumer_wait(read_k);
+        scheduler_sync();
+        pipe_v.consumer_wait(read_v);
+        scheduler_hand_over();
+        pipe_k.consumer_release(read_k);
+        pipe_v.consumer_release(read_v);
+      };
       --n_block;
+      bool const idle = Cfg::kConsumerWarpgroups > 2 && m0 + consumer_wg * 64 >= si.len_q;
+      if (idle) {
+        for (; n_block >= n_min; --n_block) { idle_step(); }
+      }
       // Blocks from n_right_cut on hold keys right of the first row's band; those before
       // n_left_cut keys left of the last row's.
       if constexpr (kCausal || kLocal) {
