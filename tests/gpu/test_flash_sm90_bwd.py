@@ -24,7 +24,10 @@ from test_flash_sm90 import ARCH, BSHD, EXT, SBHD, make_qkv, poison, to_bshd
 # (arch, bf16, d, sq, sk, varlen, window_left, window_right, bottom_right, alibi, dropout, gqa,
 #  deterministic, family) of a call the sm90 backward serves
 SERVED = (90, True, 128, 256, 256, False, -1, 0, False, False, False, False, False)
-if ARCH != 90 or not hasattr(EXT, "bwd_family") or EXT.bwd_family(*SERVED, 90)[0] != "sm90":
+# (any of the three head dims, as test_flash_sm90's check: a reduced build runs the file)
+if ARCH != 90 or not hasattr(EXT, "bwd_family") or not any(
+        EXT.bwd_family(SERVED[0], SERVED[1], d, *SERVED[3:], 90)[0] == "sm90"
+        for d in (64, 128, 256)):
     pytest.skip("needs an sm_90 GPU and a build with the sm90 backward", allow_module_level=True)
 
 
