@@ -784,11 +784,11 @@ fwd_kernel(__grid_constant__ const typename Cfg::Params params) {
       };
       // A step of a warpgroup whose 64 rows (WarpgroupsAlongM) hold no query of the sequence
       // (the last tile of a sequence that ends inside it: s = 2k and 4k end 128 and 64 rows
-      // into d64's 192-row tiles; ragged varlen tails): no GEMM and no softmax, only its place in the
-      // pipelines and the turns, so that the others run the tile alone. Its rows get O = 0
-      // and LSE = +inf from the epilogue's select. Three-warpgroup tiles only: in the
-      // two-warpgroup ones (d128, d256) this loop raised ptxas's spills from 8-88 to 20-136
-      // bytes (nvcc 13.0), for ragged tails alone.
+      // into d64's 192-row tiles; ragged varlen tails): no GEMM and no softmax, only its
+      // place in the pipelines and the turns, so that the others run the tile alone. Its rows
+      // get O = 0 and LSE = +inf from the epilogue's select. Three-warpgroup tiles only: in
+      // the two-warpgroup ones (d128, d256) this loop raised ptxas's spills from 8-88 to
+      // 20-136 bytes (nvcc 13.0), for ragged tails alone.
       auto idle_step = [&] {
         PipelineState read_v = read_k;
         ++read_k;
