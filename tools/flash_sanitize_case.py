@@ -38,9 +38,8 @@ parser.add_argument("--sm90-backward", action="store_true",
                          "sq != sk, no mask, causal of both alignments, sliding windows (left, "
                          "right, both), d40 (the d64 kernel, columns past d), d64, d128, d192 "
                          "(the d256 kernel, columns past d) and d256, MHA and GQA (4 "
-                         "query heads on 2 KV heads: dK / dV reductions); at d <= 128 each "
-                         "also deterministic (dQ additions, and GQA's dK / dV, in turn; d256 "
-                         "declines it)")
+                         "query heads on 2 KV heads: dK / dV reductions); each also "
+                         "deterministic (dQ additions, and GQA's dK / dV, in turn)")
 parser.add_argument("--decode", action="store_true",
                     help="only the split-KV decode kernel: thd and padded bshd queries against "
                          "contiguous and paged K/V (shuffled pages of 16 and 64), ragged cached "
@@ -121,8 +120,7 @@ if args.sm90_backward:
                                            0.0, False, True, bwd_family=90)
                     out, lse = flash._fwd_impl(q, k, v, *cu, None, None, call)
                     dout = torch.randn_like(out)
-                    # (deterministic d > 128 runs on sm80)
-                    for deterministic in (False, True) if d <= 128 else (False,):
+                    for deterministic in (False, True):
                         dq, dk, dv = flash._bwd_impl(
                             dout, q, k, v, out, lse, *cu, None, None,
                             call._replace(deterministic=deterministic))

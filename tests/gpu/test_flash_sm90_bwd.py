@@ -359,9 +359,8 @@ def test_auto_runs_the_sm90_backward_where_it_serves():
 @pytest.mark.parametrize("hkv", [4, 2], ids=["mha", "gqa"])
 def test_auto_runs_the_d256_backward_on_sm90(hkv):
     """d256: auto (family 0) runs the sm90 d256 kernel (bwd_kernel_d256; measured faster than
-    sm80 at every grid row), and in deterministic mode, which that kernel declines, the sm80
-    kernel with the reason; a forced sm80 runs sm80. Every result obeys the file's rule
-    against float64."""
+    sm80 at every grid row), in deterministic mode too; a forced sm80 runs sm80. Every result
+    obeys the file's rule against float64."""
     q, k, v = make_qkv(2, 512, 512, 4, hkv, torch.bfloat16, "bshd", seed=3, d=256)
     dout = torch.randn_like(q)
     grads = {}
@@ -374,11 +373,10 @@ def test_auto_runs_the_d256_backward_on_sm90(hkv):
         call()  # the first call loads the modules
         kernels[name] = bwd_kernels(call)
     assert kernels == {"auto": {"sm90::bwd_kernel"}, "sm80": {"sm80::bwd_kernel"},
-                       "auto-deterministic": {"sm80::bwd_kernel"}}
+                       "auto-deterministic": {"sm90::bwd_kernel"}}
     args = (90, True, 256, 512, 512, False, -1, 0, False, False, False, hkv != 4)
     assert EXT.bwd_family(*args, False, 0) == ["sm90", ""]
-    family, why = EXT.bwd_family(*args, True, 0)
-    assert family == "sm80" and "d256 backward is not deterministic" in why, (family, why)
+    assert EXT.bwd_family(*args, True, 0) == ["sm90", ""]
     scale = 1 / math.sqrt(q.shape[-1])
     ref = reference_grads(q, k, v, dout, True, False, scale, torch.float64)
     base = reference_grads(q, k, v, dout, True, False, scale, torch.bfloat16)
@@ -459,7 +457,7 @@ DETERMINISTIC_MASKS = {"no_mask": ((-1, -1), False), "causal": ((-1, 0), False),
 @pytest.mark.parametrize("name", sorted(DETERMINISTIC_CASES))
 @pytest.mark.parametrize("mask", sorted(DETERMINISTIC_MASKS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("d", [64, 128, 192, 256], ids=["d64", "d128", "d192", "d256"])
 @pytest.mark.parametrize("group", [1, 2], ids=["mha", "gqa"])
 def test_deterministic_backward_is_bitwise_reproducible(name, mask, dtype, d, group):
     """Three deterministic backwards of one call: dq, dk, dv bit for bit equal, and within the
@@ -486,7 +484,7 @@ def test_deterministic_backward_is_bitwise_reproducible(name, mask, dtype, d, gr
 
 @pytest.mark.parametrize("fmt", ["thd", "bshd-padded"])
 @pytest.mark.parametrize("mask", sorted(DETERMINISTIC_MASKS))
-@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256"])
 @pytest.mark.parametrize("hkv", [2, 1], ids=["mha", "mqa"])
 def test_varlen_deterministic_backward_is_bitwise_reproducible(fmt, mask, d, hkv):
     """Varlen (bf16): three deterministic backwards bit for bit equal (thd: the 8-row groups
@@ -571,8 +569,6 @@ def test_deterministic_training_step_through_dot_product_attention(monkeypatch):
 DECLINED = {
     "head dim 264": ((264, 256, 256, False, -1, 0, False, False, False, False, False),
                      "head dims up to 256 only"),
-    "deterministic d256": ((256, 256, 256, False, -1, 0, False, False, False, False, True),
-                           "d256 backward is not deterministic"),
     "alibi": ((128, 256, 256, False, -1, 0, False, True, False, False, False), "ALiBi"),
     "dropout": ((128, 256, 256, False, -1, -1, False, False, True, False, False), "dropout"),
 }
@@ -588,10 +584,14 @@ def test_declined_calls_say_why(name):
 
 def test_forced_sm90_on_a_declined_call_is_a_clear_error():
     q, k, v = make_qkv(1, 256, 256, 2, 2, torch.bfloat16, "bshd", d=160)
+    fmt, scale = BSHD, 1 / math.sqrt(160)
+    slopes = torch.tensor([0.5, 0.25], device=DEV)
+    out, lse = EXT.fwd(q, k, v, None, None, fmt, fmt, 256, 256, scale, -1, 0, True, True, 0.0,
+                       None, slopes, 0)
     with pytest.raises(RuntimeError, match="flash_attn_bwd: the sm90 family was requested, but "
-                                           ".*d256 backward is not deterministic"):
-        run_fwd_bwd(q, k, v, torch.randn_like(q), "bshd", True, True, family=90,
-                    deterministic=True, window_left=64)
+                                           ".*does not take ALiBi"):
+        EXT.bwd(torch.randn_like(q), q, k, v, out, lse, None, None, fmt, fmt, 256, 256, scale,
+                -1, 0, True, 0.0, None, slopes, False, None, 90)
     with pytest.raises(RuntimeError, match="family must be 0"):
         run_fwd_bwd(q, k, v, torch.randn_like(q), "bshd", True, True, family=100)
 
@@ -618,20 +618,19 @@ def test_training_step_with_the_sm90_backward(monkeypatch, mask, hkv, d):
 
 
 def test_forced_sm90_backward_on_a_declined_call_fails_with_the_reason(monkeypatch):
-    """TRANSFORMER_FA_FLASH_BWD_FAMILY=sm90 on a call its backward declines (deterministic at
-    head dim 160, the d256 kernel's; GQA with a sliding window): the forward runs, the
-    backward raises the binding's error naming the reason (no silent fallback)."""
+    """TRANSFORMER_FA_FLASH_BWD_FAMILY=sm90 on a call its backward declines (dropout at head
+    dim 160, the d256 kernel's; GQA with a sliding window): the forward runs, the backward
+    raises the binding's error naming the reason (no silent fallback)."""
     import transformer_fa as tfa
 
     monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
-    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
     monkeypatch.setenv("TRANSFORMER_FA_FLASH_BWD_FAMILY", "sm90")
     q, k, v = make_qkv(2, 256, 256, 4, 2, torch.bfloat16, "bshd", d=160)
     dpa = tfa.DotProductAttention(4, 160, num_gqa_groups=2, qkv_format="bshd",
-                                  window_size=(64, 0)).cuda()
+                                  attention_dropout=0.1, window_size=(64, 0)).cuda()
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     out = dpa(*leaves)
     assert dpa.last_backend == "FlashAttention"
-    with pytest.raises(RuntimeError, match="sm90 family was requested, but its d256 backward is "
-                                           "not deterministic"):
+    with pytest.raises(RuntimeError, match="sm90 family was requested, but its backward does "
+                                           "not take dropout"):
         out.sum().backward()

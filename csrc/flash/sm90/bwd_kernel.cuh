@@ -337,6 +337,83 @@ __device__ __forceinline__ QueryBlocks<false> query_blocks(SeqInfo const& si, Ba
   return qb;
 }
 
+// A key block's query blocks as the kernels walk them: in order, or (deterministic mode's
+// rotation, unmasked kernels: !kBand) from Rotation::first on, wrapping; with the rotation of
+// the sequence (M of its query blocks, N key blocks) and whether it applies.
+template <bool kBand>
+struct KeyBlockQueries {
+  QueryBlocks<!kBand> qb;
+  Rotation rotation;
+  bool rotates;
+};
+template <class Cfg, bool kBand>
+__device__ __forceinline__ KeyBlockQueries<kBand> key_block_queries(SeqInfo const& si,
+                                                                     Band const& band,
+                                                                     int n_block,
+                                                                     bool dq_rotate) {
+  KeyBlockQueries<kBand> kq;
+  QueryBlocks<false> const blocks = query_blocks<Cfg, kBand>(si, band, n_block);
+  kq.qb.begin = blocks.begin;
+  kq.qb.end = blocks.end;
+  // (unmasked: qb.begin = 0; a key block with query blocks has n_block < n_blocks)
+  kq.rotation = Rotation{kq.qb.count(), (si.len_k + Cfg::kBlockN - 1) / Cfg::kBlockN};
+  kq.rotates = !kBand && dq_rotate && kq.qb.count() > 0;
+  kq.qb.first = kq.rotates ? kq.rotation.first(n_block) : 0;
+  return kq;
+}
+
+// Deterministic mode (turns_of): key block n_block's rank among the key blocks that add into
+// query block m, whose count must equal it before n_block adds. The key blocks that see m are
+// a run [first, last] of n (the band's keys of m's rows that are in the sequence), added last
+// first (rank last - n), or in the rotation's order. Last first, a CTA waits only on CTAs of
+// the same (head, batch) with a larger n, whose smaller blockIdx.x the hardware dispatched
+// earlier (bwd_grid_tile) and which wait on none of their successors: no deadlock, even with
+// fewer SMs than CTAs (the rotation's condition: dq_rotates, bwd_launch.cuh).
+template <int kBlockM, int kBlockN, bool kBand>
+__device__ __forceinline__ int dq_rank(KeyBlockQueries<kBand> const& kq, Band const& band,
+                                       SeqInfo const& si, int m, int n_block) {
+  if (kq.rotates) { return kq.rotation.rank(m, n_block); }
+  int const last_query = min(m * kBlockM + kBlockM - 1, si.len_q - 1);
+  return (band_keys(band, m * kBlockM, last_query).hi - 1) / kBlockN - n_block;
+}
+
+// Deterministic mode's counts (turns_of) of a CTA: its (batch, head)'s dQ counts, one per query
+// block, and GQA's count of its (batch, KV head, key block).
+struct TurnCounts {
+  int* dq;
+  int* kv;
+};
+template <int kBlockM, int kBlockN>
+__device__ __forceinline__ TurnCounts turn_counts_of(BwdParams const& args, int batch, int head,
+                                                     int kv_head, int n_block) {
+  Turns const turns = turns_of<kBlockM, kBlockN>(args);
+  int* const counts = reinterpret_cast<int*>(args.dq_accum + turns.offset);
+  return {counts + (int64_t(batch) * args.h + head) * turns.q_blocks,
+          counts + turns.dq_count + (int64_t(batch) * args.h_k + kv_head) * turns.k_blocks +
+              n_block};
+}
+
+// GQA / MQA's dK / dV additions of a key block (every consumer thread calls both, the
+// additions between them): deterministic mode waits for this query head's turn among its
+// group's (its index in the group), waited for by each warp as a whole (a lane asleep alone
+// could be left behind at a convergence point: csrc/flash/README.md), and passes it on once
+// every thread's reductions are complete and visible (fence, then the consumers' barrier).
+__device__ __forceinline__ void wait_kv_turn(BwdParams const& args, TurnCounts const& counts,
+                                             int head, int kv_head) {
+  if (args.deterministic) {
+    sm90::wait_flag_eq<true>(counts.kv, head - kv_head * (args.h / args.h_k));
+  }
+}
+template <int kConsumerThreads>
+__device__ __forceinline__ void pass_kv_turn(BwdParams const& args, TurnCounts const& counts,
+                                             int tidx) {
+  if (args.deterministic) {
+    __threadfence();
+    named_barrier_sync(kConsumerThreads, kBarKvAdded);
+    if (tidx == 0) { sm90::release_flag_inc(counts.kv); }
+  }
+}
+
 // The band as mask case (kCausal, kLocal) sees it: the sides it lacks as the constants they
 // are, and its diagonal moved onto its left bound (kLocal) or its right one (kCausal), that
 // bound now 0 (the bounds are j >= i + off - left, j <= i + off + right), so that the main loop
@@ -564,16 +641,9 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   Band const band = kernel_band<kCausal, kLocal>(args, si);
   int const key0 = n_block * kBlockN;
   if (key0 >= si.rows_k) { return; }  // past this (packed) sequence: the whole CTA leaves
-  QueryBlocks<!kBand> qb;
-  {
-    QueryBlocks<false> const blocks = query_blocks<Cfg, kBand>(si, band, n_block);
-    qb.begin = blocks.begin;
-    qb.end = blocks.end;
-  }
-  // (unmasked: qb.begin = 0; a key block with query blocks has n_block < n_blocks)
-  Rotation const rotation{qb.count(), (si.len_k + kBlockN - 1) / kBlockN};
-  bool const rotates = !kBand && params.dq_rotate && qb.count() > 0;
-  qb.first = rotates ? rotation.first(n_block) : 0;
+  KeyBlockQueries<kBand> const kq =
+      key_block_queries<Cfg, kBand>(si, band, n_block, params.dq_rotate);
+  QueryBlocks<!kBand> const& qb = kq.qb;
 
   if (threadIdx.x == 0) { prefetch_and_init(params, shared); }
 
@@ -610,18 +680,10 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
   int const lead = sm80::dqa_row(si, 0) & 7;
   float* const sdQ = shared.dq.data();
   auto dq_buffer = [&](int index) { return sdQ + index * Cfg::kDqTileRows * kHeadDim; };
-  // Deterministic mode (turns_of): block m's count. The key blocks that see m are a run
-  // [first, last] of n (the band's keys of m's rows that are in the sequence), added last
-  // first, so n's rank is last - n. A CTA waits only on CTAs of the same (head, batch) with a
-  // larger n, whose smaller blockIdx.x the hardware dispatched earlier and which wait on none
-  // of their successors: no deadlock, even with fewer SMs than CTAs. The 8-row group that
-  // the tiles of two query blocks (or sequences) share gets zeros from the one it is not of:
-  // exact in any order.
-  Turns const turns = turns_of<kBlockM, kBlockN>(args);
-  int* const turn_counts = reinterpret_cast<int*>(args.dq_accum + turns.offset);
-  auto dq_turn = [&](int m) {
-    return turn_counts + (int64_t(batch) * args.h + head) * turns.q_blocks + m;
-  };
+  // Deterministic mode (turns_of, dq_rank). The 8-row group that the tiles of two query blocks
+  // (or sequences) share gets zeros from the one it is not of: exact in any order.
+  TurnCounts const counts =
+      turn_counts_of<kBlockM, kBlockN>(args, batch, head, kv_head, n_block);
 
   if (warpgroup_idx == 0) {
     // ---------------- producer: its first thread issues every TMA load ----------------
@@ -644,14 +706,7 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
         for (int i = 0; i < qb.count(); ++i, m = qb.next(m)) {
           pipe_dq.consumer_wait(read);
           if (args.deterministic) {
-            int rank;
-            if (rotates) {
-              rank = rotation.rank(m, n_block);
-            } else {
-              int const last_query = min(m * kBlockM + kBlockM - 1, si.len_q - 1);
-              rank = (band_keys(band, m * kBlockM, last_query).hi - 1) / kBlockN - n_block;
-            }
-            sm90::wait_flag_eq(dq_turn(m), rank);
+            sm90::wait_flag_eq(counts.dq + m, dq_rank<kBlockM, kBlockN>(kq, band, si, m, n_block));
             sm90::fence_proxy_async_global();  // the acquire before the reduction (async proxy)
           }
           int const query = m * kBlockM;
@@ -664,7 +719,7 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
           ++read;
           if (args.deterministic) {
             sm90::bulk_wait_all();
-            pass_dq_turn(dq_turn(m));
+            pass_dq_turn(counts.dq + m);
           }
         }
         sm90::bulk_wait_all();
@@ -831,14 +886,7 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
     float* const dk_acc = kv_accum_block(args, si, batch, kv_head);
     float* const dv_acc = dk_acc + kv_accum(args).floats;
     int const row0 = si.k_packed ? si.start_k : 0;
-    // Deterministic mode: this key block's turn among the group's query heads (turns_of),
-    // waited for by each warp as a whole (a lane asleep alone could be left behind at a
-    // convergence point: csrc/flash/README.md); every thread's reductions are complete and
-    // visible (fence) before the count is raised.
-    int const group = args.h / args.h_k;
-    int* const kv_turn = turn_counts + turns.dq_count +
-                         (int64_t(batch) * args.h_k + kv_head) * turns.k_blocks + n_block;
-    if (args.deterministic) { sm90::wait_flag_eq<true>(kv_turn, head - kv_head * group); }
+    wait_kv_turn(args, counts, head, kv_head);
     CUTE_UNROLL
     for (int i = 0; i < size(tdVrdV); i += 2) {
       int const key = key0 + get<0>(tKVcKV(i));
@@ -848,11 +896,7 @@ bwd_kernel(__grid_constant__ const typename Cfg::Params params) {
         sm80::atomic_add2(dv_acc + at, tdVrdV(i), tdVrdV(i + 1));
       }
     }
-    if (args.deterministic) {
-      __threadfence();
-      named_barrier_sync(Cfg::kConsumerThreads, kBarKvAdded);
-      if (tidx == 0) { sm90::release_flag_inc(kv_turn); }
-    }
+    pass_kv_turn<Cfg::kConsumerThreads>(args, counts, tidx);
     return;
   }
   // MHA: every row the sequence owns (padding rows past its length get zeros, as from sm80),

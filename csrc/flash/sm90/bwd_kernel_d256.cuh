@@ -16,8 +16,11 @@
 // and adds dQ into the float32 dq_accum by reductions from registers (red.global.add.v2.f32).
 // The d64 / d128 kernel's dQ tile through shared memory and the dQ writer warp do not fit: Q
 // (two stages), dO, K, V, P and dS take 196 KiB of the 227 and a 64-row float tile of 256
-// columns is 64 KiB (FlashAttention-3 adds dQ from registers at d256 too). Hence no
-// deterministic mode here (bwd_support.h declines it: the sm80 family runs it).
+// columns is 64 KiB (FlashAttention-3 adds dQ from registers at d256 too). Deterministic
+// mode: the consumers add in turns themselves (turns_of, dq_rank: the d64 / d128 kernel's
+// order), each warp waiting for its block's count before its first reduction of the step; the
+// count is raised at the next step's first barrier (after its S / dP GEMMs are issued, so
+// that the fence's wait for the reductions runs under them), or after the loop.
 //
 // Shared with bwd_kernel.cuh (declared there): the TMA side (BwdGlobalTiles, load_tiles), the
 // LSE / dsum rows (store_query_rows), the mask (kernel_band, query_blocks, key_out), the
@@ -62,8 +65,8 @@ struct BwdConfigD256 : BwdGlobalTiles<Element_, 64, 80, 256> {
   static constexpr int kThreads = 128 + kConsumerThreads;
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
-  // dQ by reductions from registers (no dQ writer, no deterministic order): the launch picks
-  // bwd_kernel_d256 for configs that say so.
+  // dQ by reductions from registers (no dQ writer; deterministic mode: in turns, by the
+  // consumers): the launch picks bwd_kernel_d256 for configs that say so.
   static constexpr bool kDqFromRegisters = true;
 
   using TileSdP = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // S = Q K^T, dP = dO V^T
@@ -153,14 +156,18 @@ bwd_kernel_d256(__grid_constant__ const typename Cfg::Params params) {
   int const warp_idx = cutlass::canonical_warp_idx_sync();
   int const warpgroup_idx = cutlass::canonical_warp_group_idx();
   BwdParams const& args = params.args;
-  GridTile const gt = bwd_grid_tile(args, params.group_heads);  // (not deterministic)
+  GridTile const gt = bwd_grid_tile(args, params.group_heads);
   int const n_block = gt.tile, head = gt.head, batch = gt.batch;
   int const kv_head = head / (args.h / args.h_k);
   SeqInfo const si = seq_info(args, batch);
   Band const band = kernel_band<kCausal, kLocal>(args, si);
   int const key0 = n_block * kBlockN;
   if (key0 >= si.rows_k) { return; }  // past this (packed) sequence: the whole CTA leaves
-  QueryBlocks<false> const qb = query_blocks<Cfg, kBand>(si, band, n_block);  // (first = 0)
+  KeyBlockQueries<kBand> const kq =
+      key_block_queries<Cfg, kBand>(si, band, n_block, params.dq_rotate);
+  QueryBlocks<!kBand> const& qb = kq.qb;
+  TurnCounts const counts =
+      turn_counts_of<kBlockM, kBlockN>(args, batch, head, kv_head, n_block);
 
   if (threadIdx.x == 0) { prefetch_and_init(params, shared); }
   Pipeline pipe_q(shared.pipe_q,
@@ -277,7 +284,13 @@ bwd_kernel_d256(__grid_constant__ const typename Cfg::Params params) {
   shared.barrier_kv.wait(0);
   typename Pipeline::PipelineState read_q;  // Q and the LSE / dsum rows
   typename PipelineDo::PipelineState read_do;
-  for (int m_block = qb.begin; m_block < qb.end; ++m_block) {
+  // Deterministic mode: the query block whose count this CTA raises next (-1: none).
+  int dq_added = -1;
+  auto pass_dq_turn = [&] {
+    if (tidx == 0 && dq_added >= 0) { sm90::release_flag_inc(counts.dq + dq_added); }
+  };
+  int m_block = qb.start();
+  for (int i = 0; i < qb.count(); ++i, m_block = qb.next(m_block)) {
     int const query0 = m_block * kBlockM;
     Tensor tSrS = partition_fragment_C(mma_sdp, select<0, 1>(typename Cfg::TileSdP{}));
     Tensor tdPrdP = partition_fragment_C(mma_sdp, select<0, 1>(typename Cfg::TileSdP{}));
@@ -287,8 +300,11 @@ bwd_kernel_d256(__grid_constant__ const typename Cfg::Params params) {
     wg_gemm<true>(mma_sdp, tdPrdO(_, _, _, read_do.index()), tdPrV, tdPrdP);
     // Both warpgroups are done with the previous block's GEMMs (each waited for all of its
     // own before this barrier): P's and dS's buffers are free. (Here, while S and dP run, not
-    // after the softmax: fewer registers are live across it.)
+    // after the softmax: fewer registers are live across it.) Deterministic: the previous
+    // block's reductions of every thread are complete and visible past the barrier.
+    if (args.deterministic) { __threadfence(); }
     named_barrier_sync(Cfg::kConsumerThreads, kBarDsFree);
+    pass_dq_turn();
 
     Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));   // (query, key)
     Tensor dp = make_tensor(tdPrdP.data(), acc_rowcol(tdPrdP.layout()));
@@ -336,6 +352,11 @@ bwd_kernel_d256(__grid_constant__ const typename Cfg::Params params) {
     pipe_do.consumer_release(read_do);
     ++read_q;
     ++read_do;
+    if (args.deterministic) {
+      sm90::wait_flag_eq<true>(counts.dq + m_block,
+                               dq_rank<kBlockM, kBlockN>(kq, band, si, m_block, n_block));
+      dq_added = m_block;
+    }
     add_dq(tdQrdQ, query0, 0);
     wg_gemm<true>(mma_dq, tdQrdS, tdQrKt1, tdQrdQ);
     warpgroup_wait<0>();
@@ -343,7 +364,10 @@ bwd_kernel_d256(__grid_constant__ const typename Cfg::Params params) {
   }
   // Both warpgroups past their last GEMM (K and V read for the last time): K's and V's buffers
   // take MHA's dK and dV. (Without query blocks no GEMM read them; barrier_kv was waited on.)
+  // Deterministic: the last block's turn passed on.
+  if (args.deterministic) { __threadfence(); }
   named_barrier_sync(Cfg::kConsumerThreads, kBarDsFree);
+  pass_dq_turn();
 
   // ---------------- epilogue: dV and dK (times the softmax scale) ----------------
   Tensor cKV = make_identity_tensor(select<0, 1>(typename Cfg::TileKV{}));  // (column, key)
@@ -365,8 +389,10 @@ bwd_kernel_d256(__grid_constant__ const typename Cfg::Params params) {
         }
       }
     };
+    wait_kv_turn(args, counts, head, kv_head);
     add_tile(dv_acc, tdVrdV);
     add_tile(dk_acc, tdKrdK);
+    pass_kv_turn<Cfg::kConsumerThreads>(args, counts, tidx);
     return;
   }
   // MHA: dK and dV staged as (key, column) rows in K's and V's buffers (2-byte writes from the

@@ -14,9 +14,9 @@ namespace sm90 {
 // 16-byte aligned pointers, strides in multiples of 8 elements: what TMA needs too).
 // Everything declined here runs on the sm80 family. GQA / MQA (h_k < h) is served: dK and dV
 // are summed over a group by float reductions (bwd_kernel.cuh, kv_accum). Deterministic mode
-// is served with and without GQA: dQ's additions, and GQA's dK / dV additions, in a fixed
-// order (bwd_kernel.cuh, turns_of); at head dims 129-256 (the d256 kernel, which adds dQ
-// from registers) it is not.
+// is served with and without GQA, at every head dim: dQ's additions, and GQA's dK / dV
+// additions, in a fixed order (bwd_kernel.cuh, turns_of; the d256 kernel's consumers add dQ
+// in turns from registers).
 inline const char* bwd_declines(const BwdParams& p, int arch) {
   if (arch != 90) return "it runs on sm_90 GPUs only (sm_90a code)";
   // (head dims up to 128 run on the d64 or d128 kernel, 129-256 on the d256 one, columns past
@@ -24,10 +24,6 @@ inline const char* bwd_declines(const BwdParams& p, int arch) {
   if (p.d > 256) return "its backward has kernels for head dims up to 256 only";
   if (p.alibi_slopes != nullptr) return "its backward does not take ALiBi";
   if (p.rng_state != nullptr) return "its backward does not take dropout";
-  if (p.deterministic && p.d > 128) {
-    return "its d256 backward is not deterministic (dQ is added by float reductions from "
-           "registers in any order: no shared memory is left for the dQ writer's tiles)";
-  }
   return nullptr;
 }
 
