@@ -583,8 +583,8 @@ def test_declined_calls_say_why(name):
 
 
 def test_forced_sm90_on_a_declined_call_is_a_clear_error():
-    q, k, v = make_qkv(1, 256, 256, 2, 2, torch.bfloat16, "bshd", d=160)
-    fmt, scale = BSHD, 1 / math.sqrt(160)
+    q, k, v = make_qkv(1, 256, 256, 2, 2, torch.bfloat16, "bshd", d=256)
+    fmt, scale = BSHD, 1 / math.sqrt(256)
     slopes = torch.tensor([0.5, 0.25], device=DEV)
     out, lse = EXT.fwd(q, k, v, None, None, fmt, fmt, 256, 256, scale, -1, 0, True, True, 0.0,
                        None, slopes, 0)
@@ -618,15 +618,15 @@ def test_training_step_with_the_sm90_backward(monkeypatch, mask, hkv, d):
 
 
 def test_forced_sm90_backward_on_a_declined_call_fails_with_the_reason(monkeypatch):
-    """TRANSFORMER_FA_FLASH_BWD_FAMILY=sm90 on a call its backward declines (dropout at head
-    dim 160, the d256 kernel's; GQA with a sliding window): the forward runs, the backward
-    raises the binding's error naming the reason (no silent fallback)."""
+    """TRANSFORMER_FA_FLASH_BWD_FAMILY=sm90 on a call its backward declines (dropout, at head
+    dim 256; GQA with a sliding window): the forward runs, the backward raises the binding's
+    error naming the reason (no silent fallback)."""
     import transformer_fa as tfa
 
     monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
     monkeypatch.setenv("TRANSFORMER_FA_FLASH_BWD_FAMILY", "sm90")
-    q, k, v = make_qkv(2, 256, 256, 4, 2, torch.bfloat16, "bshd", d=160)
-    dpa = tfa.DotProductAttention(4, 160, num_gqa_groups=2, qkv_format="bshd",
+    q, k, v = make_qkv(2, 256, 256, 4, 2, torch.bfloat16, "bshd", d=256)
+    dpa = tfa.DotProductAttention(4, 256, num_gqa_groups=2, qkv_format="bshd",
                                   attention_dropout=0.1, window_size=(64, 0)).cuda()
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     out = dpa(*leaves)
