@@ -286,7 +286,7 @@ bwd_kernel_d256(__grid_constant__ const typename Cfg::Params params) {
   typename PipelineDo::PipelineState read_do;
   // Deterministic mode: the query block whose count this CTA raises next (-1: none).
   int dq_added = -1;
-  auto pass_dq_turn = [&] {
+  auto raise_dq_count = [&] {
     if (tidx == 0 && dq_added >= 0) { sm90::release_flag_inc(counts.dq + dq_added); }
   };
   int m_block = qb.start();
@@ -304,7 +304,7 @@ bwd_kernel_d256(__grid_constant__ const typename Cfg::Params params) {
     // block's reductions of every thread are complete and visible past the barrier.
     if (args.deterministic) { __threadfence(); }
     named_barrier_sync(Cfg::kConsumerThreads, kBarDsFree);
-    pass_dq_turn();
+    raise_dq_count();
 
     Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));   // (query, key)
     Tensor dp = make_tensor(tdPrdP.data(), acc_rowcol(tdPrdP.layout()));
@@ -367,7 +367,7 @@ bwd_kernel_d256(__grid_constant__ const typename Cfg::Params params) {
   // Deterministic: the last block's turn passed on.
   if (args.deterministic) { __threadfence(); }
   named_barrier_sync(Cfg::kConsumerThreads, kBarDsFree);
-  pass_dq_turn();
+  raise_dq_count();
 
   // ---------------- epilogue: dV and dK (times the softmax scale) ----------------
   Tensor cKV = make_identity_tensor(select<0, 1>(typename Cfg::TileKV{}));  // (column, key)
