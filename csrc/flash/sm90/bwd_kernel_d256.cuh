@@ -322,7 +322,7 @@ bwd_kernel_d256(__grid_constant__ const typename Cfg::Params params) {
       for (int c = 0; c < size<1>(s); ++c) {
         int const key = key0 + get<1>(tScS_rc(r, c));
         bool const out = masked && key_out(band, si.len_k, query0 + row, key);
-        s(r, c) = out ? 0.f : fast_exp2(s(r, c) * scale_log2 - lse_log2);
+        s(r, c) = fast_exp2(out ? -INFINITY : s(r, c) * scale_log2 - lse_log2);  // (bwd_kernel)
       }
     }
     Tensor tPrP = make_tensor<Element>(LayoutS{});
